@@ -1,0 +1,1 @@
+"""Target-model runtimes behind one small interface (`base.TargetBackend`)."""

@@ -1,0 +1,78 @@
+"""The whole contract between the extraction runner and a target runtime (HF transformers or vLLM).
+
+The runner hands a backend a batch of token-id lists and gets per-sample outputs in the cache's
+conventions (SPEC section 2): unshifted rows, vLLM layer ids, true top-k log-probs over the full vocabulary.
+The runner never branches on the backend name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from peagle_pipeline.errors import BadConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from peagle_pipeline.config import ExtractConfig
+
+__all__ = ["TargetInfo", "SampleOutputs", "TargetBackend", "get_backend", "default_layer_ids"]
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the runner needs to know about the target before the first batch."""
+
+    name_or_path: str
+    architectures: list[str]
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    config: dict[str, Any]
+
+
+@dataclass
+class SampleOutputs:
+    """One sample's target outputs, row t describing position t (unshifted).
+
+    Attributes:
+        aux_hidden: [T, n_aux, H] residual streams entering the selected layers (ascending ids), bf16 or fp32.
+        topk_ids: [T, k] int64 ids of the top-k next-token candidates at each position, descending log-prob.
+        topk_logprobs: [T, k] float32 true log-probs (log-softmax over the full target vocabulary).
+        last_hidden: [T, H] pre-final-norm output of the last layer (layer id L), or None if not asked.
+    """
+
+    aux_hidden: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_logprobs: torch.Tensor
+    last_hidden: torch.Tensor | None = None
+
+
+class TargetBackend(Protocol):
+    """A target runtime. `forward` returns one SampleOutputs per input, in input order."""
+
+    info: TargetInfo
+
+    def forward(self, batch: list[list[int]]) -> list[SampleOutputs]: ...
+
+    def close(self) -> None: ...
+
+
+def default_layer_ids(num_hidden_layers: int) -> list[int]:
+    """SPEC default aux ids: [2, L//2, L-3] (deduplicated, ascending)."""
+    L = num_hidden_layers
+    return sorted({2, L // 2, L - 3})
+
+
+def get_backend(cfg: ExtractConfig, layer_ids: list[int]) -> TargetBackend:
+    """Build the backend named by `cfg.backend`, importing it lazily (vLLM is a heavy, optional import)."""
+    if cfg.backend == "hf":
+        from peagle_pipeline.backends.hf import HFBackend
+
+        return HFBackend(cfg, layer_ids)
+    if cfg.backend == "vllm":
+        from peagle_pipeline.backends.vllm import VLLMBackend
+
+        return VLLMBackend(cfg, layer_ids)
+    raise BadConfig(f"unknown backend {cfg.backend!r}; choose hf or vllm")

@@ -1,0 +1,154 @@
+"""The cache contract in one file: format version, file and array names, dtypes and metadata.
+
+Layout of a cache directory (see docs/cache-format.md, which mirrors this file):
+
+    CACHE/
+      cache.json                       CacheMeta (written once, atomically, by the first writer)
+      extract.yaml                     the resolved extract settings of the first writer
+      target/                          what training needs from the target (never the full model)
+        config.json, tokenizer files, pieces.safetensors (embed_tokens.weight, lm_head.weight, norm.weight)
+      stores/
+        rank-00000-of-00002.zarr/      one Zarr v3 group per writer rank, flat token axis
+          zarr.json, input_ids/, loss_mask/, aux_hidden/, topk_ids/, topk_logprobs/, [last_hidden/]
+          samples.parquet              committed samples of this store (offset, length, ...)
+          rejects.parquet              rows this rank rejected, with reasons
+          token_counts.npy             int64 [V] counts of supervised tokens
+          manifest.json                commit record, written last: the only truth readers trust
+        rank-00000-of-00002.lock       flock held by the live writer of that rank
+
+Pure: no I/O beyond small path helpers; safe to import anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CACHE_META",
+    "EXTRACT_YAML",
+    "TARGET_DIR",
+    "PIECES_FILE",
+    "STORES_DIR",
+    "MANIFEST",
+    "SAMPLES_TABLE",
+    "REJECTS_TABLE",
+    "TOKEN_COUNTS",
+    "ARRAYS",
+    "PIECE_KEYS",
+    "SAMPLE_COLUMNS",
+    "REJECT_COLUMNS",
+    "CacheMeta",
+    "store_name",
+    "lock_name",
+    "to_storage",
+    "from_storage",
+]
+
+FORMAT_VERSION = 1
+
+CACHE_META = "cache.json"
+EXTRACT_YAML = "extract.yaml"
+TARGET_DIR = "target"
+PIECES_FILE = "pieces.safetensors"
+STORES_DIR = "stores"
+MANIFEST = "manifest.json"
+SAMPLES_TABLE = "samples.parquet"
+REJECTS_TABLE = "rejects.parquet"
+TOKEN_COUNTS = "token_counts.npy"
+
+# Array name -> stored numpy dtype for the default (bf16) extraction. Shapes: N = tokens in the store.
+ARRAYS: dict[str, str] = {
+    "input_ids": "int32",  # [N]
+    "loss_mask": "bool",  # [N] True where x_t is a supervised assistant token
+    "aux_hidden": "uint16",  # [N, n_aux, H] bf16 bit patterns (float32 when extracted in fp32)
+    "topk_ids": "int32",  # [N, k] ids of the target's top-k next-token candidates, descending
+    "topk_logprobs": "float16",  # [N, k] true log-probs (log-softmax over the full vocab, fp32 before storage)
+    "last_hidden": "uint16",  # [N, H] optional pre-norm output of the last layer (layer id L)
+}
+
+# Tensor names inside target/pieces.safetensors.
+PIECE_KEYS = ("embed_tokens.weight", "lm_head.weight", "norm.weight")
+
+# Per-sample table (samples.parquet) and reject table (rejects.parquet) columns.
+SAMPLE_COLUMNS = ("sample_id", "source", "source_row", "store", "offset", "length", "num_supervised", "truncated")
+REJECT_COLUMNS = ("sample_id", "source", "source_row", "store", "reason")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheMeta:
+    """Everything training and resuming depend on. Two extractions may share a cache only if equal."""
+
+    format_version: int = FORMAT_VERSION
+    target_name_or_path: str
+    target_architectures: list[str]
+    target_config_sha256: str
+    tokenizer_sha256: str
+    chat_template_sha256: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    aux_layer_ids: list[int]
+    topk: int
+    hidden_dtype: str  # "bfloat16" or "float32": logical dtype of aux_hidden / last_hidden
+    has_last_hidden: bool
+    max_length: int
+    overlong: str
+    assistant_turns: str
+    leading_assistant: str
+    dataset_fingerprint: str
+    max_samples: int | None
+    world_size: int
+    shard_tokens: int
+    chunk_tokens: int
+    compress: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CacheMeta:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def differences(self, other: CacheMeta) -> list[str]:
+        """Names of the settings that differ (empty when compatible)."""
+        a, b = self.to_dict(), other.to_dict()
+        return [k for k in a if k != "extra" and a[k] != b.get(k)]
+
+
+def store_name(rank: int, world_size: int) -> str:
+    return f"rank-{rank:05d}-of-{world_size:05d}.zarr"
+
+
+def lock_name(rank: int, world_size: int) -> str:
+    return f"rank-{rank:05d}-of-{world_size:05d}.lock"
+
+
+def to_storage(array: np.ndarray, logical_dtype: str) -> np.ndarray:
+    """Hidden states to their stored form: bf16 bit patterns as uint16 (Zarr has no bfloat16), fp32 as is.
+
+    `array` is what `torch_tensor.view(torch.uint16).numpy()` gives for bf16 tensors; no copy is made.
+    """
+    if logical_dtype == "bfloat16":
+        if array.dtype != np.uint16:
+            raise TypeError(f"bf16 data must arrive as uint16 bit patterns, got {array.dtype}")
+        return array
+    if logical_dtype == "float32":
+        return array.astype(np.float32, copy=False)
+    raise ValueError(f"unknown logical dtype {logical_dtype}")
+
+
+def from_storage(array: np.ndarray, logical_dtype: str) -> Any:
+    """Stored hidden states back to a torch tensor of the logical dtype, without copying (a view)."""
+    import torch
+
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if logical_dtype == "bfloat16":
+        return tensor.view(torch.bfloat16)
+    return tensor

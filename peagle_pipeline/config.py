@@ -1,0 +1,252 @@
+"""Every setting of the two stages, in one place: frozen dataclasses shared by CLI flags and pipeline files.
+
+YAML keys equal flag names with `-` replaced by `_` (`--draft-vocab-size` <-> `draft_vocab_size`), flat under
+`extract:` / `train:`. Precedence: default < pipeline file < flag, applied by `resolve()`. Each field's `help`
+metadata is its one-line documentation (the CLI help and docs/pipeline-files.md are generated from it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from peagle_pipeline.errors import BadConfig
+
+__all__ = ["ExtractConfig", "TrainConfig", "resolve", "load_section", "to_dict", "describe_fields"]
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, list):
+        return field(default_factory=lambda d=default: list(d), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExtractConfig:
+    """Settings of `peagle-pipeline extract` (pipeline-file section `extract:`)."""
+
+    model: str = _f("", "Target model: a local HF model directory (config.json + safetensors + tokenizer).")
+    data: list[str] = _f([], "Dataset files or HF datasets saved to disk (ShareGPT or OpenAI messages; JSON, JSONL, Parquet). Repeatable.")
+    output: str = _f("", "Cache directory to create or resume.")
+    backend: Literal["hf", "vllm"] = _f("hf", "Target runtime: hf (transformers) or vllm.")
+    layers: list[int] | None = _f(None, "Aux hidden-state layer ids in vLLM convention (0 = embeddings); default 2, L//2, L-3.")
+    topk: int = _f(32, "Number of top target log-probabilities kept per token (over the full target vocabulary).")
+    last_hidden: bool = _f(False, "Also store the pre-norm last hidden state (layer id L), enabling exact targets.")
+    max_length: int = _f(2048, "Maximum tokens per sample; longer samples are truncated or skipped (see overlong).")
+    overlong: Literal["truncate", "skip"] = _f("truncate", "What to do with samples longer than max_length.")
+    max_samples: int | None = _f(None, "Use only the first N conversations of the data (before rank splitting).")
+    batch_tokens: int = _f(8192, "Padded tokens per forward batch.")
+    dtype: Literal["bf16", "fp32"] = _f("bf16", "Target forward and stored hidden-state dtype.")
+    assistant_turns: Literal["all", "last"] = _f("all", "Supervise all assistant turns or only the last one.")
+    leading_assistant: Literal["context", "drop"] = _f("context", "An assistant turn before any user turn: keep as unsupervised context, or drop it.")
+    compress: Literal["none", "zstd"] = _f("zstd", "Compression of the Zarr shards.")
+    shard_tokens: int = _f(16384, "Tokens per Zarr shard (one file per array per shard; the unit of commit).")
+    chunk_tokens: int = _f(512, "Tokens per inner Zarr chunk (the unit of a random read).")
+    rank: int | None = _f(None, "This writer's rank; default from RANK / SLURM_PROCID, else 0.")
+    world_size: int | None = _f(None, "Number of writers; default from WORLD_SIZE / SLURM_NTASKS, else 1.")
+    device: str = _f("auto", "Device for the hf backend: auto, cpu, cuda, cuda:N.")
+    topk_chunk: int = _f(1024, "Tokens per chunk of the log-softmax/top-k computation (bounds memory).")
+    tensor_parallel_size: int = _f(1, "vLLM tensor parallel size.")
+    gpu_memory_utilization: float = _f(0.9, "vLLM GPU memory fraction.")
+    max_num_batched_tokens: int | None = _f(None, "vLLM scheduler token budget per step.")
+
+    def __post_init__(self) -> None:
+        _require(self.model, "model", "--model")
+        _require(self.data, "data", "--data")
+        _require(self.output, "output", "--output")
+        _positive(self, "topk", "max_length", "batch_tokens", "shard_tokens", "chunk_tokens", "topk_chunk",
+                  "tensor_parallel_size")
+        if self.max_samples is not None and self.max_samples <= 0:
+            raise BadConfig(f"max_samples must be positive, got {self.max_samples}")
+        if self.shard_tokens % self.chunk_tokens:
+            raise BadConfig(f"shard_tokens ({self.shard_tokens}) must be a multiple of chunk_tokens ({self.chunk_tokens})")
+        if self.layers is not None and (not self.layers or min(self.layers) < 0):
+            raise BadConfig(f"layers must be non-negative layer ids, got {self.layers}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise BadConfig(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """Settings of `peagle-pipeline train` (pipeline-file section `train:`)."""
+
+    cache: str = _f("", "Cache directory written by `peagle-pipeline extract`.")
+    output: str = _f("", "Run directory (checkpoints, metrics, plots, export).")
+    draft_layers: int = _f(1, "Decoder layers of the draft (the first is the fused EAGLE-3 layer).")
+    depths: int = _f(8, "K: tokens drafted in parallel (COD depths 0..K-1).")
+    draft_vocab_size: int = _f(32000, "Draft vocabulary size (most frequent supervised tokens); capped at the target vocabulary.")
+    tokens_per_step: int = _f(8192, "Packing budget: shifted tokens per packed row (per rank and micro-step).")
+    epochs: int = _f(1, "Passes over the training split (ignored when steps is set).")
+    steps: int | None = _f(None, "Optimizer steps to run (overrides epochs).")
+    lr: float = _f(6e-4, "Peak learning rate (AdamW).")
+    warmup: int = _f(50, "Linear warm-up steps.")
+    schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "Learning-rate decay after warm-up.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    grad_clip: float = _f(1.0, "Gradient-norm clip (0 disables).")
+    down_sample_ratio: float = _f(0.7, "COD ratio r: depth d keeps about r**d of the anchors.")
+    down_sample_ratio_min: float = _f(0.2, "COD floor r_min of the kept fraction per depth.")
+    max_anchors: int = _f(512, "At most this many COD seeds per sample (depth >= 1 only).")
+    sequence_partitions: int = _f(1, "Split each packed row into this many segments (forward+backward each) to cut memory.")
+    grad_checkpointing: bool = _f(False, "Recompute each draft layer in backward (activation checkpointing).")
+    target: Literal["topk", "exact"] = _f("topk", "Training target: renormalised stored top-k, or exact from the stored last hidden state.")
+    eval_samples: int = _f(64, "Held-out samples (fixed by seed) for agreement and acceptance estimates.")
+    eval_every: int = _f(100, "Evaluate every N steps (and always at the end).")
+    seed: int = _f(0, "Seed of the shuffle, the held-out split, COD sampling and the draft init.")
+    save_every: int = _f(200, "Write a checkpoint every N steps (and always at the end).")
+    keep_checkpoints: int = _f(2, "Step checkpoints kept on disk (the best one is kept apart).")
+    precision: Literal["bf16", "fp32"] = _f("bf16", "Compute precision (bf16 autocast or full fp32); master weights stay fp32.")
+    device: str = _f("auto", "auto, cpu, cuda, cuda:N (under torchrun, cuda:LOCAL_RANK).")
+    resume: bool = _f(False, "Continue the run in output from its latest complete checkpoint.")
+    num_workers: int = _f(1, "DataLoader worker processes reading the cache.")
+    loss_chunk: int = _f(2048, "Elements per chunk of the KL computation (bounds [elements, Vd] memory).")
+    norm_before_residual: bool = _f(False, "Fused layer 0: residual is the normed hidden instead of fc output.")
+    skip_corrupt: bool = _f(False, "Skip samples whose data fails its checksum (reported) instead of stopping.")
+    max_bad_steps: int = _f(5, "Stop after this many consecutive steps with non-finite loss or gradients.")
+    log_every: int = _f(10, "Log metrics every N steps.")
+    export: bool = _f(True, "Export the speculators P-EAGLE checkpoint at the end of training.")
+
+    def __post_init__(self) -> None:
+        _require(self.cache, "cache", "--cache")
+        _require(self.output, "output", "--output")
+        _positive(self, "draft_layers", "depths", "draft_vocab_size", "tokens_per_step", "epochs", "max_anchors",
+                  "sequence_partitions", "eval_every", "save_every", "keep_checkpoints", "loss_chunk", "max_bad_steps",
+                  "log_every")
+        if self.steps is not None and self.steps <= 0:
+            raise BadConfig(f"steps must be positive, got {self.steps}")
+        if self.lr <= 0:
+            raise BadConfig(f"lr must be positive, got {self.lr}")
+        if not 0.0 < self.down_sample_ratio <= 1.0 or not 0.0 <= self.down_sample_ratio_min <= 1.0:
+            raise BadConfig("down_sample_ratio must be in (0, 1] and down_sample_ratio_min in [0, 1]")
+        if self.warmup < 0 or self.eval_samples < 0 or self.num_workers < 0 or self.grad_clip < 0:
+            raise BadConfig("warmup, eval_samples, num_workers and grad_clip must be >= 0")
+
+
+def _require(value: Any, name: str, flag: str) -> None:
+    if not value:
+        raise BadConfig(f"missing required setting {name!r}: give {flag} or set {name} in the pipeline file")
+
+
+def _positive(cfg: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value <= 0:
+            raise BadConfig(f"{name} must be positive, got {value}")
+
+
+C = TypeVar("C", ExtractConfig, TrainConfig)
+SECTIONS: dict[type, str] = {ExtractConfig: "extract", TrainConfig: "train"}
+
+
+def load_section(yaml_path: str | Path, section: str) -> dict[str, Any]:
+    """Read one section (`extract` or `train`) of a pipeline file; a missing section is empty."""
+    import yaml
+
+    path = Path(yaml_path)
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise BadConfig(f"pipeline file not found: {path}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        line = getattr(getattr(err, "problem_mark", None), "line", None)
+        where = f" (line {line + 1})" if line is not None else ""
+        raise BadConfig(f"pipeline file {path} is not valid YAML{where}") from None
+    if not isinstance(doc, dict):
+        raise BadConfig(f"pipeline file {path} must be a mapping with 'extract:' and/or 'train:' sections")
+    unknown = set(doc) - set(SECTIONS.values())
+    if unknown:
+        raise BadConfig(f"pipeline file {path}: unknown section(s) {sorted(unknown)}; expected 'extract' and 'train'")
+    body = doc.get(section) or {}
+    if not isinstance(body, dict):
+        raise BadConfig(f"pipeline file {path}: section '{section}' must be a mapping")
+    return body
+
+
+def resolve(cls: type[C], yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> C:
+    """Build a config: defaults < pipeline-file section < overrides (flags given, i.e. not None).
+
+    Raises:
+        BadConfig: unknown key (with the closest valid name), wrong type, or invalid value.
+    """
+    names = [f.name for f in dataclasses.fields(cls)]
+    values: dict[str, Any] = {}
+    if yaml_path is not None:
+        section = SECTIONS[cls]
+        for key, value in load_section(yaml_path, section).items():
+            values[_check_key(str(key).replace("-", "_"), names, f"section '{section}' of {yaml_path}")] = value
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            values[_check_key(key, names, "flags")] = value
+    hints = typing.get_type_hints(cls)
+    coerced = {k: _coerce(k, v, hints[k]) for k, v in values.items()}
+    return cls(**coerced)
+
+
+def _check_key(key: str, names: list[str], where: str) -> str:
+    if key not in names:
+        close = difflib.get_close_matches(key, names, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise BadConfig(f"unknown setting {key!r} in {where}{hint}")
+    return key
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """Accept YAML/flag values for a field type: comma strings for int lists, scalars for str lists."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(name, value, inner[0])
+    if origin is list:
+        item = args[0]
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()] if item is int else [value]
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        return [_coerce(name, v, item) for v in value]
+    if origin is Literal:
+        if value not in args:
+            raise BadConfig(f"{name} must be one of {', '.join(map(str, args))}; got {value!r}")
+        return value
+    try:
+        if hint is bool:
+            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+                return value.lower() in ("true", "1", "yes")
+            if not isinstance(value, bool):
+                raise TypeError
+            return value
+        if hint is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise TypeError
+            return int(value)
+        if hint is float:
+            if isinstance(value, bool):
+                raise TypeError
+            return float(value)
+        if hint is str:
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise TypeError
+            return str(value)
+    except (TypeError, ValueError):
+        raise BadConfig(f"{name} must be of type {getattr(hint, '__name__', hint)}; got {value!r}") from None
+    return value
+
+
+def to_dict(cfg: ExtractConfig | TrainConfig) -> dict[str, Any]:
+    """The resolved config as a plain dict (written beside outputs, compared on resume)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def describe_fields(cls: type) -> list[tuple[str, str, Any]]:
+    """(name, help, default) of every field: the source of the CLI help and the pipeline-file docs."""
+    out = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        out.append((f.name, f.metadata.get("help", ""), default))
+    return out

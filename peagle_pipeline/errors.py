@@ -1,0 +1,87 @@
+"""Errors a user can cause, each with a one-line message and an exit code.
+
+`cli.main()` is the one place that turns these into a printed line and an exit status; everything
+else raises. Never raise these for programming errors (those stay ordinary exceptions with tracebacks).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PeagleError",
+    "BadInput",
+    "BadConfig",
+    "IncompatibleCache",
+    "CorruptCache",
+    "ResumeMismatch",
+    "OutputExists",
+    "Busy",
+    "NumericalFault",
+    "OutOfSpace",
+    "Interrupted",
+]
+
+
+class PeagleError(Exception):
+    """Base of every user-facing error; `str(err)` is the one line printed."""
+
+    exit_code: int = 1
+
+
+class BadInput(PeagleError):
+    """A file, path, model or flag value the user gave cannot be used."""
+
+    exit_code = 2
+
+
+class BadConfig(BadInput):
+    """A pipeline file or flag combination is invalid (unknown key, bad value)."""
+
+    exit_code = 2
+
+
+class IncompatibleCache(PeagleError):
+    """The cache exists but was written by another format version or is incomplete/missing parts."""
+
+    exit_code = 3
+
+
+class CorruptCache(PeagleError):
+    """Data read back does not match its recorded checksum or shape."""
+
+    exit_code = 4
+
+
+class ResumeMismatch(PeagleError):
+    """A resume was asked with settings different from the ones the output was started with."""
+
+    exit_code = 5
+
+
+class OutputExists(PeagleError):
+    """The output directory holds something that is not ours; we never overwrite it."""
+
+    exit_code = 6
+
+
+class Busy(PeagleError):
+    """Another live process holds the lock for this rank or run."""
+
+    exit_code = 7
+
+
+class NumericalFault(PeagleError):
+    """Training produced non-finite losses or gradients too many times in a row."""
+
+    exit_code = 8
+
+
+class OutOfSpace(PeagleError):
+    """The disk filled up; what was committed before stays valid and resumes."""
+
+    exit_code = 9
+
+
+class Interrupted(PeagleError):
+    """Ctrl-C: committed work is kept; re-run the same command to resume."""
+
+    exit_code = 130

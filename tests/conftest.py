@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny real models (built here, no hub), temporary caches, seeds.
+
+Markers (pyproject.toml): slow, real (SmolLM2/ShareGPT), vllm, crash, crashloop, gpu.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+sys.path.insert(0, str(TESTS_DIR))
+
+from tiny import build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """Build (once per session and argument set) a tiny random Llama with a chat template; returns its dir."""
+    built: dict[tuple, Path] = {}
+
+    def make(template: str = "chatml", num_layers: int = 6, hidden_size: int = 64, vocab_size: int = 512,
+             seed: int = 0, dtype: str = "bfloat16") -> Path:
+        key = (template, num_layers, hidden_size, vocab_size, seed, dtype)
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"tiny-{template}-{num_layers}l")
+            built[key] = build_tiny_model(out, template, num_layers, hidden_size, vocab_size, seed, dtype)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_factory) -> Path:
+    """The default tiny model: ChatML template, 6 layers, hidden 64, vocab 512 (tokenizer 400)."""
+    return tiny_model_factory()
+
+
+@pytest.fixture
+def cli_env() -> dict[str, str]:
+    """Environment for CLI subprocesses: this interpreter's scripts first, no debug tracebacks."""
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env.pop("PEAGLE_DEBUG", None)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env

@@ -1,0 +1,90 @@
+"""Tiny real models and tokenizers for tests: a byte-level BPE tokenizer with a real chat template and a
+random Llama (head_dim 32, so vLLM's CPU attention accepts it), saved as an ordinary HF model directory.
+
+Built from scratch in a second; no hub, no mocks. Used by conftest fixtures and by subprocess tests.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_TEMPLATES = {
+    # ChatML (SmolLM2, Qwen): role header, content, <|im_end|>.
+    "chatml": (
+        "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+    # Llama-3 style: bos once, header tokens, trimmed content, <|eot_id|>.
+    "llama3": (
+        "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+        " + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    ),
+    # ChatML that injects a default system prompt when the conversation has none.
+    "chatml_system": (
+        "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n' }}{% endif %}"
+        "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+}
+
+SPECIAL_TOKENS = ["<pad>", "<|begin_of_text|>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>",
+                  "<|end_header_id|>", "<|eot_id|>"]
+
+CORPUS = [
+    "Hello! How are you today? I am fine, thank you very much.",
+    "The quick brown fox jumps over the lazy dog. 0123456789",
+    "You are a helpful AI assistant. Answer the question below.",
+    "Speculative decoding drafts several tokens and the target model verifies them in parallel.",
+    "def add(a, b):\n    return a + b\n",
+    "system user assistant tool: What is the capital of France? Paris is the capital of France.",
+]
+
+
+def build_tokenizer(out_dir: str | Path, template: str = "chatml", vocab_size: int = 400):
+    """Train a byte-level BPE tokenizer on a tiny corpus and save it with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    eos = "<|eot_id|>" if template == "llama3" else "<|im_end|>"
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token=eos,
+                                   pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATES[template]
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build_tiny_model(out_dir: str | Path, template: str = "chatml", num_layers: int = 6, hidden_size: int = 64,
+                     vocab_size: int = 512, seed: int = 0, dtype: str = "bfloat16") -> Path:
+    """Save a random tiny LlamaForCausalLM (+ tokenizer) to `out_dir` and return the path.
+
+    vocab_size is larger than the tokenizer on purpose: the first unused embedding row becomes the mask token.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out, template)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 32, num_key_value_heads=1,
+        head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # larger-than-default weights so activations and top-k are not all ~uniform
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    model.to(getattr(torch, dtype)).save_pretrained(str(out))
+    (out / "peagle_test_model.json").write_text(json.dumps({"template": template, "seed": seed}))
+    return out
