@@ -1,0 +1,94 @@
+"""Config resolution: defaults < pipeline file < flags, unknown keys refused, values validated."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from peagle_pipeline.config import ExtractConfig, TrainConfig, describe_fields, resolve, to_dict
+from peagle_pipeline.errors import BadConfig
+
+BASE_EXTRACT = {"model": "m", "data": ["d.jsonl"], "output": "out"}
+
+
+def test_defaults_match_spec():
+    cfg = resolve(ExtractConfig, None, BASE_EXTRACT)
+    assert cfg.topk == 32 and cfg.layers is None and cfg.dtype == "bf16" and cfg.backend == "hf"
+    t = resolve(TrainConfig, None, {"cache": "c", "output": "o"})
+    assert (t.depths, t.lr, t.draft_vocab_size, t.grad_clip) == (8, 6e-4, 32000, 1.0)
+    assert (t.down_sample_ratio, t.down_sample_ratio_min, t.max_anchors, t.draft_layers) == (0.7, 0.2, 512, 1)
+
+
+def test_precedence_flag_over_yaml_over_default(tmp_path):
+    pipe = tmp_path / "p.yaml"
+    pipe.write_text("extract:\n  model: m\n  data: d.jsonl\n  output: out\n  topk: 8\n  max-length: 99\n"
+                    "train:\n  cache: c\n  output: o\n")
+    cfg = resolve(ExtractConfig, pipe, {"topk": 4})
+    assert cfg.topk == 4  # flag wins
+    assert cfg.max_length == 99  # yaml (dash spelling accepted) beats default
+    assert cfg.data == ["d.jsonl"]  # scalar promoted to list
+    assert resolve(TrainConfig, pipe, {}).cache == "c"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ({"topkk": 3}, "did you mean 'topk'"),
+        ({"topk": 0}, "topk must be positive"),
+        ({"dtype": "fp8"}, "dtype must be one of"),
+        ({"topk": "many"}, "topk must be of type int"),
+        ({"layers": "2,-1"}, "layers must be non-negative"),
+        ({"shard_tokens": 1000, "chunk_tokens": 512}, "multiple of chunk_tokens"),
+    ],
+)
+def test_bad_values_are_one_line_errors(overrides, needle):
+    with pytest.raises(BadConfig) as info:
+        resolve(ExtractConfig, None, {**BASE_EXTRACT, **overrides})
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_missing_required_names_the_flag():
+    with pytest.raises(BadConfig, match="--model"):
+        resolve(ExtractConfig, None, {"data": ["x"], "output": "o"})
+
+
+def test_bad_pipeline_files(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("extract: [1, 2\n")
+    with pytest.raises(BadConfig, match="not valid YAML"):
+        resolve(ExtractConfig, bad, BASE_EXTRACT)
+    other = tmp_path / "other.yaml"
+    other.write_text("extrct:\n  topk: 3\n")
+    with pytest.raises(BadConfig, match="unknown section"):
+        resolve(ExtractConfig, other, BASE_EXTRACT)
+    with pytest.raises(BadConfig, match="not found"):
+        resolve(ExtractConfig, tmp_path / "missing.yaml", BASE_EXTRACT)
+
+
+def test_every_field_is_documented_and_round_trips():
+    for cls in (ExtractConfig, TrainConfig):
+        for name, help_text, _ in describe_fields(cls):
+            assert help_text, f"{cls.__name__}.{name} has no help"
+    cfg = resolve(ExtractConfig, None, {**BASE_EXTRACT, "layers": [1, 3]})
+    assert resolve(ExtractConfig, None, to_dict(cfg)) == cfg
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.topk = 3  # type: ignore[misc]
+
+
+def test_shipped_pipeline_files_resolve():
+    from pathlib import Path
+
+    for path in sorted(Path(__file__).resolve().parents[2].joinpath("pipelines").glob("*.yaml")):
+        resolve(ExtractConfig, path, {})
+        resolve(TrainConfig, path, {})
+
+
+def test_generated_docs_are_current():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "scripts/gen_docs.py", "--check"], cwd=root, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
