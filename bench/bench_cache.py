@@ -1,0 +1,201 @@
+"""Cache size and random-read speed vs the common per-sample format (SPEC section 8).
+
+One real HF extraction (with the last hidden state) feeds three outputs holding the same samples:
+  - our cache with compress auto (the default: zstd for ids/mask/top-k, raw hidden states), zstd (all arrays)
+    and none: 3 aux layers (bf16 bits), top-k ids/log-probs, ids, mask;
+  - the common per-sample format: one safetensors file per sample with input_ids, loss_mask (int64),
+    hidden_states [T, 3H] and the last hidden state [T, H] (bf16).
+Reports bytes per token (goal: ours <= 0.80x), that the aux states read back are bit-exact, and random-order
+sample reads per second (goal: ours >= 1.0x). A read = load one sample and own its bytes in memory: every tensor
+is cloned on both sides (safetensors maps files lazily; without touching the bytes it would time nothing). Prints a Markdown table; writes JSON to --out.
+
+    python bench/bench_cache.py --out bench/results/cache.json [--model DIR --data FILE --samples 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from peagle_pipeline.cache import layout  # noqa: E402
+from peagle_pipeline.cache.layout import CacheMeta  # noqa: E402
+from peagle_pipeline.cache.reader import open_cache  # noqa: E402
+from peagle_pipeline.cache.writer import CacheWriter, SampleData, SampleRecord  # noqa: E402
+from peagle_pipeline.config import ExtractConfig  # noqa: E402
+from peagle_pipeline.stages import extract as stage  # noqa: E402
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def rewrite(src, out: Path, compress: str) -> Path:
+    """Our cache (no last hidden) from the source cache's arrays, through the real writer."""
+    meta = CacheMeta.from_dict({**src.meta.to_dict(), "has_last_hidden": False, "compress": compress})
+    out.mkdir(parents=True)
+    (out / layout.CACHE_META).write_text(json.dumps(meta.to_dict()))
+    w = CacheWriter(out, meta, 0, 1).open()
+    for ordinal, row in enumerate(src.samples.itertuples(index=False)):
+        a = src.read_arrays(int(row.sample_id))
+        data = SampleData(a["input_ids"], a["loss_mask"], a["aux_hidden"], a["topk_ids"], a["topk_logprobs"])
+        w.add(
+            ordinal,
+            SampleRecord(int(row.sample_id), row.source, int(row.source_row), bool(row.truncated)),
+            data,
+        )
+    w.close()
+    return out
+
+
+def write_per_sample(src, out: Path) -> dict[int, Path]:
+    """The common format: one safetensors file per sample (aux layers concatenated, plus the last hidden state)."""
+    import torch
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True)
+    paths = {}
+    for sid in src.samples["sample_id"].tolist():
+        s = src.read_sample(int(sid))
+        T = s.input_ids.shape[0]
+        path = out / f"data_{sid}.safetensors"
+        save_file(
+            {
+                "input_ids": s.input_ids.to(torch.int64),
+                "loss_mask": s.loss_mask.to(torch.int64),
+                "hidden_states": s.aux_hidden.reshape(T, -1).contiguous(),
+                "last_hidden_state": s.last_hidden.contiguous(),
+            },
+            str(path),
+        )
+        paths[int(sid)] = path
+    return paths
+
+
+def time_reads(fn, ids: list[int], repeats: int, seed: int) -> float:
+    """Best samples/s over `repeats` passes, each in a fresh random order."""
+    best = 0.0
+    for r in range(repeats):
+        order = ids[:]
+        random.Random(seed + r).shuffle(order)
+        t = time.perf_counter()
+        for sid in order:
+            fn(sid)
+        best = max(best, len(order) / (time.perf_counter() - t))
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(ROOT / ".demo/models/SmolLM2-135M-Instruct"))
+    ap.add_argument("--data", default=str(ROOT / ".demo/data/sharegpt.jsonl"))
+    ap.add_argument("--samples", type=int, default=24, help="conversations to extract")
+    ap.add_argument("--max-length", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=5, help="random-order read passes (best is kept)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    ap.add_argument("--workdir", default=None, help="keep outputs here (default: a temp dir, removed)")
+    ap.add_argument("--out", default=None, help="write the JSON result here")
+    args = ap.parse_args()
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-cache-"))
+    try:
+        src_dir = work / "source"
+        if not (src_dir / layout.CACHE_META).exists():
+            stage.run(
+                ExtractConfig(
+                    model=args.model,
+                    data=[args.data],
+                    output=str(src_dir),
+                    max_samples=args.samples,
+                    max_length=args.max_length,
+                    last_hidden=True,
+                    compress="none",
+                    batch_tokens=4096,
+                )
+            )
+        src = open_cache(src_dir)
+        variants = ("auto", "zstd", "none")
+        for d in [f"ours-{c}" for c in variants] + ["per-sample"]:
+            shutil.rmtree(work / d, ignore_errors=True)
+        ours = {c: open_cache(rewrite(src, work / f"ours-{c}", c)) for c in variants}
+        files = write_per_sample(src, work / "per-sample")
+        tokens = int(src.samples["length"].sum())
+        ids = [int(i) for i in src.samples["sample_id"]]
+
+        # Bit-exactness: aux states read back from our cache == the backend's output == the per-sample files.
+        from safetensors.torch import load_file
+
+        exact = True
+        for sid in ids:
+            want = src.read_sample(sid).aux_hidden
+            for cache in ours.values():
+                exact &= bool(
+                    torch.equal(cache.read_sample(sid).aux_hidden.view(torch.uint16), want.view(torch.uint16))
+                )
+            theirs = load_file(str(files[sid]))["hidden_states"].reshape(want.shape)
+            exact &= bool(torch.equal(theirs.view(torch.uint16), want.view(torch.uint16)))
+
+        size = {f"ours-{c}": dir_bytes(work / f"ours-{c}" / layout.STORES_DIR) / tokens for c in ours}
+        size["per-sample"] = dir_bytes(work / "per-sample") / tokens
+
+        def own(tensors) -> int:  # materialise every byte (same work on both sides)
+            return sum(t.clone().numel() for t in tensors if t is not None)
+
+        def read_ours(c: str, sid: int) -> int:
+            s = ours[c].read_sample(sid)
+            return own([s.input_ids, s.loss_mask, s.aux_hidden, s.topk_ids, s.topk_logprobs, s.last_hidden])
+
+        reads = {f"ours-{c}": time_reads(lambda s, c=c: read_ours(c, s), ids, args.repeats, 0) for c in ours}
+        reads["per-sample"] = time_reads(
+            lambda s: own(load_file(str(files[s])).values()), ids, args.repeats, 0
+        )
+        result = {
+            "model": args.model,
+            "samples": len(ids),
+            "tokens": tokens,
+            "aux_layers": src.meta.aux_layer_ids,
+            "hidden_size": src.meta.hidden_size,
+            "topk": src.meta.topk,
+            "aux_bit_exact": exact,
+            "bytes_per_token": size,
+            "size_ratio": {k: size[k] / size["per-sample"] for k in size},
+            "reads_samples_per_s": reads,
+            "reads_tokens_per_s": {k: v * tokens / len(ids) for k, v in reads.items()},
+            "read_ratio": {k: reads[k] / reads["per-sample"] for k in reads},
+            "goals": {"size_ratio_max": 0.80, "read_ratio_min": 1.0},
+        }
+        print(
+            f"\n{len(ids)} samples, {tokens} tokens, H={src.meta.hidden_size}, aux {src.meta.aux_layer_ids}, "
+            f"top-{src.meta.topk}; aux bit-exact: {exact}\n"
+        )
+        print(
+            "| format | bytes/token | size vs per-sample | random reads (samples/s) | reads vs per-sample |"
+        )
+        print("|---|---:|---:|---:|---:|")
+        for k in size:
+            print(
+                f"| {k} | {size[k]:.0f} | {result['size_ratio'][k]:.3f} | {reads[k]:.0f} | "
+                f"{result['read_ratio'][k]:.2f} |"
+            )
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

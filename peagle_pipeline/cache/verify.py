@@ -1,0 +1,155 @@
+"""Full read-back check of a cache: checksums, shapes, offsets, tables, token counts. Read-only.
+
+Every problem becomes one line naming the store and the samples it touches; an empty list means the cache is
+sound. Arrays are read through Zarr itself (the reference decoder), independently of the reader's fast path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from peagle_pipeline.cache import layout
+from peagle_pipeline.cache.writer import file_hash
+
+if TYPE_CHECKING:
+    from peagle_pipeline.cache.reader import Cache
+
+__all__ = ["verify_cache"]
+
+
+def verify_cache(cache: Cache) -> list[str]:
+    """Problems found in `cache` (see module docstring)."""
+    problems: list[str] = []
+    seen: dict[int, str] = {}
+    for name, manifest in cache.manifests.items():
+        if manifest is None:
+            problems.append(f"{name}: store missing (no manifest)")
+            continue
+        if not manifest.get("complete"):
+            problems.append(
+                f"{name}: incomplete ({manifest['committed_samples']} samples committed); "
+                "re-run extract to finish it"
+            )
+        problems += _verify_store(cache, name, manifest, seen)
+    return problems
+
+
+def _samples_in(table: Any, start: int, stop: int) -> str:
+    hit = table[(table["offset"] < stop) & (table["offset"] + table["length"] > start)]["sample_id"].tolist()
+    if not hit:
+        return "no committed samples"
+    shown = ", ".join(map(str, hit[:8])) + (f" and {len(hit) - 8} more" if len(hit) > 8 else "")
+    return f"samples {shown}"
+
+
+def _verify_store(cache: Cache, name: str, manifest: dict[str, Any], seen: dict[int, str]) -> list[str]:
+    root = cache._root
+    rel = f"{layout.STORES_DIR}/{name}"
+    out: list[str] = []
+    for table, digest in manifest["tables"].items():
+        try:
+            ok = file_hash(root.read_bytes(f"{rel}/{table}")) == digest
+        except FileNotFoundError:
+            ok = False
+        if not ok:
+            out.append(f"{name}: {table} does not match its manifest checksum (missing or changed)")
+    samples = cache.samples[cache.samples["store"] == name].reset_index(drop=True)
+    n_tokens = int(manifest["committed_tokens"])
+    # Offsets: samples tile [0, committed end) in order, each at most max_length long.
+    ends = (samples["offset"] + samples["length"]).to_numpy()
+    starts = np.concatenate([[0], ends[:-1]]) if len(ends) else np.array([], dtype=np.int64)
+    bad = samples[samples["offset"].to_numpy() != starts]
+    if len(bad):
+        out.append(f"{name}: offsets not contiguous at samples {bad['sample_id'].tolist()[:8]}")
+    if len(ends) and ends[-1] > n_tokens:
+        out.append(f"{name}: samples end at token {ends[-1]} beyond the committed {n_tokens}")
+    if manifest.get("complete") and (ends[-1] if len(ends) else 0) != n_tokens:
+        out.append(
+            f"{name}: complete store has {n_tokens} tokens but samples cover {ends[-1] if len(ends) else 0}"
+        )
+    long = samples[(samples["length"] > cache.meta.max_length) | (samples["length"] < 1)]
+    if len(long):
+        out.append(f"{name}: samples {long['sample_id'].tolist()[:8]} have lengths outside 1..max_length")
+    rank = int(manifest["rank"])
+    for sid in samples["sample_id"].tolist():
+        if sid in seen:
+            out.append(f"{name}: sample {sid} also in {seen[sid]}")
+        seen[sid] = name
+        if sid % cache.meta.world_size != rank:
+            out.append(f"{name}: sample {sid} does not belong to rank {rank}")
+    group = root.zarr_group(rel)
+    covered = 0
+    data: dict[str, np.ndarray] = {}
+    for array, (dtype, inner) in cache.specs.items():
+        try:
+            arr = group[array]
+        except KeyError:
+            out.append(f"{name}: array {array} missing")
+            continue
+        if arr.shape[0] < n_tokens or tuple(arr.shape[1:]) != inner or arr.dtype != np.dtype(dtype):
+            out.append(
+                f"{name}: array {array} has shape {arr.shape} {arr.dtype}, expected "
+                f"[>={n_tokens}, {', '.join(map(str, inner))}] {dtype}"
+            )
+            continue
+        parts = []
+        for shard in manifest["shards"]:
+            start, stop = int(shard["start"]), int(shard["stop"])
+            try:
+                values = np.asarray(arr[start:stop])
+            except Exception as err:  # a damaged shard: zarr raises codec/crc errors of several types
+                out.append(
+                    f"{name}: {array} shard {shard['index']} unreadable ({type(err).__name__}); "
+                    f"affects {_samples_in(samples, start, stop)}"
+                )
+                values = np.zeros((stop - start, *inner), dtype=dtype)
+            else:
+                if layout.checksum(values) != shard["checksums"].get(array):
+                    out.append(
+                        f"{name}: {array} shard {shard['index']} (tokens {start}..{stop}) fails its "
+                        f"checksum; affects {_samples_in(samples, start, stop)}"
+                    )
+            parts.append(values)
+            covered = max(covered, stop)
+        if array in ("input_ids", "loss_mask", "topk_ids"):
+            data[array] = np.concatenate(parts) if parts else np.zeros((0, *inner), dtype=dtype)
+    if covered != n_tokens:
+        out.append(f"{name}: manifest shards cover {covered} tokens, committed {n_tokens}")
+    out += _verify_values(cache, name, samples, data)
+    return out
+
+
+def _verify_values(cache: Cache, name: str, samples: Any, data: dict[str, np.ndarray]) -> list[str]:
+    out: list[str] = []
+    V = cache.meta.vocab_size
+    ids, mask, topk = data.get("input_ids"), data.get("loss_mask"), data.get("topk_ids")
+    if ids is None or mask is None:
+        return out
+    if len(ids) and (ids.min() < 0 or ids.max() >= V):
+        out.append(f"{name}: input_ids outside 0..{V - 1}")
+    if topk is not None and topk.size and (topk.min() < 0 or topk.max() >= V):
+        out.append(f"{name}: topk_ids outside 0..{V - 1}")
+    counts = np.zeros(V, dtype=np.int64)
+    wrong = []
+    for sid, off, n, sup in samples[["sample_id", "offset", "length", "num_supervised"]].itertuples(
+        index=False
+    ):
+        m = mask[off : off + n]
+        if int(m.sum()) != int(sup):
+            wrong.append(int(sid))
+        counts += np.bincount(np.clip(ids[off : off + n][m], 0, V - 1), minlength=V)
+    if wrong:
+        out.append(f"{name}: num_supervised disagrees with loss_mask for samples {wrong[:8]}")
+    try:
+        import io
+
+        stored = np.load(
+            io.BytesIO(cache._root.read_bytes(f"{layout.STORES_DIR}/{name}/{layout.TOKEN_COUNTS}"))
+        )
+        if not np.array_equal(stored, counts):
+            out.append(f"{name}: token_counts.npy disagrees with the supervised tokens of its samples")
+    except (FileNotFoundError, ValueError):
+        out.append(f"{name}: token_counts.npy missing or unreadable")
+    return out

@@ -1,0 +1,478 @@
+"""Read chat datasets as a stream of `Conversation` or `Reject`, one per source row.
+
+Formats: ShareGPT (`conversations: [{from, value}]`) and OpenAI (`messages: [{role, content}]`) records in JSON
+(an array or concatenated objects, parsed incrementally), JSONL, Parquet (row-group streaming) and Hugging Face
+datasets saved with `save_to_disk` (their Arrow files are read with pyarrow; `datasets` is not needed).
+A bad row becomes a `Reject` with a reason; only a missing or unreadable path raises. Never loads a whole file.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from peagle_pipeline.errors import BadInput
+
+__all__ = [
+    "Message",
+    "Conversation",
+    "Reject",
+    "iter_rows",
+    "iter_json_records",
+    "to_conversation",
+    "dataset_fingerprint",
+    "ROLE_MAP",
+]
+
+Role = Literal["system", "user", "assistant"]
+
+# Source role names (lower-cased) -> our role. ShareGPT and OpenAI spellings in one table.
+ROLE_MAP: dict[str, Role] = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+}
+
+_JSON_SUFFIXES = (".json",)
+_JSONL_SUFFIXES = (".jsonl", ".ndjson")
+_PARQUET_SUFFIXES = (".parquet", ".pq")
+_READ_CHUNK = 1 << 20  # bytes per read of the incremental JSON parser
+_ARROW_BATCH = 1024  # rows per record batch converted to Python at a time
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One turn of a conversation."""
+
+    role: Role
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """A usable source row: `source` is the file (or dataset directory), `source_row` its row index there."""
+
+    source: str
+    source_row: int
+    messages: list[Message]
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """A source row that cannot be used, with a one-line reason."""
+
+    source: str
+    source_row: int
+    reason: str
+
+
+def iter_rows(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Conversation | Reject]:
+    """Yield every row of every path, in order, as a Conversation or a Reject.
+
+    Args:
+        paths: data files (.json, .jsonl/.ndjson, .parquet, .arrow) or directories written by
+            `datasets.Dataset.save_to_disk` / `DatasetDict.save_to_disk`.
+
+    Raises:
+        BadInput: a path is missing, unreadable, or of an unsupported kind (all are checked when called,
+            before anything is read).
+    """
+    readers = [
+        (Path(path), _reader_for(Path(path))) for path in paths
+    ]  # every path checked before any is read
+    return _chain(readers)
+
+
+def _chain(readers: list[tuple[Path, Any]]) -> Iterator[Conversation | Reject]:
+    for path, reader in readers:
+        yield from reader(path)
+
+
+def to_conversation(record: Any, source: str, row: int) -> Conversation | Reject:
+    """Validate one parsed record (a dict) and normalise it to a Conversation, or explain why not."""
+
+    def reject(reason: str) -> Reject:
+        return Reject(source, row, reason)
+
+    if not isinstance(record, dict):
+        return reject(f"wrong schema: row is a JSON {type(record).__name__}, expected an object")
+    if record.get("conversations") is not None:
+        turns, key = record["conversations"], "conversations"
+    elif record.get("messages") is not None:
+        turns, key = record["messages"], "messages"
+    else:
+        keys = ", ".join(sorted(map(str, record)))[:120]
+        return reject(
+            f"wrong schema: no 'conversations' (ShareGPT) or 'messages' (OpenAI) list; keys: [{keys}]"
+        )
+    if not isinstance(turns, list):
+        return reject(f"wrong schema: '{key}' is a {type(turns).__name__}, expected a list")
+    if not turns:
+        return reject("empty conversation")
+    messages: list[Message] = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            return reject(f"wrong schema: turn {i} is a {type(turn).__name__}, expected an object")
+        role_raw = turn.get("from", turn.get("role"))
+        content = turn["value"] if "value" in turn else turn.get("content")
+        if not isinstance(role_raw, str):
+            return reject(f"wrong schema: turn {i} has no string 'from'/'role'")
+        role = ROLE_MAP.get(role_raw.strip().lower())
+        if role is None:
+            return reject(f"unknown role {role_raw[:40]!r} in turn {i}")
+        text = _content_text(content)
+        if not isinstance(text, str):
+            return reject(f"non-string content in turn {i}: {text}")
+        if not _is_valid_unicode(text) or not _is_valid_unicode(role_raw):
+            return reject(f"non-UTF-8 bytes (or lone surrogates) in turn {i}")
+        messages.append(Message(role, text))
+    if not any(m.role == "assistant" for m in messages):
+        return reject("no assistant turn")
+    return Conversation(source, row, messages)
+
+
+def _content_text(content: Any) -> str | Exception:
+    """The text of a turn: a string, or OpenAI's list of text parts joined; otherwise an error to report."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif (
+                isinstance(part, dict)
+                and part.get("type", "text") == "text"
+                and isinstance(part.get("text"), str)
+            ):
+                parts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                return TypeError(f"content part of type {kind!r} is not text")
+        return "".join(parts)
+    return TypeError(f"got {type(content).__name__}")
+
+
+def _is_valid_unicode(text: str) -> bool:
+    # Undecodable bytes arrive as lone surrogates (surrogateescape); they cannot be encoded back to UTF-8.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------------- dispatch
+
+
+def _reader_for(p: Path):  # type: ignore[no-untyped-def]
+    if not p.exists():
+        raise BadInput(f"data path not found: {p}")
+    if p.is_dir():
+        if (p / "dataset_dict.json").is_file() or (p / "state.json").is_file() or list(p.glob("*.arrow")):
+            return _iter_hf_dir
+        raise BadInput(f"data directory {p} is not a Hugging Face dataset saved with save_to_disk")
+    if not os.access(p, os.R_OK):
+        raise BadInput(f"data file not readable: {p}")
+    suffix = p.suffix.lower()
+    if suffix in _JSON_SUFFIXES:
+        return _iter_json
+    if suffix in _JSONL_SUFFIXES:
+        return _iter_jsonl
+    if suffix in _PARQUET_SUFFIXES:
+        return _iter_parquet
+    if suffix == ".arrow":
+        return lambda path: _iter_arrow_files([path], str(path))
+    raise BadInput(
+        f"unsupported data file {p}: expected .json, .jsonl, .parquet, .arrow or a save_to_disk directory"
+    )
+
+
+# ------------------------------------------------------------------------------------------------- JSONL
+
+
+def _iter_jsonl(path: Path) -> Iterator[Conversation | Reject]:
+    """One row per non-blank line; `source_row` is the 0-based line index."""
+    source = str(path)
+    with _open_binary(path) as f:
+        for row, raw in enumerate(f):
+            if not raw.strip():
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield Reject(source, row, f"non-UTF-8 bytes at byte {err.start} of line {row + 1}")
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                yield Reject(source, row, f"malformed JSON on line {row + 1}: {err.msg} (column {err.colno})")
+                continue
+            yield to_conversation(record, source, row)
+
+
+# -------------------------------------------------------------------------------------------------- JSON
+
+
+def _iter_json(path: Path) -> Iterator[Conversation | Reject]:
+    source = str(path)
+    for item in iter_json_records(path):
+        yield item if isinstance(item, Reject) else to_conversation(item[1], source, item[0])
+
+
+def iter_json_records(path: str | os.PathLike[str]) -> Iterator[tuple[int, Any] | Reject]:
+    """Raw records of a JSON file (an array, a single object, or concatenated objects), parsed incrementally.
+
+    Yields `(row, record)` for every complete record. Memory stays at about one record plus one read chunk.
+    A file cut mid-record ends with one Reject naming the truncation; a syntax error yields one Reject and
+    ends the file (a JSON array cannot be resynchronised reliably).
+
+    Raises:
+        BadInput: the file cannot be opened.
+    """
+    source = str(path)
+    stream = _JsonStream(Path(path))
+    first = stream.peek()
+    if first is None:
+        return
+    in_array = first == "["
+    if in_array:
+        stream.advance(1)
+    row = 0
+    while True:
+        ch = stream.peek()
+        if ch is None:
+            if in_array:
+                yield Reject(
+                    source, row, f"truncated JSON: file ends after {row} complete records (no closing ']')"
+                )
+            return
+        if in_array and ch == "]":
+            return
+        outcome = stream.decode()
+        if isinstance(outcome, _Truncated):
+            yield Reject(
+                source, row, f"truncated JSON: file ends inside record {row} (after {row} complete records)"
+            )
+            return
+        if isinstance(outcome, json.JSONDecodeError):
+            yield Reject(source, row, f"malformed JSON in record {row}: {outcome.msg}; rest of file skipped")
+            return
+        # Undecodable bytes became lone surrogates; to_conversation rejects them as non-UTF-8.
+        yield row, outcome
+        row += 1
+        if in_array:
+            sep = stream.peek()
+            if sep == ",":
+                stream.advance(1)
+            elif sep not in ("]", None):
+                yield Reject(
+                    source,
+                    row,
+                    f"malformed JSON after record {row - 1}: expected ',' or ']'; rest of file skipped",
+                )
+                return
+
+
+class _Truncated:
+    """Marker: the input ended inside a value."""
+
+
+class _JsonStream:
+    """A text buffer over a binary file, decoded incrementally; values are parsed with `raw_decode`."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = _open_binary(path)
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+        self._json = json.JSONDecoder()
+        self._buf = ""
+        self._pos = 0
+        self._eof = False
+
+    def _fill(self) -> bool:
+        """Read one more chunk; False at end of file."""
+        if self._eof:
+            return False
+        data = self._file.read(_READ_CHUNK)
+        final = not data
+        text = self._decoder.decode(data, final=final)
+        self._buf = self._buf[self._pos :] + text  # compact only when reading, so consumed text is dropped
+        self._pos = 0
+        if final:
+            self._eof = True
+            self._file.close()
+        return not final or bool(text)
+
+    def peek(self) -> str | None:
+        """The next non-whitespace character (consumes the whitespace), or None at end of input."""
+        while True:
+            buf, n = self._buf, len(self._buf)
+            pos = self._pos
+            while pos < n and buf[pos] in " \t\r\n":
+                pos += 1
+            self._pos = pos
+            if pos < n:
+                return buf[pos]
+            if not self._fill():
+                return None
+
+    def advance(self, n: int) -> None:
+        self._pos += n
+
+    def decode(self) -> Any:
+        """Parse one value at the cursor; returns it, a JSONDecodeError, or _Truncated at end of input."""
+        while True:
+            try:
+                value, end = self._json.raw_decode(self._buf, self._pos)
+            except json.JSONDecodeError as err:
+                # An error at the end of the buffer (or an unterminated string) may just need more data.
+                if self._eof:
+                    return _Truncated() if _looks_truncated(err, len(self._buf)) else err
+                if _looks_truncated(err, len(self._buf)):
+                    self._fill()
+                    continue
+                return err
+            if end == len(self._buf) and not self._eof and isinstance(value, (int, float)):
+                self._fill()  # a number at the buffer's end may continue in the next chunk
+                continue
+            self._pos = end
+            return value
+
+
+def _looks_truncated(err: json.JSONDecodeError, length: int) -> bool:
+    return err.pos >= length - 1 or err.msg.startswith("Unterminated string")
+
+
+# -------------------------------------------------------------------------------------- Parquet and Arrow
+
+
+def _iter_parquet(path: Path) -> Iterator[Conversation | Reject]:
+    """Stream a Parquet file by record batches, reading only the conversation columns."""
+    import pyarrow.parquet as pq
+
+    source = str(path)
+    try:
+        pf = pq.ParquetFile(str(path))
+    except Exception as err:  # pyarrow raises several types for a bad file
+        raise BadInput(f"cannot read Parquet file {path}: {str(err).splitlines()[0]}") from None
+    names = pf.schema_arrow.names
+    columns = [c for c in ("conversations", "messages") if c in names]
+    if not columns:
+        reason = f"wrong schema: no 'conversations' (ShareGPT) or 'messages' (OpenAI) column; columns: {names[:10]}"
+        for row in range(pf.metadata.num_rows):
+            yield Reject(source, row, reason)
+        return
+    yield from _iter_batches(pf.iter_batches(batch_size=_ARROW_BATCH, columns=columns), source, 0)
+
+
+def _iter_hf_dir(path: Path) -> Iterator[Conversation | Reject]:
+    """A `save_to_disk` directory: a DatasetDict (one sub-directory per split) or a single Dataset."""
+    dict_file = path / "dataset_dict.json"
+    if dict_file.is_file():
+        splits = _read_json_file(dict_file).get("splits") or sorted(
+            d.name for d in path.iterdir() if d.is_dir()
+        )
+        for split in splits:
+            yield from _iter_hf_dir(path / split)
+        return
+    state_file = path / "state.json"
+    if state_file.is_file():
+        files = [path / f["filename"] for f in _read_json_file(state_file).get("_data_files", [])]
+    else:
+        files = []
+    if not files:
+        files = sorted(path.glob("*.arrow"))
+    if not files:
+        raise BadInput(f"HF dataset directory {path} holds no .arrow data files")
+    yield from _iter_arrow_files(files, str(path))
+
+
+def _iter_arrow_files(files: list[Path], source: str) -> Iterator[Conversation | Reject]:
+    """Rows of Arrow IPC files (stream format as `save_to_disk` writes, or file format); rows count on across files."""
+    import pyarrow as pa
+
+    row = 0
+    for file in files:
+        try:
+            source_file = pa.memory_map(str(file), "r")
+            try:
+                reader = pa.ipc.open_stream(source_file)
+                batches: Iterable[Any] = reader
+            except pa.ArrowInvalid:
+                source_file.seek(0)
+                freader = pa.ipc.open_file(source_file)
+                batches = (freader.get_batch(i) for i in range(freader.num_record_batches))
+        except (OSError, pa.ArrowInvalid) as err:
+            raise BadInput(f"cannot read Arrow file {file}: {str(err).splitlines()[0]}") from None
+        for item in _iter_batches(batches, source, row):
+            yield item
+            row = item.source_row + 1
+
+
+def _iter_batches(batches: Iterable[Any], source: str, row: int) -> Iterator[Conversation | Reject]:
+    for batch in batches:
+        names = batch.schema.names
+        cols = {
+            c: batch.column(names.index(c)).to_pylist() for c in ("conversations", "messages") if c in names
+        }
+        for i in range(batch.num_rows):
+            record = {c: values[i] for c, values in cols.items()}
+            if not cols:
+                record = {"columns": names}
+            yield to_conversation(record, source, row)
+            row += 1
+
+
+# --------------------------------------------------------------------------------------------- utilities
+
+
+def _open_binary(path: Path):  # type: ignore[no-untyped-def]
+    try:
+        return open(path, "rb")  # noqa: SIM115 - closed by the caller / stream
+    except OSError as err:
+        raise BadInput(f"cannot open data file {path}: {err.strerror}") from None
+
+
+def _read_json_file(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise BadInput(f"cannot read {path}: {err}") from None
+    return data if isinstance(data, dict) else {}
+
+
+def dataset_fingerprint(paths: Iterable[str | os.PathLike[str]]) -> str:
+    """A cheap identity of the input data: file names, sizes and a hash of each file's first and last MiB.
+
+    Directories (HF datasets) contribute every file under them, in sorted order.
+
+    Raises:
+        BadInput: a path does not exist.
+    """
+    h = hashlib.sha256()
+    for path in paths:
+        p = Path(path)
+        if not p.exists():
+            raise BadInput(f"data path not found: {p}")
+        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+        h.update(f"{p.name}\0{len(files)}\0".encode())
+        for f in files:
+            size = f.stat().st_size
+            h.update(f"{f.relative_to(p) if p.is_dir() else f.name}\0{size}\0".encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read(1 << 20))
+                if size > 1 << 20:
+                    fh.seek(max(1 << 20, size - (1 << 20)))
+                    h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]

@@ -1,0 +1,441 @@
+"""Extraction runner: this rank's rows -> chat rendering -> deterministic batches -> target backend -> CacheWriter.
+
+Resuming is exact because the batch plan is a pure function of the rank's row sequence and the settings: a
+resumed run re-forms the same batches, skips those whose samples are all committed, recomputes the batch that
+holds the first uncommitted sample, and the writer drops tokens it already has. Never decides storage layout
+(that is `cache/`) and never branches on the backend name.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from peagle_pipeline.backends.base import SampleOutputs, TargetBackend, default_layer_ids, get_backend
+from peagle_pipeline.cache import layout
+from peagle_pipeline.cache.layout import CacheMeta
+from peagle_pipeline.cache.writer import CacheWriter, SampleData, SampleRecord
+from peagle_pipeline.config import ExtractConfig, to_dict
+from peagle_pipeline.errors import (
+    BadConfig,
+    BadInput,
+    IncompatibleCache,
+    Interrupted,
+    OutputExists,
+    ResumeMismatch,
+)
+from peagle_pipeline.runtime import atomic_write_text, fsync_dir, rank_world_from_env
+
+__all__ = [
+    "run",
+    "ExtractSummary",
+    "PlannedSample",
+    "RowReject",
+    "plan_batches",
+    "build_meta",
+    "prepare_output",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedSample:
+    """A rendered sample at storage position `ordinal` of this rank's store."""
+
+    ordinal: int
+    record: SampleRecord
+    input_ids: list[int]
+    loss_mask: list[bool]
+
+
+@dataclass(frozen=True, slots=True)
+class RowReject:
+    """A row of this rank that yields no sample, with the reason."""
+
+    sample_id: int
+    source: str
+    source_row: int
+    reason: str
+
+
+@dataclass
+class ExtractSummary:
+    """What one `extract` call did (for the rank it ran), printed by the CLI."""
+
+    output: str
+    store: str
+    samples: int = 0
+    tokens: int = 0
+    supervised: int = 0
+    rejects: dict[str, int] = field(default_factory=dict)
+    new_tokens: int = 0
+    elapsed_s: float = 0.0
+    store_bytes: int = 0
+    already_complete: bool = False
+
+    def format(self) -> str:
+        if self.already_complete:
+            head = f"{self.store} in {self.output} is already complete: nothing to do"
+        else:
+            rate = self.new_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+            head = (
+                f"extracted {self.store} in {self.output}: {self.new_tokens} new tokens in "
+                f"{self.elapsed_s:.1f} s ({rate:.0f} tokens/s)"
+            )
+        lines = [
+            head,
+            f"samples {self.samples}, tokens {self.tokens}, supervised {self.supervised}, "
+            f"{self.store_bytes / max(self.tokens, 1):.1f} bytes/token",
+        ]
+        total = sum(self.rejects.values())
+        lines.append(
+            f"rejects {total}"
+            + "".join(f"\n  {n:6d}  {r}" for r, n in sorted(self.rejects.items(), key=lambda kv: -kv[1]))
+        )
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- planning
+def rank_rows(
+    rows: Iterable[Any], rank: int, world_size: int, max_samples: int | None
+) -> Iterator[tuple[int, Any]]:
+    """(global row index = sample id, row) for this rank: the first max_samples rows, then index % world == rank."""
+    for index, row in enumerate(rows):
+        if max_samples is not None and index >= max_samples:
+            return
+        if index % world_size == rank:
+            yield index, row
+
+
+def render_rows(
+    rows: Iterable[tuple[int, Any]], renderer: Any, max_length: int, overlong: str
+) -> Iterator[PlannedSample | RowReject]:
+    """Rendered samples (numbered 0, 1, ... in storage order) and rejects, in row order."""
+    from peagle_pipeline.data.chat import RejectRow
+    from peagle_pipeline.data.formats import Reject
+
+    ordinal = 0
+    for index, row in rows:
+        if isinstance(row, Reject):
+            yield RowReject(index, row.source, row.source_row, row.reason)
+            continue
+        try:
+            rendered = renderer.render(row.messages)
+        except RejectRow as err:
+            yield RowReject(index, row.source, row.source_row, err.reason)
+            continue
+        ids, mask = list(rendered.input_ids), list(rendered.loss_mask)
+        truncated = len(ids) > max_length
+        if truncated:
+            if overlong == "skip":
+                yield RowReject(index, row.source, row.source_row, f"longer than max_length {max_length}")
+                continue
+            ids, mask = ids[:max_length], mask[:max_length]
+            if not any(mask):
+                yield RowReject(index, row.source, row.source_row, "no supervised tokens within max_length")
+                continue
+        if len(ids) < 2:
+            yield RowReject(index, row.source, row.source_row, "shorter than 2 tokens")
+            continue
+        yield PlannedSample(ordinal, SampleRecord(index, row.source, row.source_row, truncated), ids, mask)
+        ordinal += 1
+
+
+def plan_batches(
+    items: Iterable[PlannedSample | RowReject], batch_tokens: int
+) -> Iterator[RowReject | list[PlannedSample]]:
+    """Group samples greedily, in order, so that (longest sample) x (batch size) <= batch_tokens.
+
+    Rejects pass through as soon as they are seen; a sample longer than batch_tokens forms its own batch.
+    Example: lengths [300, 500, 200, 900], batch_tokens 1024 -> [300, 500] (pads to 2 x 500 = 1000), then 200
+    would pad to 3 x 500 = 1500 > 1024 so it starts [200], and 900 would make 2 x 900 = 1800 -> [900] alone.
+    """
+    batch: list[PlannedSample] = []
+    longest = 0
+    for item in items:
+        if isinstance(item, RowReject):
+            yield item
+            continue
+        n = len(item.input_ids)
+        if batch and max(longest, n) * (len(batch) + 1) > batch_tokens:
+            yield batch
+            batch, longest = [], 0
+        batch.append(item)
+        longest = max(longest, n)
+    if batch:
+        yield batch
+
+
+# ------------------------------------------------------------------------------------------ output dir
+def build_meta(cfg: ExtractConfig, info: Any, layer_ids: list[int], world_size: int) -> CacheMeta:
+    """The cache metadata for these settings (compared field by field on resume)."""
+    from peagle_pipeline import __version__
+    from peagle_pipeline.backends import pieces
+    from peagle_pipeline.data.formats import dataset_fingerprint
+
+    return CacheMeta(
+        target_name_or_path=str(Path(cfg.model).resolve()),
+        target_architectures=list(info.architectures),
+        target_config_sha256=pieces.config_sha256(cfg.model),
+        tokenizer_sha256=pieces.tokenizer_sha256(cfg.model),
+        chat_template_sha256=pieces.chat_template_sha256(cfg.model),
+        num_hidden_layers=info.num_hidden_layers,
+        hidden_size=info.hidden_size,
+        vocab_size=info.vocab_size,
+        aux_layer_ids=list(layer_ids),
+        topk=cfg.topk,
+        hidden_dtype="bfloat16" if cfg.dtype == "bf16" else "float32",
+        has_last_hidden=cfg.last_hidden,
+        max_length=cfg.max_length,
+        overlong=cfg.overlong,
+        assistant_turns=cfg.assistant_turns,
+        leading_assistant=cfg.leading_assistant,
+        dataset_fingerprint=dataset_fingerprint(cfg.data),
+        max_samples=cfg.max_samples,
+        world_size=world_size,
+        shard_tokens=cfg.shard_tokens,
+        chunk_tokens=cfg.chunk_tokens,
+        compress=cfg.compress,
+        extra={"backend": cfg.backend, "peagle_pipeline_version": __version__},
+    )
+
+
+def _explain(old: CacheMeta, new: CacheMeta, names: list[str]) -> str:
+    a, b = old.to_dict(), new.to_dict()
+    return "; ".join(f"{n}: {a[n]!r} in the cache, {b[n]!r} now" for n in names)
+
+
+def prepare_output(cfg: ExtractConfig, meta: CacheMeta) -> Path:
+    """Create or check the cache directory: cache.json (first writer, exclusive), extract.yaml, target/.
+
+    Raises:
+        OutputExists: the directory holds something that is not a cache.
+        IncompatibleCache: a cache of another format version.
+        ResumeMismatch: a cache made with other settings (the message names them).
+    """
+    root = Path(cfg.output)
+    if root.exists() and not root.is_dir():
+        raise OutputExists(f"output {root} exists and is not a directory; choose another --output")
+    meta_path = root / layout.CACHE_META
+    if root.exists() and not meta_path.exists():
+        foreign = [p.name for p in root.iterdir() if not p.name.startswith(".peagle-")]
+        if foreign:
+            raise OutputExists(
+                f"output {root} exists and is not a peagle cache (it holds {foreign[0]!r}, ...); "
+                "choose an empty or new directory"
+            )
+    root.mkdir(parents=True, exist_ok=True)
+    if not meta_path.exists():
+        _create_exclusive(meta_path, _json(meta.to_dict()))
+    _check_meta(meta_path, meta)
+    yaml_path = root / layout.EXTRACT_YAML
+    if not yaml_path.exists():
+        import yaml
+
+        atomic_write_text(yaml_path, yaml.safe_dump({"extract": to_dict(cfg)}, sort_keys=False))
+    target = root / layout.TARGET_DIR
+    if not target.exists():
+        from peagle_pipeline.backends.pieces import save_target_pieces
+
+        tmp = root / f".peagle-target-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_target_pieces(cfg.model, tmp)
+        try:
+            os.rename(tmp, target)  # atomic; fails if another rank got there first
+            fsync_dir(root)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not target.exists():
+                raise
+    return root
+
+
+def _json(obj: Any) -> str:
+    import json
+
+    return json.dumps(obj, indent=2, sort_keys=True) + "\n"
+
+
+def _create_exclusive(path: Path, text: str) -> None:
+    """Write `path` only if absent, atomically (temp + link): concurrent first writers cannot interleave."""
+    tmp = path.with_name(f".peagle-{path.name}-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)
+        fsync_dir(path.parent)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _check_meta(meta_path: Path, meta: CacheMeta) -> None:
+    import json
+
+    try:
+        found = json.loads(meta_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        raise IncompatibleCache(f"{meta_path} is damaged; use a new output directory") from None
+    if found.get("format_version") != layout.FORMAT_VERSION:
+        raise IncompatibleCache(
+            f"{meta_path.parent} is a cache of format {found.get('format_version')}; this "
+            f"version writes {layout.FORMAT_VERSION}: use a new output directory"
+        )
+    old = CacheMeta.from_dict(found)
+    diffs = old.differences(meta)
+    if diffs:
+        raise ResumeMismatch(
+            f"{meta_path.parent} was extracted with other settings ({_explain(old, meta, diffs)}); "
+            "use the original settings to resume, or a new output directory"
+        )
+
+
+# ------------------------------------------------------------------------------------------------- run
+def _to_storage(t: Any, logical: str) -> np.ndarray:
+    import torch
+
+    t = t.detach().to("cpu").contiguous()
+    if logical == "bfloat16":
+        return t.to(torch.bfloat16).view(torch.uint16).numpy()
+    return t.to(torch.float32).numpy()
+
+
+def to_sample_data(sample: PlannedSample, out: SampleOutputs, meta: CacheMeta) -> SampleData:
+    """Backend outputs [T, ...] -> stored dtypes (bf16 bits as uint16, int32 ids, float16 log-probs)."""
+    T = len(sample.input_ids)
+    if out.aux_hidden.shape[0] != T or out.topk_ids.shape != (T, meta.topk):
+        raise RuntimeError(
+            f"backend returned shapes {tuple(out.aux_hidden.shape)}/{tuple(out.topk_ids.shape)} "
+            f"for a sample of {T} tokens"
+        )
+    return SampleData(
+        input_ids=np.asarray(sample.input_ids, dtype=np.int32),
+        loss_mask=np.asarray(sample.loss_mask, dtype=bool),
+        aux_hidden=_to_storage(out.aux_hidden, meta.hidden_dtype),
+        topk_ids=out.topk_ids.detach().to("cpu").to(dtype=_torch().int32).numpy(),
+        topk_logprobs=out.topk_logprobs.detach().to("cpu").float().numpy().astype(np.float16),
+        last_hidden=_to_storage(out.last_hidden, meta.hidden_dtype) if meta.has_last_hidden else None,
+    )
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def resolve_layers(cfg: ExtractConfig, num_hidden_layers: int) -> list[int]:
+    """Aux layer ids, ascending; BadInput when outside 0..L."""
+    ids = sorted(set(cfg.layers)) if cfg.layers else default_layer_ids(num_hidden_layers)
+    bad = [i for i in ids if not 0 <= i <= num_hidden_layers]
+    if bad:
+        raise BadInput(
+            f"layer ids {bad} outside 0..{num_hidden_layers} (the target has {num_hidden_layers} layers)"
+        )
+    return ids
+
+
+def run(cfg: ExtractConfig) -> ExtractSummary:
+    """Extract (or resume) this rank's store of the cache at cfg.output. See the module docstring.
+
+    Raises:
+        BadInput, BadConfig, OutputExists, IncompatibleCache, ResumeMismatch, Busy, OutOfSpace, Interrupted.
+    """
+    from peagle_pipeline.backends.pieces import read_target_info
+
+    rank, world = rank_world_from_env(cfg.rank, cfg.world_size)
+    if world < 1 or not 0 <= rank < world:
+        raise BadConfig(f"rank must be in 0..world_size-1, got rank {rank} of {world}")
+    info = read_target_info(cfg.model)
+    layer_ids = resolve_layers(cfg, info.num_hidden_layers)
+    if cfg.topk > info.vocab_size:
+        raise BadInput(f"topk {cfg.topk} exceeds the target vocabulary ({info.vocab_size})")
+    meta = build_meta(cfg, info, layer_ids, world)
+    root = prepare_output(cfg, meta)
+    writer = CacheWriter(root, meta, rank, world).open()
+    summary = ExtractSummary(output=str(root), store=writer.store)
+    if writer.complete:
+        writer.abort()
+        return _finish(summary, writer, already=True)
+    backend: TargetBackend | None = None
+    start = time.perf_counter()
+    try:
+        from transformers import AutoTokenizer
+
+        from peagle_pipeline.data.chat import ChatRenderer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        renderer = ChatRenderer(tokenizer, cfg.assistant_turns, cfg.leading_assistant)
+        backend, summary.new_tokens = _loop(cfg, meta, writer, renderer, rank, world)
+        writer.close()
+    except KeyboardInterrupt:
+        writer.abort()
+        raise Interrupted(
+            f"interrupted: {writer.committed_samples} samples of {writer.store} are committed; "
+            "re-run the same command to resume"
+        ) from None
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        if backend is not None:
+            backend.close()
+    summary.elapsed_s = time.perf_counter() - start
+    return _finish(summary, writer, already=False)
+
+
+def _loop(
+    cfg: ExtractConfig, meta: CacheMeta, writer: CacheWriter, renderer: Any, rank: int, world: int
+) -> tuple[TargetBackend | None, int]:
+    """The batch loop; returns the backend (if one was started) and the tokens computed this run."""
+    from tqdm import tqdm
+
+    from peagle_pipeline.data.formats import iter_rows
+
+    total = sum(1 for _ in rank_rows(iter_rows(cfg.data), rank, world, cfg.max_samples))
+    rows = rank_rows(iter_rows(cfg.data), rank, world, cfg.max_samples)
+    items = plan_batches(render_rows(rows, renderer, cfg.max_length, cfg.overlong), cfg.batch_tokens)
+    backend: TargetBackend | None = None
+    new_tokens = 0
+    t0 = time.perf_counter()
+    with tqdm(total=total, unit="sample", desc=writer.store, mininterval=1.0, dynamic_ncols=True) as bar:
+        for item in items:
+            if isinstance(item, RowReject):
+                writer.add_reject(item.sample_id, item.source, item.source_row, item.reason)
+                bar.update(1)
+                continue
+            if item[-1].ordinal < writer.next_ordinal:  # committed by an earlier run
+                bar.update(len(item))
+                continue
+            if backend is None:
+                backend = get_backend(cfg, list(meta.aux_layer_ids))
+            outputs = backend.forward([s.input_ids for s in item])
+            for sample, out in zip(item, outputs, strict=True):
+                writer.add(sample.ordinal, sample.record, to_sample_data(sample, out, meta))
+            new_tokens += sum(len(s.input_ids) for s in item)
+            bar.update(len(item))
+            bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}", refresh=False)
+    return backend, new_tokens
+
+
+def _finish(summary: ExtractSummary, writer: CacheWriter, already: bool) -> ExtractSummary:
+    summary.already_complete = already
+    summary.samples = writer.committed_samples
+    summary.tokens = writer.committed_tokens
+    summary.supervised = writer.committed_supervised
+    summary.rejects = dict(collections.Counter(r["reason"] for r in writer.rejects))
+    summary.store_bytes = sum(f.stat().st_size for f in writer.store_dir.rglob("*") if f.is_file())
+    return summary

@@ -1,0 +1,368 @@
+"""Training data from a cache: held-out split, per-epoch shuffle, shift, greedy packing, rank sharding, workers.
+
+Plan (pure, from the per-sample table only; no sample is opened at start-up):
+- `split_samples`: drop samples with no supervised token (counted), then hold out `eval_samples` fixed by seed.
+- `pack_epoch`: shuffle the training samples with a generator seeded by (seed, epoch) and pack them greedily, in
+  that order, into rows of at most `budget` shifted tokens (a sample of T cached tokens gives S = T-1 shifted
+  rows; a sample with S > budget is truncated to its first `budget` rows and fills a row alone).
+- Steps: each optimizer step consumes `world_size * micro_steps` consecutive packed rows of the epoch; rank r,
+  micro-step a of step s reads row `s * world * micro + r * micro + a`. So 2 ranks x 1 micro-step and
+  1 rank x 2 micro-steps see the same global batch. Rows left over at the end of an epoch are dropped.
+- The data cursor `(epoch, step)` names the next step to run; it is all a resume needs.
+
+Reading: a map-style torch Dataset over this rank's rows (DataLoader with `batch_size=None`, `num_workers` worker
+processes); each process opens the cache lazily on first use. Shift per sample before packing: shifted row i =
+token x_{i+1}, aux g_i, target top-k P_{i+1}, weight m_{i+1} (and last hidden h_{i+1} for exact targets).
+Never touches models; never writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from peagle_pipeline.errors import BadConfig, CorruptCache
+
+__all__ = [
+    "RowPlan",
+    "DataSplit",
+    "Cursor",
+    "PackedBatch",
+    "mix_seed",
+    "split_samples",
+    "pack_rows",
+    "pack_epoch",
+    "shift_sample",
+    "PackedRows",
+    "TrainLoader",
+]
+
+log = logging.getLogger(__name__)
+
+
+def mix_seed(*parts: object) -> int:
+    """A 63-bit seed from any tuple of parts (independent streams for shuffle, split, COD rows, init)."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """One packed row: which samples, and how many shifted rows of each (after truncation)."""
+
+    sample_ids: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+
+@dataclass(frozen=True)
+class DataSplit:
+    """Training and held-out samples (ids and shifted lengths S = T-1), plus what was skipped."""
+
+    train_ids: np.ndarray  # int64 [n_train]
+    train_lengths: np.ndarray  # int64 [n_train] shifted rows S
+    eval_ids: np.ndarray  # int64 [n_eval]
+    eval_lengths: np.ndarray  # int64 [n_eval]
+    skipped_unsupervised: int
+
+
+@dataclass(frozen=True, order=True)
+class Cursor:
+    """The next optimizer step to run: `step`-th step of `epoch` (both 0-based)."""
+
+    epoch: int = 0
+    step: int = 0
+
+
+@dataclass
+class PackedBatch:
+    """One packed row in shifted coordinates, L = sum(doc_lengths) rows (no padding).
+
+    Attributes:
+        input_ids: LongTensor [L] token x_{i+1} of each shifted row.
+        aux_hidden: [L, n_aux * H] aux states g_i (bf16 or fp32, as stored).
+        topk_ids: LongTensor [L, k] target top-k ids of P_{i+1}.
+        topk_logprobs: FloatTensor [L, k] their log-probs.
+        weight: BoolTensor [L] m_{i+1}: rows that carry loss.
+        last_hidden: [L, H] pre-norm last hidden h_{i+1} (exact targets) or None.
+        doc_lengths: shifted rows per packed sample.
+        sample_ids: cache sample ids, in packing order.
+        epoch, row: where this row sits in the epoch plan (seeds the row's COD generator).
+        corrupt: (sample id, message) of samples dropped because their data failed its check.
+    """
+
+    input_ids: torch.Tensor
+    aux_hidden: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_logprobs: torch.Tensor
+    weight: torch.Tensor
+    last_hidden: torch.Tensor | None
+    doc_lengths: list[int]
+    sample_ids: list[int]
+    epoch: int
+    row: int
+    corrupt: list[tuple[int, str]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+def split_samples(samples: Any, eval_samples: int, seed: int) -> DataSplit:
+    """Split the cache's sample table (pandas, `layout.SAMPLE_COLUMNS`) into training and held-out ids.
+
+    Samples with no supervised token or fewer than 2 tokens are skipped (counted). The held-out set is a
+    seeded random subset (at most half the usable samples), independent of the epoch shuffles.
+    """
+    ids = samples["sample_id"].to_numpy(dtype=np.int64)
+    lengths = samples["length"].to_numpy(dtype=np.int64) - 1
+    usable = (samples["num_supervised"].to_numpy() > 0) & (lengths > 0)
+    order = np.argsort(ids[usable], kind="stable")
+    ids, lengths = ids[usable][order], lengths[usable][order]
+    n_eval = min(eval_samples, len(ids) // 2)
+    g = torch.Generator().manual_seed(mix_seed("eval-split", seed))
+    perm = torch.randperm(len(ids), generator=g).numpy()
+    held = np.sort(perm[:n_eval])
+    keep = np.ones(len(ids), dtype=bool)
+    keep[held] = False
+    return DataSplit(
+        train_ids=ids[keep],
+        train_lengths=lengths[keep],
+        eval_ids=ids[held],
+        eval_lengths=lengths[held],
+        skipped_unsupervised=int((~usable).sum()),
+    )
+
+
+def pack_rows(ids: np.ndarray, lengths: np.ndarray, budget: int) -> list[RowPlan]:
+    """Greedy packing in the given order: append to the open row while it fits, else start a new row.
+
+    Example: budget 10, lengths [4, 5, 3, 12] -> rows [4, 5], [3], [10 (truncated from 12)].
+    """
+    rows: list[RowPlan] = []
+    cur_ids: list[int] = []
+    cur_len: list[int] = []
+    used = 0
+    for sid, n in zip(ids.tolist(), lengths.tolist(), strict=True):
+        n = min(n, budget)
+        if used + n > budget and cur_ids:
+            rows.append(RowPlan(tuple(cur_ids), tuple(cur_len)))
+            cur_ids, cur_len, used = [], [], 0
+        cur_ids.append(sid)
+        cur_len.append(n)
+        used += n
+    if cur_ids:
+        rows.append(RowPlan(tuple(cur_ids), tuple(cur_len)))
+    return rows
+
+
+def pack_epoch(split: DataSplit, budget: int, seed: int, epoch: int) -> list[RowPlan]:
+    """This epoch's packed rows: a (seed, epoch)-seeded permutation of the training samples, packed greedily."""
+    g = torch.Generator().manual_seed(mix_seed("shuffle", seed, epoch))
+    perm = torch.randperm(len(split.train_ids), generator=g).numpy()
+    return pack_rows(split.train_ids[perm], split.train_lengths[perm], budget)
+
+
+def shift_sample(sample: Any, n: int, need_last_hidden: bool) -> dict[str, torch.Tensor | None]:
+    """Shift one cached sample (unshifted rows 0..T-1) by one and keep its first `n` <= T-1 shifted rows.
+
+    Returns a dict of input_ids [n], aux_hidden [n, n_aux*H], topk_ids [n, k], topk_logprobs [n, k],
+    weight [n], last_hidden [n, H] | None.
+    """
+    aux = sample.aux_hidden[:n]
+    return {
+        "input_ids": sample.input_ids[1 : n + 1].long(),
+        "aux_hidden": aux.reshape(n, -1),
+        "topk_ids": sample.topk_ids[1 : n + 1].long(),
+        "topk_logprobs": sample.topk_logprobs[1 : n + 1].float(),
+        "weight": sample.loss_mask[1 : n + 1].bool(),
+        "last_hidden": sample.last_hidden[1 : n + 1] if need_last_hidden else None,
+    }
+
+
+class PackedRows(torch.utils.data.Dataset):
+    """Map-style dataset keyed by (epoch, row): packed row `row` of that epoch's plan, read through `loader.cache`.
+
+    One DataLoader spans every epoch (no worker restart at epoch boundaries); each process packs an epoch's plan
+    itself (pure, from the sample table). The cache reader pickles without open file handles and reopens them
+    lazily in each worker process.
+    """
+
+    def __init__(self, loader: TrainLoader) -> None:
+        self.loader = loader
+
+    def __getitem__(self, key: tuple[int, int]) -> PackedBatch:
+        epoch, row = key
+        lo = self.loader
+        plan = lo.plan(epoch)[row]
+        return read_packed(lo.cache, plan, epoch, row, lo.need_last_hidden, lo.skip_corrupt)
+
+
+class _RowOrder(torch.utils.data.Sampler):
+    """(epoch, row) keys of this rank from a cursor on, endlessly, in step order."""
+
+    def __init__(self, loader: TrainLoader, cursor: Cursor) -> None:
+        self.loader, self.cursor = loader, cursor
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        for epoch, step in self.loader.steps_from(self.cursor):
+            for row in self.loader.rows_of_step(step):
+                yield epoch, row
+
+
+def read_packed(
+    cache: Any, plan: RowPlan, epoch: int, row: int, need_last_hidden: bool, skip_corrupt: bool
+) -> PackedBatch:
+    """Read and shift every sample of `plan` and concatenate them into one PackedBatch.
+
+    A sample whose read raises CorruptCache is dropped and listed in `corrupt` (the trainer raises unless
+    skip_corrupt); the message is kept so the error is raised in the main process with one line.
+    """
+    parts: list[dict[str, torch.Tensor | None]] = []
+    lengths: list[int] = []
+    ids: list[int] = []
+    corrupt: list[tuple[int, str]] = []
+    for sid, n in zip(plan.sample_ids, plan.lengths, strict=True):
+        try:
+            sample = cache.read_sample(sid)
+        except CorruptCache as err:
+            corrupt.append((sid, str(err)))
+            if not skip_corrupt:
+                break
+            continue
+        parts.append(shift_sample(sample, n, need_last_hidden))
+        lengths.append(n)
+        ids.append(sid)
+    if not parts:  # every sample corrupt: an empty row (the trainer skips it)
+        return PackedBatch(
+            torch.zeros(0, dtype=torch.long),
+            torch.zeros(0, 0),
+            torch.zeros(0, 0, dtype=torch.long),
+            torch.zeros(0, 0),
+            torch.zeros(0, dtype=torch.bool),
+            None,
+            [],
+            [],
+            epoch,
+            row,
+            corrupt,
+        )
+
+    def cat(key: str) -> torch.Tensor:
+        return torch.cat([p[key] for p in parts])  # type: ignore[misc]
+
+    return PackedBatch(
+        input_ids=cat("input_ids"),
+        aux_hidden=cat("aux_hidden"),
+        topk_ids=cat("topk_ids"),
+        topk_logprobs=cat("topk_logprobs"),
+        weight=cat("weight"),
+        last_hidden=cat("last_hidden") if need_last_hidden else None,
+        doc_lengths=lengths,
+        sample_ids=ids,
+        epoch=epoch,
+        row=row,
+        corrupt=corrupt,
+    )
+
+
+class TrainLoader:
+    """This rank's stream of optimizer steps: each item is the list of `micro_steps` PackedBatches of one step.
+
+    Args:
+        cache: the opened cache (`cache.reader.Cache`; pickled into workers, which reopen files lazily).
+        split: from `split_samples`.
+        budget: shifted tokens per packed row (`tokens_per_step`).
+        seed: shuffle seed.
+        rank, world_size: data-parallel position.
+        micro_steps: packed rows per rank per optimizer step (gradient accumulation).
+        num_workers: DataLoader worker processes (0 = read in the training process).
+        need_last_hidden, skip_corrupt: see `read_packed`.
+    """
+
+    def __init__(
+        self,
+        cache: Any,
+        split: DataSplit,
+        budget: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        micro_steps: int = 1,
+        num_workers: int = 0,
+        need_last_hidden: bool = False,
+        skip_corrupt: bool = False,
+    ) -> None:
+        self.cache = cache
+        self.split = split
+        self.budget = budget
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.micro_steps = micro_steps
+        self.num_workers = num_workers
+        self.need_last_hidden = need_last_hidden
+        self.skip_corrupt = skip_corrupt
+        self._plans: dict[int, list[RowPlan]] = {}
+        if len(split.train_ids) == 0:
+            raise BadConfig("no training samples with supervised tokens in the cache")
+        if self.steps_in_epoch(0) == 0:
+            raise BadConfig(
+                f"the training split packs into {len(self.plan(0))} row(s) of {budget} tokens, fewer than the "
+                f"{world_size * micro_steps} one step needs: lower tokens_per_step or extract more samples"
+            )
+
+    def plan(self, epoch: int) -> list[RowPlan]:
+        if epoch not in self._plans:  # keep two epochs: the sampler runs ahead across an epoch boundary
+            self._plans = {e: p for e, p in self._plans.items() if e == epoch - 1}
+            self._plans[epoch] = pack_epoch(self.split, self.budget, self.seed, epoch)
+        return self._plans[epoch]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return len(self.plan(epoch)) // (self.world_size * self.micro_steps)
+
+    def rows_of_step(self, step: int) -> list[int]:
+        """Packed-row indices this rank reads for `step` of an epoch."""
+        base = step * self.world_size * self.micro_steps + self.rank * self.micro_steps
+        return [base + a for a in range(self.micro_steps)]
+
+    def steps_from(self, cursor: Cursor) -> Iterator[tuple[int, int]]:
+        """(epoch, step) of every step from `cursor` on, endlessly."""
+        epoch, step = cursor.epoch, cursor.step
+        while True:
+            for s in range(step, self.steps_in_epoch(epoch)):
+                yield epoch, s
+            epoch, step = epoch + 1, 0
+
+    def iterate(self, cursor: Cursor) -> Iterator[tuple[Cursor, list[PackedBatch]]]:
+        """Endless stream from `cursor`: (cursor after this step, this step's micro-batches), across epochs."""
+        loader = torch.utils.data.DataLoader(
+            PackedRows(self),
+            batch_size=None,
+            sampler=_RowOrder(self, cursor),
+            num_workers=self.num_workers,
+            collate_fn=_identity,
+            prefetch_factor=4 if self.num_workers else None,
+        )
+        it = iter(loader)
+        for epoch, step in self.steps_from(cursor):
+            micro = [next(it) for _ in range(self.micro_steps)]
+            n = self.steps_in_epoch(epoch)
+            yield (Cursor(epoch, step + 1) if step + 1 < n else Cursor(epoch + 1, 0)), micro
+
+    def eval_plans(self) -> list[RowPlan]:
+        """Held-out samples packed in id order (fixed across the run)."""
+        return pack_rows(self.split.eval_ids, self.split.eval_lengths, self.budget)
+
+
+def _identity(x: Any) -> Any:
+    return x

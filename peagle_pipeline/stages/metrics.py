@@ -1,0 +1,221 @@
+"""Where training metrics go: metrics.jsonl, TensorBoard events, a tqdm bar; and PNG curves from metrics.jsonl.
+
+A record is a flat dict: `step`, `kind` ("train" or "eval"), scalars (`loss`, `lr`, `tokens_per_s`, ...) and
+per-depth lists (`agreement`: top-1 agreement at depth 0..K-1). Only rank 0 builds real sinks; other ranks get
+`NullSink`. Never computes metrics itself and never touches models.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = ["METRICS_FILE", "TB_DIR", "PLOTS_DIR", "MetricSink", "NullSink", "RunSink", "read_metrics", "plot"]
+
+METRICS_FILE = "metrics.jsonl"
+TB_DIR = "tb"
+PLOTS_DIR = "plots"
+
+
+class MetricSink(Protocol):
+    """Receives metric records; `progress` advances the bar by optimizer steps."""
+
+    def log(self, record: dict[str, Any]) -> None: ...
+
+    def progress(self, steps: int, postfix: dict[str, Any]) -> None: ...
+
+    def write(self, line: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NullSink:
+    """The sink of non-zero ranks and of library use without output."""
+
+    def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def progress(self, steps: int, postfix: dict[str, Any]) -> None:
+        pass
+
+    def write(self, line: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RunSink:
+    """metrics.jsonl (append, line-buffered, fsync on close) + TensorBoard + tqdm progress bar.
+
+    On resume, records with step > `start_step` left by the killed run are dropped from metrics.jsonl first, so
+    the file reads as one uninterrupted run.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        total_steps: int,
+        start_step: int = 0,
+        progress_bar: bool = True,
+        tensorboard: bool = True,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        path = self.run_dir / METRICS_FILE
+        if path.exists():
+            kept = [r for r in read_metrics(self.run_dir) if int(r.get("step", 0)) <= start_step]
+            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (owned until close)
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / TB_DIR), purge_step=start_step + 1)
+        self._bar = None
+        if progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                unit="step",
+                dynamic_ncols=True,
+                disable=None,
+                mininterval=1.0,
+            )
+
+    def log(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            step, kind = int(record["step"]), record.get("kind", "train")
+            for key, value in record.items():
+                if key in ("step", "kind"):
+                    continue
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+                elif isinstance(value, list):
+                    for d, v in enumerate(value):
+                        if isinstance(v, (int, float)) and math.isfinite(v):
+                            self._tb.add_scalar(f"{kind}/{key}/depth{d}", v, step)
+
+    def progress(self, steps: int, postfix: dict[str, Any]) -> None:
+        if self._bar is not None:
+            self._bar.update(steps)
+            if postfix:
+                self._bar.set_postfix(postfix, refresh=False)
+
+    def write(self, line: str) -> None:
+        """A message for the user (stderr) that does not break the progress bar."""
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+
+
+def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All complete records of a run's metrics.jsonl (a torn last line, from a kill, is ignored)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def plot(run_dir: str | os.PathLike[str]) -> list[Path]:
+    """Write loss.png, agreement.png and acceptance.png under RUN/plots from metrics.jsonl; returns their paths.
+
+    Raises:
+        BadInput: the run has no metrics.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from peagle_pipeline.errors import BadInput
+
+    records = read_metrics(run_dir)
+    if not records:
+        raise BadInput(f"no {METRICS_FILE} records in {run_dir}: train first")
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    out_dir = Path(run_dir) / PLOTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot(
+        [r["step"] for r in train if "loss" in r], [r["loss"] for r in train if "loss" in r], label="train"
+    )
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="held-out")
+    ax.set(xlabel="optimizer step", ylabel="KL(target || draft) per element", title="Loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    written.append(_save(fig, out_dir / "loss.png"))
+
+    source = evals or train
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    depths = max((len(r.get("agreement", [])) for r in source), default=0)
+    for d in range(depths):
+        pts = [
+            (r["step"], r["agreement"][d])
+            for r in source
+            if len(r.get("agreement", [])) > d and r["agreement"][d] is not None
+        ]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), "o-" if evals else "-", label=f"depth {d}")
+    ax.set(
+        xlabel="optimizer step",
+        ylabel="top-1 agreement",
+        ylim=(0, 1),
+        title=f"Per-depth top-1 agreement ({'held-out' if evals else 'train'})",
+    )
+    ax.grid(alpha=0.3)
+    if depths:
+        ax.legend(ncol=2, fontsize="small")
+    written.append(_save(fig, out_dir / "agreement.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    pts = [(r["step"], r["acceptance"]) for r in evals if r.get("acceptance") is not None]
+    if pts:
+        ax.plot(*zip(*pts, strict=True), "o-", color="tab:green")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set(
+        xlabel="optimizer step",
+        ylabel="tokens per verification (est.)",
+        title="Estimated acceptance length (held-out, full-depth chains)",
+    )
+    ax.grid(alpha=0.3)
+    written.append(_save(fig, out_dir / "acceptance.png"))
+    return written
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,733 @@
+"""`peagle-pipeline train`: train a P-EAGLE draft from a cache (never loads the target model).
+
+One optimizer step, composed (each arrow a tested pure call):
+packed row -> `core.cod.build_layout` (generator seeded by (seed, epoch, row)) -> `core.partition.plan_segments`
+-> mask (`core.mask.dense_mask` on CPU, `build_block_mask` on CUDA) -> DDP-wrapped `PEagleDraft` -> chunked KL
+`(loss_sum, count)` -> scale by world / GLOBAL count (counted before any backward) -> backward per segment
+(`no_sync` for all but the last) -> clip -> AdamW at `lr_at(step)`.
+
+Randomness: COD draws use a fresh generator per packed row seeded by (seed, epoch, row index), so resuming and
+changing how rows are spread over ranks/micro-steps give bit-identical layouts; the shuffle is seeded by
+(seed, epoch), the held-out split and the init by seed. The checkpoint keeps the data cursor and step (all a
+resume needs) plus torch's global RNG state as a guard. Process groups, logging sinks and seeding happen in
+`run()` only. Outputs (checkpoints, metrics, export) are written by rank 0 only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peagle_pipeline.config import TrainConfig, to_dict
+from peagle_pipeline.core import cod, loss, mask, partition, vocab
+from peagle_pipeline.core.model import DraftConfig, PEagleDraft
+from peagle_pipeline.errors import (
+    BadConfig,
+    BadInput,
+    CorruptCache,
+    NumericalFault,
+    OutputExists,
+    ResumeMismatch,
+)
+from peagle_pipeline.runtime import RankLock, atomic_write_json, atomic_write_text, rank_world_from_env
+from peagle_pipeline.stages import metrics as metrics_mod
+from peagle_pipeline.stages.checkpoint import CheckpointManager
+from peagle_pipeline.stages.export import DraftSpec, export_run
+from peagle_pipeline.stages.loader import (
+    Cursor,
+    PackedBatch,
+    TrainLoader,
+    mix_seed,
+    pack_rows,
+    read_packed,
+    split_samples,
+)
+
+__all__ = [
+    "run",
+    "Trainer",
+    "Dist",
+    "lr_at",
+    "build_draft",
+    "prepare_output",
+    "TRAIN_YAML",
+    "RUN_JSON",
+    "EXPORT_DIR",
+    "RESUME_IGNORED",
+]
+
+log = logging.getLogger(__name__)
+
+TRAIN_YAML = "train.yaml"
+RUN_JSON = "run.json"
+EXPORT_DIR = "export"
+LOCK_FILE = "train.lock"
+# Settings a resume may change: they do not alter the trained weights.
+RESUME_IGNORED = frozenset({"resume", "num_workers", "log_every", "export"})
+
+
+# ------------------------------------------------------------------------------------------------ small parts
+def lr_at(step: int, peak: float, warmup: int, total: int, schedule: str) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warm-up to `peak`, then cosine/linear to 0 or flat.
+
+    Example: peak 1.0, warmup 2, total 6, cosine -> 0.5, 1.0, 1.0, 0.854, 0.5, 0.146.
+    """
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if schedule == "constant":
+        return peak
+    progress = (step - warmup) / max(1, total - warmup)
+    if schedule == "linear":
+        return peak * max(0.0, 1.0 - progress)
+    return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+@dataclass
+class Dist:
+    """This process's place in the data-parallel group (world 1 = no process group)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    owns_group: bool = False
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def setup(cls, device: str) -> Dist:
+        """Read RANK/WORLD_SIZE/LOCAL_RANK (torchrun); init gloo (CPU) or NCCL (CUDA) when world > 1."""
+        rank, world = rank_world_from_env(None, None)
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        if device == "auto":
+            device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+        elif device == "cuda" and world > 1:
+            device = f"cuda:{local}"
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise BadConfig(f"device {device} requested but CUDA is not available")
+            torch.cuda.set_device(dev)
+        owns = False
+        if world > 1 and not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+            owns = True
+        return cls(rank=rank, world=world, local_rank=local, device=dev, owns_group=owns)
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum a small CPU tensor over ranks, in place (through the device for NCCL, which has no CPU tensors)."""
+        if self.world > 1:
+            on_dev = t.to(self.device)
+            torch.distributed.all_reduce(on_dev)
+            t.copy_(on_dev.cpu())
+        return t
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def teardown(self) -> None:
+        if self.owns_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def prepare_output(cfg: TrainConfig, world: int, micro_steps: int) -> bool:
+    """Check the run directory against the request; True when a previous run is continued.
+
+    Raises:
+        OutputExists: a non-empty output without --resume.
+        BadInput: --resume but no run there.
+        ResumeMismatch: --resume with settings other than the run's train.yaml (names them).
+    """
+    import yaml
+
+    out = Path(cfg.output)
+    has_run = (out / TRAIN_YAML).is_file()
+    if not cfg.resume:
+        if has_run:
+            raise OutputExists(
+                f"{out} already holds a training run: add --resume to continue it, or choose another --output"
+            )
+        if out.exists() and any(out.iterdir()):
+            raise OutputExists(f"{out} is not empty and holds no training run: choose another --output")
+        return False
+    if not has_run:
+        raise BadInput(f"nothing to resume in {out} (no {TRAIN_YAML}): drop --resume to start a new run")
+    saved = (yaml.safe_load((out / TRAIN_YAML).read_text()) or {}).get("train", {})
+    now = to_dict(cfg)
+    run_facts = json.loads((out / RUN_JSON).read_text()) if (out / RUN_JSON).is_file() else {}
+    saved.update(
+        world_size=run_facts.get("world_size", world), micro_steps=run_facts.get("micro_steps", micro_steps)
+    )
+    now.update(world_size=world, micro_steps=micro_steps)
+    diff = sorted(k for k in set(saved) | set(now) if k not in RESUME_IGNORED and saved.get(k) != now.get(k))
+    if diff:
+        detail = ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in diff)
+        raise ResumeMismatch(f"cannot resume {out}: settings differ from its {TRAIN_YAML}: {detail}")
+    return True
+
+
+def _write_run_files(cfg: TrainConfig, world: int, micro_steps: int, resumed: bool) -> None:
+    import transformers
+    import yaml
+
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    if not resumed:
+        head = "# Resolved settings of this run (compared by --resume). Use it as a pipeline file: -c train.yaml\n"
+        atomic_write_text(out / TRAIN_YAML, head + yaml.safe_dump({"train": to_dict(cfg)}, sort_keys=False))
+    facts = json.loads((out / RUN_JSON).read_text()) if (out / RUN_JSON).is_file() else {"starts": []}
+    from peagle_pipeline import __version__
+
+    facts.update(world_size=world, micro_steps=micro_steps)
+    facts["starts"].append(
+        {
+            "argv": sys.argv,
+            "time": time.time(),
+            "resumed": resumed,
+            "versions": {
+                "peagle_pipeline": __version__,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "python": platform.python_version(),
+            },
+        }
+    )
+    atomic_write_json(out / RUN_JSON, facts)
+
+
+def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, vocab.DraftVocab | None]:
+    """The draft from the cache only: target config + pieces, token counts -> vocabulary, tokenizer -> mask id.
+
+    Raises:
+        BadConfig: draft_vocab_size explicitly larger than the target vocabulary; exact target without last
+            hidden states in the cache.
+    """
+    meta = cache.meta
+    V = int(meta.vocab_size)
+    size = cfg.draft_vocab_size
+    if size > V:
+        default = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "draft_vocab_size")
+        if size != default:
+            raise BadConfig(
+                f"draft_vocab_size {size} is larger than the target vocabulary ({V}): use at most {V}"
+            )
+        log.warning("draft_vocab_size %d exceeds the target vocabulary; using %d", size, V)
+        size = V
+    if cfg.target == "exact" and not meta.has_last_hidden:
+        raise BadConfig(
+            f"target=exact needs last hidden states, but cache {cfg.cache} has none: re-extract with "
+            "--last-hidden or use target=topk"
+        )
+    dvocab = vocab.build_draft_vocab(torch.from_numpy(cache.token_counts()), size)
+    tok = cache.tokenizer()
+    pieces = cache.target_pieces()
+    mask_id, warning = vocab.choose_mask_token_id(
+        tok.mask_token_id,
+        len(tok),
+        int(pieces["embed_tokens.weight"].shape[0]),
+        tok.pad_token_id,
+        tok.eos_token_id,
+    )
+    if warning:
+        log.warning(warning)
+    target_config = cache.target_config()
+    dcfg = DraftConfig.from_target_config(
+        target_config,
+        num_layers=cfg.draft_layers,
+        num_aux=len(meta.aux_layer_ids),
+        draft_vocab_size=size,
+        mask_token_id=mask_id,
+        norm_before_residual=cfg.norm_before_residual,
+    )
+    keep = None if dvocab.is_identity else dvocab
+    g = torch.Generator().manual_seed(mix_seed("init", cfg.seed))
+    model = PEagleDraft(dcfg, pieces, keep, generator=g, grad_checkpointing=cfg.grad_checkpointing)
+    spec = DraftSpec(
+        target_config=target_config,
+        verifier_name_or_path=meta.target_name_or_path,
+        verifier_architectures=list(meta.target_architectures),
+        aux_layer_ids=list(meta.aux_layer_ids),
+        draft_layers=cfg.draft_layers,
+        draft_vocab_size=size,
+        mask_token_id=mask_id,
+        norm_before_residual=cfg.norm_before_residual,
+        depths=cfg.depths,
+    )
+    return model, spec, keep
+
+
+@dataclass
+class Prepared:
+    """One packed row ready for forward: batch on device, its COD layout, counted elements, segments."""
+
+    batch: PackedBatch
+    layout: cod.CODLayout
+    valid: torch.Tensor  # BoolTensor[N]: elements that carry loss
+    segments: list[partition.Segment]
+
+
+@dataclass
+class StepStats:
+    """Global (all-rank) sums of one step."""
+
+    loss_sum: float = 0.0
+    count: int = 0
+    correct: list[int] = field(default_factory=list)
+    total: list[int] = field(default_factory=list)
+    tokens: int = 0
+    grad_norm: float = 0.0
+    skipped: bool = False
+
+
+# ------------------------------------------------------------------------------------------------- the trainer
+class Trainer:
+    """Owns the model, optimizer, data stream and checkpoints of one run (one per process)."""
+
+    def __init__(self, cfg: TrainConfig, dist: Dist, micro_steps: int = 1, sink: Any = None) -> None:
+        from peagle_pipeline.cache.reader import open_cache
+
+        self.cfg, self.dist, self.micro_steps = cfg, dist, micro_steps
+        self.cache = open_cache(cfg.cache, check=True)
+        self.model, self.spec, self.vocab = build_draft(self.cache, cfg)
+        self.model.to(dist.device)
+        self.ddp: torch.nn.Module = self.model
+        if dist.world > 1:
+            self.ddp = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None
+            )
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+        )
+        self.cod = cod.CODConfig(
+            depths=cfg.depths,
+            ratio=cfg.down_sample_ratio,
+            ratio_min=cfg.down_sample_ratio_min,
+            max_anchors=cfg.max_anchors,
+        )
+        self.split = split_samples(self.cache.samples, cfg.eval_samples, cfg.seed)
+        self.loader = TrainLoader(
+            self.cache,
+            self.split,
+            cfg.tokens_per_step,
+            cfg.seed,
+            dist.rank,
+            dist.world,
+            micro_steps,
+            cfg.num_workers,
+            cfg.target == "exact",
+            cfg.skip_corrupt,
+        )
+        self.total_steps = cfg.steps or sum(self.loader.steps_in_epoch(e) for e in range(cfg.epochs))
+        self.ckpt = CheckpointManager(cfg.output, cfg.keep_checkpoints)
+        self.sink = sink or metrics_mod.NullSink()
+        self.step, self.cursor, self.bad_steps = 0, Cursor(), 0
+        self.best: float | None = None
+        self.skipped_corrupt = 0
+        self.autocast = dict(
+            device_type=dist.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"
+        )
+        if cfg.target == "exact":
+            self.target_norm = self.cache.target_pieces()["norm.weight"].to(dist.device)
+            self.target_eps = float(self.cache.target_config().get("rms_norm_eps", 1e-6))
+
+    # ---- state ---------------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "epoch": self.cursor.epoch,
+            "epoch_step": self.cursor.step,
+            "bad_steps": self.bad_steps,
+            "best": self.best,
+            "skipped_corrupt": self.skipped_corrupt,
+            "torch_rng": torch.get_rng_state(),
+            "seed": self.cfg.seed,
+        }
+
+    def restore(self) -> bool:
+        """Load the highest complete checkpoint, if any; True when one was loaded."""
+        ckpt = self.ckpt.load_latest()
+        if ckpt is None:
+            return False
+        self.model.load_state_dict({k: v.to(self.dist.device) for k, v in ckpt.model.items()}, strict=True)
+        self.optimizer.load_state_dict(ckpt.optimizer)
+        s = ckpt.state
+        self.step, self.cursor = int(s["step"]), Cursor(int(s["epoch"]), int(s["epoch_step"]))
+        self.bad_steps, self.best, self.skipped_corrupt = (
+            int(s["bad_steps"]),
+            s["best"],
+            int(s["skipped_corrupt"]),
+        )
+        torch.set_rng_state(s["torch_rng"])
+        return True
+
+    def save(self, best: bool = False, metrics: dict[str, Any] | None = None) -> None:
+        if self.dist.main:
+            self.ckpt.save(
+                self.step,
+                self.model.state_dict(),
+                self.optimizer.state_dict(),
+                self.state(),
+                {"metrics": metrics or {}},
+                best=best,
+            )
+        self.dist.barrier()
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    def prepare(self, batch: PackedBatch, full: bool = False) -> Prepared:
+        """Sample the row's COD layout (its own seeded generator) and plan its segments."""
+        if batch.corrupt:
+            sid, msg = batch.corrupt[0]
+            if not self.cfg.skip_corrupt:
+                raise CorruptCache(
+                    f"{msg} (sample {sid}); re-extract or pass --skip-corrupt to skip such samples"
+                )
+            self.skipped_corrupt += len(batch.corrupt)
+            log.warning("skipped %d corrupt sample(s) in row %d: %s", len(batch.corrupt), batch.row, msg)
+        dev = self.dist.device
+        b = dataclasses.replace(
+            batch,
+            **{
+                k: getattr(batch, k).to(dev)
+                for k in ("input_ids", "aux_hidden", "topk_ids", "topk_logprobs", "weight")
+            },
+            last_hidden=None if batch.last_hidden is None else batch.last_hidden.to(dev),
+        )
+        g = torch.Generator().manual_seed(mix_seed("cod", self.cfg.seed, batch.epoch, batch.row))
+        lay = cod.build_layout(b.doc_lengths, b.weight.cpu(), self.cod, g, full=full).to(dev)
+        valid = lay.element_weight(b.weight)
+        if self.cfg.target == "topk" and len(lay):
+            _, _, has, _ = loss.topk_targets(b.topk_ids[lay.target], b.topk_logprobs[lay.target], self.vocab)
+            valid = valid & has
+        segs = (
+            partition.plan_segments(lay, 1 if full else self.cfg.sequence_partitions, valid)
+            if len(lay)
+            else []
+        )
+        return Prepared(b, lay, valid, segs)
+
+    def _mask(self, lay: cod.CODLayout, query: torch.Tensor | None = None) -> Any:
+        if self.dist.device.type == "cuda":
+            return mask.build_block_mask(lay, self.dist.device, query)
+        return mask.dense_mask(lay, query)
+
+    def forward_segment(
+        self, p: Prepared, seg: partition.Segment, module: torch.nn.Module
+    ) -> loss.LossOutput:
+        """Forward one segment through `module` (DDP-wrapped in training) and return its loss sums."""
+        sub = p.layout.select(seg.index)
+        q = None if bool(seg.owned.all()) else seg.out_index  # all owned: plain forward, no query subset
+        real = sub.depth == 0
+        aux_index = torch.zeros_like(sub.target)
+        aux_index[real] = torch.arange(int(real.sum()), device=sub.target.device)
+        aux = p.batch.aux_hidden[sub.target[real]]
+        if self.cfg.precision == "fp32":
+            aux = aux.float()
+        with torch.autocast(**self.autocast):
+            hidden = module(
+                p.batch.input_ids[sub.target],
+                aux,
+                ~real,
+                sub.position,
+                self._mask(sub),
+                aux_index=aux_index,
+                out_index=q,
+                out_mask=None if q is None else self._mask(sub, q),
+            )
+            owned = seg.owned_elements
+            rows, depth, w = p.layout.target[owned], p.layout.depth[owned], p.valid[owned]
+            head = self.model.lm_head.weight
+            if self.cfg.target == "exact":
+                return loss.kl_exact(
+                    hidden,
+                    head,
+                    p.batch.last_hidden[rows],
+                    self.target_norm,
+                    self.target_eps,
+                    w,
+                    depth,
+                    self.cfg.depths,
+                    self.cfg.loss_chunk,
+                )
+            return loss.kl_topk(
+                hidden,
+                head,
+                p.batch.topk_ids[rows],
+                p.batch.topk_logprobs[rows],
+                w,
+                depth,
+                self.vocab,
+                self.cfg.depths,
+                self.cfg.loss_chunk,
+            )
+
+    def train_step(self, micro: list[PackedBatch]) -> StepStats:
+        """Forward/backward every micro-batch and segment, then one guarded optimizer update."""
+        self.ddp.train()
+        prepared = [self.prepare(b) for b in micro]
+        K = self.cfg.depths
+        local_count = sum(int(p.valid.sum()) for p in prepared)
+        count = int(self.dist.all_sum(torch.tensor([local_count], dtype=torch.float64))[0])
+        acc = torch.zeros(2 + 2 * K, dtype=torch.float64)  # loss_sum, tokens, correct[K], total[K]
+        acc[1] = sum(p.batch.num_tokens for p in prepared)
+        if count > 0:
+            scale = self.dist.world / count  # DDP averages over ranks: sum / global count overall
+            work = [(p, s) for p in prepared for s in p.segments]
+            for i, (p, seg) in enumerate(work):
+                sync = i == len(work) - 1
+                ctx = self.ddp.no_sync() if (self.dist.world > 1 and not sync) else contextlib.nullcontext()
+                with ctx:
+                    out = self.forward_segment(p, seg, self.ddp)
+                    (out.loss_sum * scale).backward()
+                acc[0] += float(out.loss_sum.detach())
+                acc[2 : 2 + K] += out.correct.cpu().double()
+                acc[2 + K :] += out.total.cpu().double()
+            if not work and self.dist.world > 1:  # keep DDP's collective pattern: a zero-loss backward
+                self._zero_backward()
+        self.dist.all_sum(acc)
+        stats = StepStats(
+            loss_sum=float(acc[0]),
+            count=count,
+            correct=acc[2 : 2 + K].long().tolist(),
+            total=acc[2 + K :].long().tolist(),
+            tokens=int(acc[1]),
+        )
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if count == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            stats.skipped = True
+            return stats
+        norm = torch.nn.utils.clip_grad_norm_(
+            params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
+        )
+        stats.grad_norm = float(norm)
+        if not (math.isfinite(stats.loss_sum) and math.isfinite(stats.grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.bad_steps += 1
+            stats.skipped = True
+            msg = (
+                f"step {self.step + 1}: non-finite loss or gradient (loss sum {stats.loss_sum}, grad norm "
+                f"{stats.grad_norm}); update skipped ({self.bad_steps}/{self.cfg.max_bad_steps} in a row)"
+            )
+            log.warning(msg)
+            if self.bad_steps >= self.cfg.max_bad_steps:
+                raise NumericalFault(
+                    f"{self.bad_steps} consecutive steps with non-finite loss or gradients; "
+                    "lower lr, use precision=fp32, or check the cache with `verify`"
+                )
+            return stats
+        self.bad_steps = 0
+        lr = lr_at(self.step, self.cfg.lr, self.cfg.warmup, self.total_steps, self.cfg.schedule)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return stats
+
+    def _zero_backward(self) -> None:
+        out = sum(p.sum() * 0.0 for p in self.ddp.parameters() if p.requires_grad)
+        out.backward()  # type: ignore[union-attr]
+
+    # ---- evaluation ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any] | None:
+        """Held-out loss, per-depth top-1 agreement and estimated acceptance length (full-depth chains)."""
+        if len(self.split.eval_ids) == 0:
+            return None
+        self.model.eval()
+        K = self.cfg.depths
+        budget = max(64, self.cfg.tokens_per_step // max(1, K // 2))
+        plans = pack_rows(self.split.eval_ids, self.split.eval_lengths, budget)
+        loss_sum, count, acc_sum, acc_n = 0.0, 0, 0.0, 0
+        correct, total = torch.zeros(K, dtype=torch.long), torch.zeros(K, dtype=torch.long)
+        for i, plan in enumerate(plans):
+            batch = read_packed(self.cache, plan, -1, i, self.cfg.target == "exact", self.cfg.skip_corrupt)
+            p = self.prepare(batch, full=True)
+            if not p.segments:
+                continue
+            whole = partition.Segment(
+                index=torch.arange(len(p.layout), device=self.dist.device),
+                owned=torch.ones(len(p.layout), dtype=torch.bool, device=self.dist.device),
+            )
+            out = self.forward_segment(p, whole, self.model)
+            loss_sum += float(out.loss_sum)
+            count += int(out.count)
+            correct += out.correct.cpu()
+            total += out.total.cpu()
+            s, n = loss.acceptance_estimate(p.layout, out.element_correct, out.element_valid, K)
+            acc_sum, acc_n = acc_sum + float(s), acc_n + int(n)
+        self.model.train()
+        return {
+            "step": self.step,
+            "kind": "eval",
+            "loss": loss_sum / max(count, 1),
+            "agreement": [
+                c / t if t else None for c, t in zip(correct.tolist(), total.tolist(), strict=True)
+            ],
+            "acceptance": acc_sum / acc_n if acc_n else None,
+            "eval_elements": count,
+        }
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        """Run steps until `total_steps`; eval, save and log on their cadences. Returns the final eval record."""
+        cfg, K = self.cfg, self.cfg.depths
+        window = _Window(K)
+        stream = self.loader.iterate(self.cursor)
+        last_eval: dict[str, Any] | None = None
+        saved_at = self.step
+        while self.step < self.total_steps:
+            t0 = time.perf_counter()
+            cursor, micro = next(stream)
+            t_data = time.perf_counter() - t0
+            stats = self.train_step(micro)
+            self.cursor, self.step = cursor, self.step + 1
+            window.add(stats, t_data, time.perf_counter() - t0)
+            done = self.step == self.total_steps
+            if self.step % cfg.log_every == 0 or done:
+                record = window.record(
+                    self.step,
+                    lr_at(self.step - 1, cfg.lr, cfg.warmup, self.total_steps, cfg.schedule),
+                    self.skipped_corrupt,
+                )
+                self.sink.log(record)
+                window = _Window(K)
+                self.sink.progress(
+                    0,
+                    {
+                        "loss": f"{record['loss']:.3f}",
+                        "agree0": _fmt(record["agreement"][0]),
+                        "tok/s": f"{record['tokens_per_s']:.0f}",
+                    },
+                )
+            self.sink.progress(1, {})
+            if (self.step % cfg.eval_every == 0 or done) and self.split.eval_ids.size:
+                last_eval = self.evaluate() if self.dist.main else None
+                is_best = False
+                if last_eval is not None:
+                    self.sink.log(last_eval)
+                    acc = last_eval["acceptance"]
+                    is_best = acc is not None and (self.best is None or acc > self.best)
+                    if is_best:
+                        self.best = acc
+                flag = self.dist.all_sum(torch.tensor([1.0 if is_best else 0.0]))
+                if float(flag[0]) > 0:
+                    self.save(best=True, metrics=last_eval)
+                    saved_at = self.step
+            if (self.step % cfg.save_every == 0 or done) and saved_at != self.step:
+                self.save()
+                saved_at = self.step
+        return last_eval or {}
+
+
+class _Window:
+    """Sums of the steps since the last log record."""
+
+    def __init__(self, depths: int) -> None:
+        self.loss, self.count, self.tokens, self.steps, self.skipped = 0.0, 0, 0, 0, 0
+        self.correct, self.total = [0] * depths, [0] * depths
+        self.wait, self.elapsed, self.grad_norm = 0.0, 0.0, 0.0
+
+    def add(self, s: StepStats, wait: float, elapsed: float) -> None:
+        self.steps += 1
+        self.skipped += int(s.skipped)
+        if math.isfinite(s.loss_sum):
+            self.loss += s.loss_sum
+            self.count += s.count
+        self.tokens += s.tokens
+        self.correct = [
+            a + b for a, b in zip(self.correct, s.correct or [0] * len(self.correct), strict=True)
+        ]
+        self.total = [a + b for a, b in zip(self.total, s.total or [0] * len(self.total), strict=True)]
+        self.wait += wait
+        self.elapsed += elapsed
+        self.grad_norm = s.grad_norm
+
+    def record(self, step: int, lr: float, skipped_corrupt: int) -> dict[str, Any]:
+        return {
+            "step": step,
+            "kind": "train",
+            "loss": self.loss / max(self.count, 1),
+            "lr": lr,
+            "grad_norm": self.grad_norm,
+            "tokens_per_s": self.tokens / max(self.elapsed, 1e-9),
+            "data_wait": self.wait / max(self.elapsed, 1e-9),
+            "step_time": self.elapsed / max(self.steps, 1),
+            "agreement": [c / t if t else None for c, t in zip(self.correct, self.total, strict=True)],
+            "elements": self.count,
+            "skipped_steps": self.skipped,
+            "skipped_corrupt": skipped_corrupt,
+        }
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+# ----------------------------------------------------------------------------------------------------- entry
+def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
+    """Train (or resume) a run; returns the final held-out metrics. `micro_steps` = packed rows per rank per step.
+
+    Raises:
+        PeagleError subclasses for every user mistake (see `prepare_output`, `build_draft`, the cache reader).
+    """
+    dist = Dist.setup(cfg.device)
+    lock = None
+    sink: Any = metrics_mod.NullSink()
+    try:
+        resumed = prepare_output(cfg, dist.world, micro_steps)  # every rank checks before anyone writes
+        dist.barrier()
+        if dist.main:
+            lock = RankLock(Path(cfg.output) / LOCK_FILE, f"training run {cfg.output}").acquire()
+            _write_run_files(cfg, dist.world, micro_steps, resumed)
+        dist.barrier()
+        trainer = Trainer(cfg, dist, micro_steps)
+        if dist.main:
+            trainer.spec.save(cfg.output)
+        if resumed and trainer.restore():
+            log.info("resumed %s at step %d", cfg.output, trainer.step)
+        if dist.main:
+            sink = metrics_mod.RunSink(cfg.output, trainer.total_steps, start_step=trainer.step)
+            trainer.sink = sink
+            if trainer.split.skipped_unsupervised:
+                sink.write(
+                    f"skipped {trainer.split.skipped_unsupervised} sample(s) without supervised tokens"
+                )
+        final = trainer.fit()
+        if dist.main:
+            with contextlib.suppress(BadInput):
+                metrics_mod.plot(cfg.output)
+            if cfg.export:
+                sink.write(
+                    f"exported draft to {export_run(cfg.output, Path(cfg.output) / EXPORT_DIR, 'best')}"
+                )
+            if final:
+                acc = final.get("acceptance")
+                sink.write(
+                    f"held-out: loss {final['loss']:.4f}, acceptance length "
+                    f"{'-' if acc is None else f'{acc:.3f}'}, agreement per depth "
+                    f"{[_fmt(a) for a in final['agreement']]}"
+                )
+        sink.close()
+        dist.barrier()
+        return final
+    finally:
+        sink.close()
+        if lock is not None:
+            lock.release()
+        dist.teardown()

@@ -1,0 +1,96 @@
+"""Integration fixtures: real caches built once per session with the real `peagle-pipeline extract` CLI on the
+tiny model, from JSONL conversations generated here; and a helper to run the CLI as a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORDS = (
+    "hello world the quick brown fox jumps over lazy dog speculative decoding drafts tokens target model "
+    "verifies parallel capital france paris answer question helpful assistant"
+).split()
+
+
+def write_conversations(path: Path, n: int, seed: int = 0) -> Path:
+    """n OpenAI-style conversations (1-3 turns each, random words) as JSONL."""
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(n):
+            messages = []
+            for _ in range(rng.randint(1, 3)):
+                messages.append(
+                    {"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(3, 12)))}
+                )
+                messages.append(
+                    {"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(5, 30)))}
+                )
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def cli(
+    *args: str, env: dict[str, str] | None = None, check: bool = True, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """Run `peagle-pipeline ARGS` in a subprocess with this interpreter (OMP_NUM_THREADS=1)."""
+    full_env = dict(os.environ if env is None else env)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.pop("PEAGLE_DEBUG", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "peagle_pipeline.cli", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"peagle-pipeline {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+        )
+    return proc
+
+
+def _extract(tiny_model: Path, out: Path, data: Path, *extra: str) -> Path:
+    cli(
+        "extract",
+        "--model",
+        str(tiny_model),
+        "--data",
+        str(data),
+        "--output",
+        str(out),
+        "--dtype",
+        "fp32",
+        "--max-length",
+        "256",
+        "--shard-tokens",
+        "2048",
+        "--chunk-tokens",
+        "256",
+        *extra,
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def conversations(tmp_path_factory) -> Path:
+    return write_conversations(tmp_path_factory.mktemp("data") / "conv.jsonl", 40)
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tiny_model, conversations, tmp_path_factory) -> Path:
+    """A complete fp32 cache of 40 tiny conversations (top-k 32, no last hidden)."""
+    return _extract(tiny_model, tmp_path_factory.mktemp("cache") / "cache", conversations)
+
+
+@pytest.fixture(scope="session")
+def tiny_cache_last_hidden(tiny_model, conversations, tmp_path_factory) -> Path:
+    """The same data with the pre-norm last hidden state (for exact targets)."""
+    return _extract(tiny_model, tmp_path_factory.mktemp("cache") / "cache-lh", conversations, "--last-hidden")

@@ -1,0 +1,172 @@
+"""The speculators P-EAGLE export (SPEC section 6) of a real tiny run: every config field, every weight key, shape and
+dtype, the Vd == V case, atomic replacement, and a reload that reproduces the trained model's outputs in bf16.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from peagle_pipeline.cache.reader import open_cache
+from peagle_pipeline.cli import main
+from peagle_pipeline.config import TrainConfig, resolve
+from peagle_pipeline.core import cod
+from peagle_pipeline.core.mask import dense_mask
+from peagle_pipeline.errors import BadInput, OutputExists
+from peagle_pipeline.stages import export, train
+from peagle_pipeline.stages.checkpoint import CheckpointManager
+
+pytestmark = pytest.mark.slow
+
+H, V, VD, N_AUX, LAYERS, K = 64, 512, 300, 2, 2, 4
+FLAGS = {
+    "depths": K,
+    "tokens_per_step": 256,
+    "steps": 3,
+    "eval_every": 3,
+    "save_every": 3,
+    "eval_samples": 4,
+    "precision": "fp32",
+    "warmup": 1,
+    "lr": 2e-3,
+    "num_workers": 0,
+    "draft_layers": LAYERS,
+    "export": False,
+}
+
+
+def _cfg(cache: Path, out: Path, **extra) -> TrainConfig:
+    return resolve(TrainConfig, None, {"cache": str(cache), "output": str(out), **FLAGS, **extra})
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_cache: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("export") / "run"
+    train.run(_cfg(tiny_cache, out, draft_vocab_size=VD))
+    return out
+
+
+def test_config_has_every_field(run_dir: Path, tiny_cache: Path, tmp_path: Path) -> None:
+    path = export.export_run(run_dir, tmp_path / "draft", checkpoint="latest")
+    cfg = json.loads((path / "config.json").read_text())
+    meta = open_cache(str(tiny_cache)).meta
+    assert cfg["speculators_model_type"] == "peagle" and "model_type" not in cfg
+    spec = cfg["speculators_config"]
+    assert spec["algorithm"] == "peagle" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"] == [
+        {"proposal_type": "greedy", "speculative_tokens": K, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+    ]
+    assert spec["verifier"] == {
+        "name_or_path": meta.target_name_or_path,
+        "architectures": list(meta.target_architectures),
+    }
+    layer = cfg["transformer_layer_config"]
+    assert (
+        layer["model_type"] == "llama" and layer["num_hidden_layers"] == LAYERS and layer["vocab_size"] == V
+    )
+    assert layer["num_aux_hidden_states"] == N_AUX and layer["hidden_size"] == H and layer["head_dim"] == 32
+    assert layer["num_attention_heads"] == 2 and layer["num_key_value_heads"] == 1
+    assert layer["rope_parameters"]["rope_theta"] == 10000.0
+    assert cfg["draft_vocab_size"] == VD and cfg["target_hidden_size"] == H
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == list(meta.aux_layer_ids)
+    assert cfg["mask_token_id"] == 400  # first unused embedding row of the tiny tokenizer (400 of 512)
+    assert cfg["norm_before_residual"] is False and cfg["norm_before_fc"] is False
+    assert "fc_norm" not in cfg and "norm_output" not in cfg
+    assert not list(tmp_path.glob(".draft*"))  # no temporary directory left behind
+
+
+def test_weights_keys_shapes_dtypes(run_dir: Path, tmp_path: Path) -> None:
+    path = export.export_run(run_dir, tmp_path / "draft", checkpoint="best")
+    w = load_file(str(path / "model.safetensors"))
+    expect = {
+        "embed_tokens.weight": (V, H),
+        "fc.weight": (H, N_AUX * H),
+        "layers.0.hidden_norm.weight": (H,),
+        "norm.weight": (H,),
+        "lm_head.weight": (VD, H),
+        "mask_hidden": (1, 1, N_AUX * H),
+        "d2t": (VD,),
+        "t2d": (V,),
+    }
+    for i in range(LAYERS):
+        inp = 2 * H if i == 0 else H
+        expect.update(
+            {
+                f"layers.{i}.input_layernorm.weight": (H,),
+                f"layers.{i}.post_attention_layernorm.weight": (H,),
+                f"layers.{i}.self_attn.q_proj.weight": (64, inp),
+                f"layers.{i}.self_attn.k_proj.weight": (32, inp),
+                f"layers.{i}.self_attn.v_proj.weight": (32, inp),
+                f"layers.{i}.self_attn.o_proj.weight": (H, 64),
+                f"layers.{i}.mlp.gate_proj.weight": (128, H),
+                f"layers.{i}.mlp.up_proj.weight": (128, H),
+                f"layers.{i}.mlp.down_proj.weight": (H, 128),
+            }
+        )
+    assert {k: tuple(v.shape) for k, v in w.items()} == expect
+    assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
+    assert all(v.dtype == torch.bfloat16 for k, v in w.items() if k not in ("d2t", "t2d"))
+    assert int(w["t2d"].sum()) == VD
+    ids = torch.arange(VD) + w["d2t"]  # draft id -> target id, ascending and inside t2d
+    assert bool((ids[1:] > ids[:-1]).all()) and bool(w["t2d"][ids].all())
+
+
+def test_full_vocabulary_has_no_mapping(tiny_cache: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train.run(_cfg(tiny_cache, run, steps=1, eval_samples=0))  # default draft_vocab_size is capped at V
+    w = load_file(str(export.export_run(run, tmp_path / "draft", checkpoint="latest") / "model.safetensors"))
+    assert "d2t" not in w and "t2d" not in w and w["lm_head.weight"].shape == (V, H)
+
+
+def test_reload_reproduces_the_trained_model(run_dir: Path, tiny_cache: Path, tmp_path: Path) -> None:
+    path = export.export_run(run_dir, tmp_path / "draft", checkpoint="latest")
+    trained, _, _ = train.build_draft(
+        open_cache(str(tiny_cache)), _cfg(tiny_cache, run_dir, draft_vocab_size=VD)
+    )
+    ckpt = CheckpointManager(run_dir, 1).load_latest(with_optimizer=False)
+    trained.load_state_dict(ckpt.model)
+    trained = trained.to(torch.bfloat16).eval()
+    loaded = export.load_export(path)
+    assert next(loaded.parameters()).dtype == torch.bfloat16
+
+    g = torch.Generator().manual_seed(0)
+    L = 40
+    weight = torch.ones(L, dtype=torch.bool)
+    layout = cod.build_layout([25, 15], weight, cod.CODConfig(depths=K), None, full=True)
+    tokens = torch.randint(0, 400, (L,), generator=g)
+    aux = torch.randn(L, N_AUX * H, generator=g).to(torch.bfloat16)
+    mask = dense_mask(layout)
+    with torch.no_grad():
+        a = trained.forward_layout(layout, tokens, aux, mask)
+        b = loaded.forward_layout(layout, tokens, aux, mask)
+        assert torch.equal(a, b)
+        assert torch.equal(trained.logits(a), loaded.logits(b))
+    assert torch.equal(trained.d2t, loaded.d2t) and torch.equal(trained.t2d, loaded.t2d)
+
+
+def test_export_refuses_bad_requests(run_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match="no complete checkpoint step-99"):
+        export.export_run(run_dir, tmp_path / "d", checkpoint="step-99")
+    with pytest.raises(BadInput, match="latest, best or step-N"):
+        export.export_run(run_dir, tmp_path / "d", checkpoint="newest")
+    with pytest.raises(BadInput, match="not a training run"):
+        export.export_run(tmp_path, tmp_path / "d")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("x")
+    with pytest.raises(OutputExists):
+        export.export_run(run_dir, foreign)
+    assert (foreign / "keep.txt").read_text() == "x"
+
+
+def test_export_cli_replaces_a_previous_export(run_dir: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "draft"
+    assert main(["export", str(run_dir), "--output", str(out), "--checkpoint", "step-3"]) == 0
+    assert main(["export", str(run_dir), "--output", str(out)]) == 0  # an export there is ours: replaced
+    assert f"exported to {out}" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert main(["export", str(tmp_path / "nope"), "--output", str(tmp_path / "x")]) == 2

@@ -1,0 +1,174 @@
+"""stages.extract in-process with the tiny model's real tokenizer/pieces and a deterministic fake backend.
+
+Fast checks of the runner: batch planning, rank split, rejects, Ctrl-C commits and resumes exactly (the fake's
+outputs depend on batch composition, so a resume that re-formed different batches would differ), no-op re-run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from cache_compare import assert_same_cache
+from fakes import FakeBackend
+
+from peagle_pipeline.cache.reader import open_cache
+from peagle_pipeline.config import ExtractConfig
+from peagle_pipeline.data.formats import Conversation, Message, Reject
+from peagle_pipeline.errors import BadInput, Interrupted
+from peagle_pipeline.stages import extract as stage
+from peagle_pipeline.stages.extract import PlannedSample, RowReject, plan_batches, rank_rows, render_rows
+
+
+def _planned(lengths: list[int]) -> list[PlannedSample]:
+    from peagle_pipeline.cache.writer import SampleRecord
+
+    return [PlannedSample(i, SampleRecord(i, "s", i), [1] * n, [True] * n) for i, n in enumerate(lengths)]
+
+
+def test_plan_batches_greedy_in_order():
+    items = _planned([300, 500, 200, 900, 2000, 10, 10])
+    items.insert(2, RowReject(99, "s", 99, "bad"))
+    out = list(plan_batches(items, 1024))
+    shapes = [x.reason if isinstance(x, RowReject) else [len(s.input_ids) for s in x] for x in out]
+    assert shapes == ["bad", [300, 500], [200], [900], [2000], [10, 10]]
+
+
+def test_rank_rows_split_after_max_samples():
+    rows = list(range(10))
+    assert [i for i, _ in rank_rows(rows, 1, 3, None)] == [1, 4, 7]
+    assert [i for i, _ in rank_rows(rows, 0, 2, 5)] == [0, 2, 4]
+
+
+class _Renderer:
+    def render(self, messages):
+        from peagle_pipeline.data.chat import RejectRow, RenderedSample
+
+        n = len(messages[0].content)
+        if n == 0:
+            raise RejectRow("nothing to say")
+        return RenderedSample(list(range(n)), [i % 2 == 1 for i in range(n)])
+
+
+def test_render_rows_rejects_and_truncation():
+    def conv(i, text):
+        return (i, Conversation("f", i, [Message("user", text)]))
+
+    rows = [
+        conv(0, "abcdef"),
+        (1, Reject("f", 1, "malformed JSON")),
+        conv(2, ""),
+        conv(3, "a" * 20),
+        conv(4, "x"),
+    ]
+    out = list(render_rows(rows, _Renderer(), max_length=8, overlong="truncate"))
+    kinds = [(type(o).__name__, getattr(o, "reason", None)) for o in out]
+    assert kinds == [
+        ("PlannedSample", None),
+        ("RowReject", "malformed JSON"),
+        ("RowReject", "nothing to say"),
+        ("PlannedSample", None),
+        ("RowReject", "shorter than 2 tokens"),
+    ]
+    assert out[3].record.truncated and len(out[3].input_ids) == 8 and out[3].ordinal == 1
+    skip = list(render_rows(rows[3:4], _Renderer(), max_length=8, overlong="skip"))
+    assert isinstance(skip[0], RowReject) and "max_length" in skip[0].reason
+
+
+def _data(path: Path, n: int = 24) -> Path:
+    lines = []
+    for i in range(n):
+        turns = [
+            {"role": "user", "content": f"question {i} " + "word " * (i % 7 + 2)},
+            {"role": "assistant", "content": "answer " * (i % 11 + 3)},
+        ]
+        lines.append(json.dumps({"messages": turns}))
+    lines.insert(4, json.dumps({"messages": []}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class _Interrupting(FakeBackend):
+    def __init__(self, *a, stop_at: int, **k):
+        super().__init__(*a, **k)
+        self.stop_at = stop_at
+
+    def forward(self, batch):
+        if len(self.calls) == self.stop_at:
+            raise KeyboardInterrupt
+        return super().forward(batch)
+
+
+@pytest.fixture
+def patch_backend(monkeypatch):
+    made: list[FakeBackend] = []
+
+    def use(stop_at: int | None = None):
+        def factory(cfg, layer_ids):
+            from peagle_pipeline.backends.pieces import read_target_info
+
+            info = read_target_info(cfg.model)
+            b = (
+                FakeBackend(info, layer_ids, cfg.topk, cfg.last_hidden)
+                if stop_at is None
+                else _Interrupting(info, layer_ids, cfg.topk, cfg.last_hidden, stop_at=stop_at)
+            )
+            made.append(b)
+            return b
+
+        monkeypatch.setattr(stage, "get_backend", factory)
+        return made
+
+    return use
+
+
+def _cfg(model: Path, data: Path, out: Path, **over) -> ExtractConfig:
+    base = dict(
+        model=str(model),
+        data=[str(data)],
+        output=str(out),
+        shard_tokens=128,
+        chunk_tokens=32,
+        batch_tokens=256,
+        topk=8,
+    )
+    base.update(over)
+    return ExtractConfig(**base)
+
+
+@pytest.mark.parametrize("stop_at", [1, 3, 6])
+def test_ctrl_c_then_resume_is_identical(tiny_model, tmp_path, patch_backend, stop_at):
+    data = _data(tmp_path / "d.jsonl")
+    patch_backend()
+    ref = stage.run(_cfg(tiny_model, data, tmp_path / "ref"))
+    assert ref.samples == 24 and ref.rejects and not ref.already_complete
+    patch_backend(stop_at=stop_at)
+    with pytest.raises(Interrupted, match="re-run the same command"):
+        stage.run(_cfg(tiny_model, data, tmp_path / "res"))
+    made = patch_backend()
+    again = stage.run(_cfg(tiny_model, data, tmp_path / "res"))
+    assert again.samples == 24
+    if stop_at > 1:  # commits happened before the interrupt: only the rest was recomputed
+        assert again.new_tokens < ref.new_tokens
+    assert made and made[0].calls  # the resumed run did real work
+    assert_same_cache(tmp_path / "ref", tmp_path / "res")
+    noop = stage.run(_cfg(tiny_model, data, tmp_path / "res"))
+    assert noop.already_complete and "already complete" in noop.format()
+
+
+def test_fp32_last_hidden_and_layer_validation(tiny_model, tmp_path, patch_backend):
+    data = _data(tmp_path / "d.jsonl", 6)
+    patch_backend()
+    with pytest.raises(BadInput, match="outside 0..6"):
+        stage.run(_cfg(tiny_model, data, tmp_path / "x", layers=[1, 7]))
+    with pytest.raises(BadInput, match="topk"):
+        stage.run(_cfg(tiny_model, data, tmp_path / "y", topk=100000))
+    stage.run(_cfg(tiny_model, data, tmp_path / "c", layers=[6, 1], last_hidden=True))
+    cache = open_cache(tmp_path / "c")
+    assert cache.meta.aux_layer_ids == [1, 6] and cache.meta.has_last_hidden
+    s = cache.read_sample(int(cache.samples["sample_id"][0]))
+    assert s.last_hidden is not None and s.last_hidden.shape[1] == cache.meta.hidden_size
+    assert (tmp_path / "c" / "extract.yaml").exists() and (
+        tmp_path / "c" / "target" / "pieces.safetensors"
+    ).exists()

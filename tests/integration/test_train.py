@@ -1,0 +1,216 @@
+"""Training through the real CLI on real tiny caches: outputs, metrics, checkpoints, export, and every user
+mistake ending in one error line with its exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from peagle_pipeline.cli import main
+from peagle_pipeline.stages import metrics
+from peagle_pipeline.stages.checkpoint import CheckpointManager
+
+pytestmark = pytest.mark.slow
+
+SMALL = [
+    "--depths",
+    "4",
+    "--tokens-per-step",
+    "256",
+    "--steps",
+    "6",
+    "--eval-every",
+    "3",
+    "--save-every",
+    "2",
+    "--eval-samples",
+    "6",
+    "--precision",
+    "fp32",
+    "--log-every",
+    "2",
+    "--warmup",
+    "1",
+    "--lr",
+    "2e-3",
+    "--num-workers",
+    "0",
+    "--draft-vocab-size",
+    "300",
+    "--keep-checkpoints",
+    "1",
+]
+
+
+def train(cache: Path, out: Path, *extra: str) -> int:
+    return main(["train", "--cache", str(cache), "--output", str(out), *SMALL, *extra])
+
+
+def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    lines = [line for line in err if line.startswith("error: ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_cache: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("run") / "run"
+    assert train(tiny_cache, out) == 0
+    return out
+
+
+def test_run_writes_everything(finished_run: Path, tiny_cache: Path) -> None:
+    out = finished_run
+    saved = yaml.safe_load((out / "train.yaml").read_text())["train"]
+    assert saved["cache"] == str(tiny_cache) and saved["depths"] == 4 and saved["tokens_per_step"] == 256
+    facts = json.loads((out / "run.json").read_text())
+    assert facts["world_size"] == 1 and facts["starts"][0]["versions"]["torch"]
+
+    records = metrics.read_metrics(out)
+    train_recs = [r for r in records if r["kind"] == "train"]
+    eval_recs = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in train_recs] == [2, 4, 6]
+    assert [r["step"] for r in eval_recs] == [3, 6]
+    for r in train_recs:
+        assert (
+            r["loss"] > 0
+            and len(r["agreement"]) == 4
+            and 0.0 <= r["data_wait"] <= 1.0
+            and r["tokens_per_s"] > 0
+        )
+    for r in eval_recs:
+        assert r["acceptance"] >= 1.0 and len(r["agreement"]) == 4
+    assert (out / "tb").is_dir() and any((out / "tb").iterdir())
+    assert all(
+        (out / "plots" / f"{n}.png").stat().st_size > 1000 for n in ("loss", "agreement", "acceptance")
+    )
+
+    # keep_checkpoints=1: only the last step plus the best one survive; `latest` names the last
+    ckpt = CheckpointManager(out, keep=1)
+    steps = ckpt.complete_steps()
+    best = ckpt.best_step()
+    assert steps[-1] == 6 and best in (3, 6) and set(steps) == {6, best}
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000006"
+    assert not list((out / "checkpoints").glob("*.tmp"))
+    assert (out / "export" / "config.json").is_file() and (out / "export" / "model.safetensors").is_file()
+
+
+def test_output_with_a_run_is_not_overwritten(finished_run: Path, tiny_cache: Path, capsys) -> None:
+    before = (finished_run / "metrics.jsonl").read_text()
+    assert train(tiny_cache, finished_run) == 6
+    assert "--resume" in one_error_line(capsys)
+    assert (finished_run / "metrics.jsonl").read_text() == before
+
+
+def test_foreign_non_empty_output_is_refused(tiny_cache: Path, tmp_path: Path, capsys) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    assert train(tiny_cache, tmp_path) == 6
+    assert "not empty" in one_error_line(capsys)
+
+
+def test_resume_with_other_settings_is_refused(finished_run: Path, tiny_cache: Path, capsys) -> None:
+    assert (
+        main(
+            [
+                "train",
+                "--cache",
+                str(tiny_cache),
+                "--output",
+                str(finished_run),
+                *SMALL,
+                "--lr",
+                "1e-3",
+                "--seed",
+                "3",
+                "--resume",
+            ]
+        )
+        == 5
+    )
+    line = one_error_line(capsys)
+    assert "lr" in line and "seed" in line and "tokens_per_step" not in line
+
+
+def test_resume_of_a_finished_run_does_nothing_more(finished_run: Path, tiny_cache: Path) -> None:
+    weights = (finished_run / "checkpoints" / "step-00000006" / "model.safetensors").read_bytes()
+    assert train(tiny_cache, finished_run, "--resume", "--log-every", "1") == 0  # log_every may change
+    assert (finished_run / "checkpoints" / "step-00000006" / "model.safetensors").read_bytes() == weights
+
+
+def test_resume_without_a_run_is_refused(tiny_cache: Path, tmp_path: Path, capsys) -> None:
+    assert train(tiny_cache, tmp_path / "new", "--resume") == 2
+    assert "nothing to resume" in one_error_line(capsys)
+
+
+def test_missing_cache(tmp_path: Path, capsys) -> None:
+    assert train(tmp_path / "no-such-cache", tmp_path / "run") == 3
+    assert "not a peagle cache" in one_error_line(capsys)
+
+
+def test_cache_of_another_format_version(tiny_cache: Path, tmp_path: Path, capsys) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_cache, cache)
+    meta = json.loads((cache / "cache.json").read_text())
+    meta["format_version"] = 999
+    (cache / "cache.json").write_text(json.dumps(meta))
+    assert train(cache, tmp_path / "run") == 3
+    assert "format 999" in one_error_line(capsys)
+
+
+def test_incomplete_cache(tiny_cache: Path, tmp_path: Path, capsys) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_cache, cache)
+    manifest = next((cache / "stores").glob("*.zarr/manifest.json"))
+    data = json.loads(manifest.read_text())
+    data["complete"] = False
+    manifest.write_text(json.dumps(data))
+    assert train(cache, tmp_path / "run") == 3
+    assert "incomplete" in one_error_line(capsys)
+
+
+def test_draft_vocab_larger_than_target(tiny_cache: Path, tmp_path: Path, capsys) -> None:
+    assert train(tiny_cache, tmp_path / "run", "--draft-vocab-size", "1000") == 2
+    assert "larger than the target vocabulary (512)" in one_error_line(capsys)
+
+
+def test_exact_target_needs_last_hidden(tiny_cache: Path, tmp_path: Path, capsys) -> None:
+    assert train(tiny_cache, tmp_path / "run", "--target", "exact") == 2
+    assert "--last-hidden" in one_error_line(capsys)
+
+
+def test_exact_target_trains(tiny_cache_last_hidden: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert train(tiny_cache_last_hidden, out, "--target", "exact", "--steps", "3", "--no-export") == 0
+    recs = metrics.read_metrics(out)
+    assert recs[-1]["kind"] == "eval" and recs[-1]["loss"] > 0 and recs[-1]["acceptance"] >= 1.0
+    assert not (out / "export").exists()
+
+
+def _drop_shard(cache: Path) -> None:
+    shard = next(p for p in (cache / "stores").glob("*.zarr/aux_hidden/c/1"))
+    shutil.rmtree(shard)
+
+
+def test_corrupt_sample_stops_training(tiny_cache: Path, tmp_path: Path, capsys) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_cache, cache)
+    _drop_shard(cache)
+    assert train(cache, tmp_path / "run", "--no-export") == 4
+    line = one_error_line(capsys)
+    assert "missing" in line and "--skip-corrupt" in line
+
+
+def test_corrupt_samples_are_skipped_and_reported(tiny_cache: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_cache, cache)
+    _drop_shard(cache)
+    out = tmp_path / "run"
+    assert train(cache, out, "--skip-corrupt", "--no-export", "--eval-samples", "0") == 0
+    recs = [r for r in metrics.read_metrics(out) if r["kind"] == "train"]
+    assert recs[-1]["skipped_corrupt"] > 0

@@ -1,0 +1,118 @@
+"""backends.pieces: target info from config.json, hashes, and the pieces read straight from safetensors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from peagle_pipeline.backends.pieces import (
+    chat_template_sha256,
+    config_sha256,
+    read_target_info,
+    save_target_pieces,
+    tokenizer_sha256,
+)
+from peagle_pipeline.errors import BadInput
+
+
+def test_target_info_and_hashes(tiny_model, tmp_path):
+    info = read_target_info(tiny_model)
+    assert (info.num_hidden_layers, info.hidden_size, info.vocab_size) == (6, 64, 512)
+    assert info.architectures == ["LlamaForCausalLM"] and info.config["hidden_size"] == 64
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model, copy)
+    assert config_sha256(copy) == config_sha256(tiny_model)
+    assert tokenizer_sha256(copy) == tokenizer_sha256(tiny_model)
+    assert chat_template_sha256(copy) == chat_template_sha256(tiny_model)
+    cfg = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(cfg, indent=4))  # formatting only: same hash
+    assert config_sha256(copy) == config_sha256(tiny_model)
+    cfg["rms_norm_eps"] = 1e-6
+    (copy / "config.json").write_text(json.dumps(cfg))
+    assert config_sha256(copy) != config_sha256(tiny_model)
+    (copy / "chat_template.jinja").write_text("{{ messages }}")
+    assert chat_template_sha256(copy) != chat_template_sha256(tiny_model)
+
+
+def test_nested_text_config(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Gemma3ForConditionalGeneration"],
+                "text_config": {"num_hidden_layers": 4, "hidden_size": 32, "vocab_size": 100},
+                "vision_config": {},
+            }
+        )
+    )
+    info = read_target_info(tmp_path)
+    assert (info.num_hidden_layers, info.hidden_size, info.vocab_size) == (4, 32, 100)
+
+
+def test_pieces_equal_model_weights(tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = save_target_pieces(tiny_model, tmp_path / "target")
+    pieces = load_file(str(out / "pieces.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.bfloat16)
+    assert torch.equal(pieces["embed_tokens.weight"], model.model.embed_tokens.weight)
+    assert torch.equal(pieces["lm_head.weight"], model.lm_head.weight)
+    assert torch.equal(pieces["norm.weight"], model.model.norm.weight)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (out / name).read_bytes() == (tiny_model / name).read_bytes()
+    assert not list(out.glob("*.tmp"))
+
+
+def test_sharded_tied_checkpoint_with_layer_norms(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    embed, norm = torch.randn(10, 4, generator=g), torch.randn(4, generator=g)
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 1, "hidden_size": 4, "vocab_size": 10, "tie_word_embeddings": True})
+    )
+    save_file(
+        {"model.embed_tokens.weight": embed, "model.layers.0.input_layernorm.weight": torch.ones(4)},
+        str(tmp_path / "model-00001-of-00002.safetensors"),
+    )
+    save_file(
+        {"model.norm.weight": norm, "model.layers.0.post_attention_layernorm.weight": torch.zeros(4)},
+        str(tmp_path / "model-00002-of-00002.safetensors"),
+    )
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "weight_map": {
+                    "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                    "model.layers.0.input_layernorm.weight": "model-00001-of-00002.safetensors",
+                    "model.norm.weight": "model-00002-of-00002.safetensors",
+                    "model.layers.0.post_attention_layernorm.weight": "model-00002-of-00002.safetensors",
+                }
+            }
+        )
+    )
+    pieces = load_file(str(save_target_pieces(tmp_path, tmp_path / "out") / "pieces.safetensors"))
+    assert torch.equal(pieces["embed_tokens.weight"], embed) and torch.equal(pieces["lm_head.weight"], embed)
+    assert torch.equal(pieces["norm.weight"], norm)
+
+
+def test_bad_model_paths(tmp_path):
+    with pytest.raises(BadInput, match="not found"):
+        read_target_info(tmp_path / "nope")
+    with pytest.raises(BadInput, match="no config.json"):
+        save_target_pieces(tmp_path, tmp_path / "out")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(BadInput, match="cannot read"):
+        read_target_info(tmp_path)
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 1, "hidden_size": 4, "vocab_size": 10})
+    )
+    with pytest.raises(BadInput, match="no \\*.safetensors"):
+        save_target_pieces(tmp_path, tmp_path / "out")
+    save_file(
+        {"model.embed_tokens.weight": torch.zeros(10, 4), "model.norm.weight": torch.ones(4)},
+        str(tmp_path / "model.safetensors"),
+    )
+    with pytest.raises(BadInput, match="no lm_head"):
+        save_target_pieces(tmp_path, tmp_path / "out")

@@ -1,0 +1,54 @@
+"""cache.layout: bf16 <-> uint16 storage is bit-exact and zero-copy; array specs; checksums."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from peagle_pipeline.cache import layout
+from peagle_pipeline.cache.layout import CacheMeta
+
+
+def test_bf16_round_trip_bit_exact_including_specials():
+    x = torch.randn(257, 3, 16).to(torch.bfloat16)
+    x[0, 0, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0])
+    stored = layout.to_storage(x.view(torch.uint16).numpy(), "bfloat16")
+    assert stored.dtype == np.uint16
+    back = layout.from_storage(stored, "bfloat16")
+    assert back.dtype == torch.bfloat16
+    assert torch.equal(back.view(torch.uint16), x.view(torch.uint16))  # bits, so NaN compares equal
+
+
+def test_from_storage_is_a_view():
+    bits = np.arange(12, dtype=np.uint16).reshape(3, 4)
+    t = layout.from_storage(bits, "bfloat16")
+    bits[0, 0] = 0x3F80  # 1.0 in bf16
+    assert t[0, 0].item() == 1.0
+
+
+def test_to_storage_refuses_float_for_bf16():
+    with pytest.raises(TypeError):
+        layout.to_storage(np.zeros(3, dtype=np.float32), "bfloat16")
+
+
+def test_array_specs(meta):
+    specs = layout.array_specs(meta)
+    assert specs["aux_hidden"] == ("uint16", (3, 8))
+    assert specs["topk_logprobs"] == ("float16", (4,))
+    assert "last_hidden" not in specs
+    fp32 = CacheMeta.from_dict({**meta.to_dict(), "hidden_dtype": "float32", "has_last_hidden": True})
+    assert layout.array_specs(fp32)["last_hidden"] == ("float32", (8,))
+
+
+def test_meta_differences(meta):
+    other = CacheMeta.from_dict({**meta.to_dict(), "topk": 8, "aux_layer_ids": [1, 2, 3], "extra": {"x": 1}})
+    assert other.differences(meta) == ["aux_layer_ids", "topk"]
+
+
+def test_checksum_sensitive_to_one_bit():
+    a = np.zeros((10, 4), dtype=np.uint16)
+    b = a.copy()
+    b[9, 3] = 1
+    assert layout.checksum(a) != layout.checksum(b)
+    assert layout.checksum(a) == layout.checksum(a.copy())

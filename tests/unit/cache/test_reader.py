@@ -1,0 +1,132 @@
+"""Cache reader: open checks, fast path == zarr, fork/pickle safety, verify finds damage, fsspec URLs."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import pickle
+import shutil
+
+import numpy as np
+import pytest
+from cache_fixtures import LENGTHS, write_cache
+from fakes import fake_meta
+
+from peagle_pipeline.cache import layout
+from peagle_pipeline.cache.reader import open_cache
+from peagle_pipeline.errors import BadInput, CorruptCache, IncompatibleCache
+
+STORE = layout.store_name(0, 1)
+
+
+def test_open_refuses_non_cache_and_incomplete(tmp_path):
+    with pytest.raises(IncompatibleCache, match="not a peagle cache"):
+        open_cache(tmp_path)
+    write_cache(tmp_path / "c", stop_after=8)
+    with pytest.raises(IncompatibleCache, match="incomplete"):
+        open_cache(tmp_path / "c")
+    partial = open_cache(tmp_path / "c", check=False)
+    assert 0 < len(partial.samples) < 8
+    meta = json.loads((tmp_path / "c" / "cache.json").read_text())
+    (tmp_path / "c" / "cache.json").write_text(json.dumps({**meta, "format_version": 0}))
+    with pytest.raises(IncompatibleCache, match="format 0"):
+        open_cache(tmp_path / "c")
+
+
+def test_missing_rank_store_refused_and_two_ranks_union(tmp_path):
+    meta = fake_meta(world_size=2)
+    write_cache(tmp_path / "c", meta, lengths=LENGTHS[:6], rank=0)
+    with pytest.raises(IncompatibleCache, match="rank-00001-of-00002.zarr missing"):
+        open_cache(tmp_path / "c")
+    write_cache(tmp_path / "c", meta, lengths=LENGTHS[6:], rank=1)
+    cache = open_cache(tmp_path / "c")
+    assert sorted(cache.samples["sample_id"]) == sorted([0, 2, 4, 6, 8, 10, 1, 3, 5, 7, 9, 11])
+    assert set(cache.samples["store"]) == {layout.store_name(0, 2), layout.store_name(1, 2)}
+    assert len(cache.rejects) == 2 and cache.verify() == []
+    assert cache.read_sample(3).input_ids.shape == (LENGTHS[7],)  # rank 1's second sample
+
+
+@pytest.mark.parametrize("compress", ["zstd", "auto", "none"])
+def test_fast_path_equals_zarr_on_random_ranges(tmp_path, compress):
+    write_cache(tmp_path / "c", fake_meta(shard_tokens=48, chunk_tokens=16, compress=compress))
+    cache = open_cache(tmp_path / "c")
+    store = cache._stores[STORE]
+    n = int(cache.samples["length"].sum())
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        a = int(rng.integers(0, n - 1))
+        b = int(rng.integers(a + 1, min(n, a + 150) + 1))
+        for name in cache.specs:
+            assert np.array_equal(store.read(name, a, b), store.read(name, a, b, fast=False)), (name, a, b)
+
+
+def test_unknown_sample_is_bad_input(tmp_path):
+    write_cache(tmp_path / "c")
+    with pytest.raises(BadInput, match="sample 12345"):
+        open_cache(tmp_path / "c").read_sample(12345)
+
+
+def _read_in_child(cache, sid, q):
+    q.put(cache.read_arrays(sid)["aux_hidden"].tobytes())
+
+
+def test_reads_after_fork_and_pickle(tmp_path):
+    write_cache(tmp_path / "c")
+    cache = open_cache(tmp_path / "c")
+    want = cache.read_arrays(7)["aux_hidden"].tobytes()  # opens handles in the parent first
+    q = mp.get_context("fork").Queue()
+    p = mp.get_context("fork").Process(target=_read_in_child, args=(cache, 7, q))
+    p.start()
+    got = q.get(timeout=30)
+    p.join(30)
+    assert got == want and p.exitcode == 0
+    clone = pickle.loads(pickle.dumps(cache))
+    assert clone.read_arrays(7)["aux_hidden"].tobytes() == want
+
+
+def test_verify_names_store_and_samples_of_a_damaged_shard(tmp_path):
+    write_cache(tmp_path / "c")
+    shard = tmp_path / "c" / "stores" / STORE / "aux_hidden" / "c" / "1" / "0" / "0"
+    blob = bytearray(shard.read_bytes())
+    blob[40] ^= 0xFF  # inside the first chunk's compressed bytes
+    shard.write_bytes(bytes(blob))
+    cache = open_cache(tmp_path / "c")
+    problems = cache.verify()
+    assert problems and all(STORE in p for p in problems)
+    assert any("aux_hidden shard 1" in p and "samples 3" in p for p in problems), problems
+    with pytest.raises(CorruptCache):  # the zstd frame checksum / size check catches it on the fast path
+        cache.read_arrays(3)
+
+
+def test_verify_detects_table_changes(tmp_path):
+    write_cache(tmp_path / "c")
+    path = tmp_path / "c" / "stores" / STORE / "token_counts.npy"
+    counts = np.load(path)
+    counts[3] += 1
+    np.save(path, counts)
+    problems = open_cache(tmp_path / "c").verify()
+    assert any("token_counts.npy does not match its manifest" in p for p in problems)
+    assert any("disagrees with the supervised tokens" in p for p in problems)
+
+
+def test_summary_and_counts(tmp_path):
+    write_cache(tmp_path / "c")
+    text = open_cache(tmp_path / "c").summary()
+    assert f"samples: {len(LENGTHS)}, tokens: {sum(LENGTHS)}" in text
+    assert "empty conversation" in text and "bytes/token" in text
+
+
+def test_open_through_fsspec_memory_url(tmp_path):
+    fsspec = pytest.importorskip("fsspec")
+    write_cache(tmp_path / "c")
+    fs = fsspec.filesystem("memory")
+    fs.put(str(tmp_path / "c"), "/mc", recursive=True)
+    remote = open_cache("memory://mc")
+    local = open_cache(tmp_path / "c")
+    assert len(remote.samples) == len(LENGTHS)
+    for sid in (0, 3, 7):
+        r, l_ = remote.read_arrays(sid), local.read_arrays(sid)
+        for k in r:
+            assert np.array_equal(r[k], l_[k])
+    assert np.array_equal(remote.token_counts(), local.token_counts())
+    shutil.rmtree(tmp_path / "c")

@@ -1,0 +1,153 @@
+"""The draft model: export keys/shapes (SPEC §6), initialisation from target pieces, mask substitution, RoPE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference.reference_step import tiny_batch, tiny_draft, tiny_target_config
+
+from peagle_pipeline.core.cod import CODConfig, build_layout
+from peagle_pipeline.core.mask import dense_mask
+from peagle_pipeline.core.model import DraftConfig, PEagleDraft, RopeSpec, rope_inv_freq
+from peagle_pipeline.errors import BadInput
+
+H, V = 64, 512
+
+
+def _expected_keys(layers: int, mapped: bool) -> set[str]:
+    keys = {
+        "embed_tokens.weight",
+        "fc.weight",
+        "layers.0.hidden_norm.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "mask_hidden",
+    }
+    for i in range(layers):
+        keys |= {f"layers.{i}.{n}.weight" for n in ("input_layernorm", "post_attention_layernorm")}
+        keys |= {f"layers.{i}.self_attn.{p}_proj.weight" for p in "qkvo"}
+        keys |= {f"layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    return keys | ({"d2t", "t2d"} if mapped else set())
+
+
+def test_state_dict_keys_and_shapes_are_the_export_format():
+    model, vocab, _ = tiny_draft(layers=2, draft_vocab=300)
+    sd = model.state_dict()
+    assert set(sd) == _expected_keys(2, mapped=True)
+    assert sd["layers.0.self_attn.q_proj.weight"].shape == (2 * 32, 2 * H)  # fused layer: 2H inputs
+    assert sd["layers.0.self_attn.k_proj.weight"].shape == (32, 2 * H)
+    assert sd["layers.1.self_attn.q_proj.weight"].shape == (64, H)
+    assert sd["fc.weight"].shape == (H, 3 * H) and sd["mask_hidden"].shape == (1, 1, 3 * H)
+    assert sd["lm_head.weight"].shape == (300, H) and sd["embed_tokens.weight"].shape == (V, H)
+    assert sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool and sd["t2d"].shape == (V,)
+    identity, _, _ = tiny_draft(draft_vocab=V)
+    assert set(identity.state_dict()) == _expected_keys(1, mapped=False)
+
+
+def test_initialised_from_target_pieces_and_lm_head_frozen():
+    model, vocab, pieces = tiny_draft(draft_vocab=300)
+    assert torch.equal(model.embed_tokens.weight, pieces["embed_tokens.weight"])
+    assert torch.equal(model.lm_head.weight, pieces["lm_head.weight"][vocab.ids])
+    assert torch.equal(model.norm.weight, pieces["norm.weight"])
+    assert not model.lm_head.weight.requires_grad and model.embed_tokens.weight.requires_grad
+    a, _, _ = tiny_draft(seed=4)
+    b, _, _ = tiny_draft(seed=4)
+    assert torch.equal(a.fc.weight, b.fc.weight) and torch.equal(a.mask_hidden, b.mask_hidden)
+
+
+def _row(seed=0, layers=1):
+    model, vocab, _ = tiny_draft(seed=seed, layers=layers)
+    tokens, aux, weight, _, _ = tiny_batch(seed, [20, 14], 40, V, 3 * H)
+    lay = build_layout([20, 14], weight, CODConfig(depths=4), torch.Generator().manual_seed(seed))
+    return model, lay, tokens, aux
+
+
+def test_depth_ge1_uses_mask_token_and_mask_hidden_only():
+    model, lay, tokens, aux = _row()
+    N = len(lay)
+    ids, is_mask = tokens[lay.target], lay.depth > 0
+    aux_e, m = aux[lay.target], dense_mask(lay)
+    base = model(ids, aux_e, is_mask, lay.position, m)
+    g = torch.Generator().manual_seed(9)
+    ids2 = torch.where(is_mask, torch.randint(0, V, (N,), generator=g), ids)
+    aux2 = torch.where(is_mask[:, None], torch.randn(N, 3 * H, generator=g), aux_e)
+    assert torch.allclose(model(ids2, aux2, is_mask, lay.position, m), base, atol=1e-6)
+    # feeding the mask token and mask_hidden explicitly as "real" inputs gives the same result
+    explicit_ids = torch.where(is_mask, torch.tensor(model.cfg.mask_token_id), ids)
+    explicit_aux = torch.where(is_mask[:, None], model.mask_hidden.view(1, -1), aux_e)
+    same = model(explicit_ids, explicit_aux, torch.zeros_like(is_mask), lay.position, m)
+    assert torch.allclose(same, base, atol=1e-5)
+    with torch.no_grad():
+        model.mask_hidden.add_(1.0)
+    moved = model(ids, aux_e, is_mask, lay.position, m)
+    assert not torch.allclose(moved[is_mask], base[is_mask]) and torch.allclose(
+        moved[~is_mask], base[~is_mask]
+    )
+
+
+def test_aux_index_and_out_index_paths_equal_the_plain_forward():
+    model, lay, tokens, aux = _row(layers=2)
+    m = dense_mask(lay)
+    plain = model(tokens[lay.target], aux[lay.target], lay.depth > 0, lay.position, m)
+    assert torch.allclose(model.forward_layout(lay, tokens, aux, m), plain, atol=1e-5)
+    out = torch.tensor([3, 17, len(lay) - 1])
+    part = model.forward_layout(lay, tokens, aux, m, out_index=out, out_mask=dense_mask(lay, out))
+    assert torch.allclose(part, plain[out], atol=1e-5)
+
+
+def test_grad_checkpointing_same_gradients_and_bf16_autocast_runs():
+    model, lay, tokens, aux = _row(layers=2)
+    m = dense_mask(lay)
+    model.forward_layout(lay, tokens, aux, m).square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model.grad_checkpointing = True
+    model.forward_layout(lay, tokens, aux, m).square().mean().backward()
+    for n, p in model.named_parameters():
+        if n in grads:
+            assert torch.allclose(p.grad, grads[n], rtol=1e-4, atol=1e-6), n
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model.forward_layout(lay, tokens, aux.bfloat16(), m)
+        ref = model.forward_layout(lay, tokens, aux, m)
+    assert bool(torch.isfinite(out).all()) and float((out.float() - ref).abs().mean()) < 0.1
+
+
+def test_rope_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 1024,
+    }
+    hf = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        head_dim=64,
+        rope_parameters=params,
+        max_position_embeddings=8192,
+    )
+    ours = rope_inv_freq(RopeSpec.from_config(hf.to_dict()), 64)
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    assert torch.allclose(ours, theirs.float(), rtol=1e-6)
+    legacy = RopeSpec.from_config({"rope_theta": 1234.0, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert legacy.theta == 1234.0 and legacy.rope_type == "linear" and legacy.factor == 2.0
+
+
+def test_config_from_target_and_bad_targets():
+    cfg = DraftConfig.from_target_config(tiny_target_config(), 2, 3, 10**6, 5, True)
+    assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (64, 2, 1, 32)
+    assert cfg.draft_vocab_size == V and cfg.norm_before_residual and cfg.aux_size == 3 * H
+    lc = cfg.layer_config()
+    assert lc["num_hidden_layers"] == 2 and lc["num_aux_hidden_states"] == 3 and lc["vocab_size"] == V
+    with pytest.raises(BadInput):
+        DraftConfig.from_target_config({**tiny_target_config(), "hidden_act": "gelu"}, 1, 3, 10, 5)
+    with pytest.raises(BadInput):
+        DraftConfig.from_target_config(tiny_target_config(), 1, 3, 10, V)  # mask id outside the vocabulary
+    with pytest.raises(BadInput):
+        PEagleDraft(cfg, {"embed_tokens.weight": torch.zeros(3, 3)}, None)

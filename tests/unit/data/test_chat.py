@@ -1,0 +1,119 @@
+"""data.chat: loss masks cover exactly the assistant replies (content + end-of-turn) under real chat templates."""
+
+from __future__ import annotations
+
+import pytest
+from tiny import build_tokenizer
+
+from peagle_pipeline.data.chat import ChatRenderer, RejectRow
+from peagle_pipeline.data.formats import Message
+from peagle_pipeline.errors import BadInput
+
+END = {"chatml": "<|im_end|>", "chatml_system": "<|im_end|>", "llama3": "<|eot_id|>"}
+CONV = [
+    Message("system", "Be brief."),
+    Message("user", "Hi there"),
+    Message("assistant", " Hello! How are you? "),
+    Message("user", "What is the capital of France?"),
+    Message("assistant", "Paris is the capital.\n"),
+    Message("user", "Thanks"),
+    Message("assistant", ""),
+]
+
+
+@pytest.fixture(scope="module", params=["chatml", "llama3", "chatml_system"])
+def tok(request, tmp_path_factory):
+    return request.param, build_tokenizer(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def masked_spans(tokenizer, sample) -> list[str]:
+    """Decoded runs of consecutive supervised tokens."""
+    spans, run = [], []
+    for tid, m in zip(sample.input_ids, sample.loss_mask, strict=True):
+        if m:
+            run.append(tid)
+        elif run:
+            spans.append(tokenizer.decode(run))
+            run = []
+    if run:
+        spans.append(tokenizer.decode(run))
+    return spans
+
+
+def expected_reply(template: str, content: str) -> str:
+    return (content.strip() if template == "llama3" else content) + END[template]
+
+
+@pytest.mark.parametrize("drop_system", [False, True])
+def test_mask_is_exactly_assistant_content_and_end_token(tok, drop_system):
+    template, tokenizer = tok
+    conv = CONV[1:] if drop_system else CONV
+    sample = ChatRenderer(tokenizer).render(conv)
+    ref = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in conv], tokenize=True)
+    ref = ref["input_ids"] if isinstance(ref, dict) or hasattr(ref, "keys") else ref
+    assert sample.input_ids == list(ref)  # same ids as the template's own tokenisation
+    assert len(sample.loss_mask) == len(sample.input_ids)
+    replies = [m.content for m in conv if m.role == "assistant"]
+    assert masked_spans(tokenizer, sample) == [expected_reply(template, c) for c in replies]
+    # Role headers, the (possibly injected) system prompt and user turns are never supervised.
+    unsupervised = tokenizer.decode(
+        [t for t, m in zip(sample.input_ids, sample.loss_mask, strict=True) if not m]
+    )
+    assert "assistant" in unsupervised and "Thanks" in unsupervised and "Paris" not in unsupervised
+
+
+def test_last_turn_only(tok):
+    template, tokenizer = tok
+    conv = CONV[:5]
+    sample = ChatRenderer(tokenizer, assistant_turns="last").render(conv)
+    assert masked_spans(tokenizer, sample) == [expected_reply(template, "Paris is the capital.\n")]
+
+
+def test_leading_assistant_context_or_drop(tok):
+    template, tokenizer = tok
+    conv = [Message("assistant", "Welcome back!"), Message("user", "Hi there"), Message("assistant", "Hello")]
+    kept = ChatRenderer(tokenizer, leading_assistant="context").render(conv)
+    dropped = ChatRenderer(tokenizer, leading_assistant="drop").render(conv)
+    assert (
+        masked_spans(tokenizer, kept)
+        == masked_spans(tokenizer, dropped)
+        == [expected_reply(template, "Hello")]
+    )
+    assert "Welcome" in tokenizer.decode(kept.input_ids) and "Welcome" not in tokenizer.decode(
+        dropped.input_ids
+    )
+    assert len(kept.input_ids) > len(dropped.input_ids)
+    with pytest.raises(RejectRow, match="no assistant turn"):
+        ChatRenderer(tokenizer).render([Message("assistant", "Only me")])
+
+
+def test_consecutive_assistant_turns_each_supervised(tok):
+    template, tokenizer = tok
+    conv = [Message("user", "Hi"), Message("assistant", "Hello"), Message("assistant", "Hello again")]
+    sample = ChatRenderer(tokenizer).render(conv)
+    assert masked_spans(tokenizer, sample) == [
+        expected_reply(template, "Hello"),
+        expected_reply(template, "Hello again"),
+    ]
+
+
+def test_no_chat_template_is_bad_input(tmp_path):
+    tokenizer = build_tokenizer(tmp_path, "chatml")
+    tokenizer.chat_template = None
+    with pytest.raises(BadInput, match="no chat template"):
+        ChatRenderer(tokenizer)
+
+
+def test_template_errors_and_unlocatable_content_reject_the_row(tmp_path):
+    tokenizer = build_tokenizer(tmp_path, "chatml")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+        "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] | upper + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    renderer = ChatRenderer(tokenizer)
+    with pytest.raises(RejectRow, match="chat template refused the conversation: no system role"):
+        renderer.render(CONV)
+    with pytest.raises(RejectRow, match="content was not found"):
+        renderer.render([Message("user", "hi"), Message("assistant", "hello")])
+    assert renderer.render([Message("user", "hi"), Message("assistant", "OK")]).num_supervised >= 2

@@ -1,0 +1,63 @@
+"""Hand-made P-EAGLE exports for the vLLM tier: a random draft for a target, written by our own exporter.
+
+The weights are random (acceptance ~ 0), but the files are exactly what `peagle-pipeline train` exports
+(SPEC section 6: `stages.export.write_export` of a `core.model.PEagleDraft`), so vLLM must load them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+__all__ = ["make_random_draft"]
+
+
+def make_random_draft(
+    target: str | Path,
+    out: str | Path,
+    layer_ids: list[int],
+    depths: int = 3,
+    draft_vocab_size: int | None = None,
+    seed: int = 0,
+) -> Path:
+    """Export a random 1-layer P-EAGLE draft for `target` (embeddings/lm_head/norm from the target) to `out`.
+
+    Args:
+        target: HF model directory of the target.
+        out: export directory to write.
+        layer_ids: aux layer ids (vLLM convention).
+        depths: K, the number of tokens drafted in parallel.
+        draft_vocab_size: Vd (default: the full target vocabulary); the Vd smallest-id tokens when smaller.
+    """
+    from peagle_pipeline.backends.pieces import load_target_pieces_from_model, read_target_info
+    from peagle_pipeline.core.model import DraftConfig, PEagleDraft
+    from peagle_pipeline.core.vocab import build_draft_vocab
+    from peagle_pipeline.stages.export import DraftSpec, write_export
+
+    info = read_target_info(target)
+    V = info.vocab_size
+    Vd = draft_vocab_size or V
+    mask_token_id = V - 1  # an id vLLM accepts; the tiny tokenizer leaves the last rows unused
+    spec = DraftSpec(
+        target_config=info.config,
+        verifier_name_or_path=str(target),
+        verifier_architectures=list(info.architectures),
+        aux_layer_ids=sorted(layer_ids),
+        draft_layers=1,
+        draft_vocab_size=Vd,
+        mask_token_id=mask_token_id,
+        norm_before_residual=False,
+        depths=depths,
+    )
+    cfg = DraftConfig.from_target_config(
+        info.config, num_layers=1, num_aux=len(layer_ids), draft_vocab_size=Vd, mask_token_id=mask_token_id
+    )
+    counts = torch.arange(V, 0, -1, dtype=torch.float64)  # lower ids "more frequent": Vd smallest ids kept
+    vocab = build_draft_vocab(counts, Vd) if Vd < V else None
+    pieces = {k: v for k, v in load_target_pieces_from_model(target).items()}
+    model = PEagleDraft(cfg, pieces, vocab, generator=torch.Generator().manual_seed(seed))
+    path = write_export(out, spec, model.state_dict())
+    json.loads((path / "config.json").read_text())  # written and parseable
+    return path

@@ -1,0 +1,135 @@
+"""`peagle-pipeline vllm-check`: exports load in vLLM as parallel-drafting speculators, greedy output is
+unchanged, and vLLM's own acceptance counters are reported.
+
+The draft is trained briefly by `peagle-pipeline train` (Vd < V, so d2t/t2d are exercised) on the cache that
+`extract --backend vllm` wrote, exported, and checked on the cache's held-out prompts. A random draft written by
+our exporter (tests/vllm/drafts.py) serves the fast checks of bad inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import TINY_LAYERS, run_cli
+from drafts import make_random_draft
+
+
+@pytest.fixture(scope="module")
+def random_draft(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_draft(
+        tiny_model, tmp_path_factory.mktemp("draft") / "export", TINY_LAYERS, depths=3, draft_vocab_size=300
+    )
+
+
+def test_trained_draft_from_vllm_cache(
+    tiny_model: Path, tiny_caches: dict[str, Path], tmp_path: Path, vllm_env: dict[str, str]
+) -> None:
+    cache, run = tiny_caches["vllm"], tmp_path / "run"
+    proc = run_cli(
+        vllm_env,
+        "train",
+        "--cache",
+        str(cache),
+        "--output",
+        str(run),
+        "--steps",
+        "40",
+        "--depths",
+        "3",
+        "--draft-vocab-size",
+        "300",
+        "--tokens-per-step",
+        "1024",
+        "--eval-samples",
+        "4",
+        "--eval-every",
+        "40",
+        "--save-every",
+        "40",
+        "--warmup",
+        "5",
+        "--lr",
+        "3e-3",
+        "--num-workers",
+        "0",
+        "--device",
+        "cpu",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    export = run / "export"
+    assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
+    report = tmp_path / "check.json"
+    proc = run_cli(
+        vllm_env,
+        "vllm-check",
+        str(export),
+        "--target",
+        str(tiny_model),
+        "--prompts",
+        str(cache),
+        "--num-prompts",
+        "4",
+        "--max-tokens",
+        "24",
+        "--report",
+        str(report),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print("\n" + proc.stdout)
+    data = json.loads(report.read_text())
+    assert data["identical"] is True and data["depths"] == 3 and data["prompts"] >= 1
+    assert data["drafts"] > 0 and data["acceptance_length"] >= 1.0
+
+
+def test_not_an_export_is_one_line_error(tmp_path: Path, tiny_model: Path, vllm_env: dict[str, str]) -> None:
+    proc = run_cli(vllm_env, "vllm-check", str(tmp_path), "--target", str(tiny_model), timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path} is not a draft export: cannot read config.json (FileNotFoundError)"
+    ]
+
+
+def test_draft_for_another_vocabulary_is_refused(
+    random_draft: Path, tmp_path: Path, tiny_model: Path
+) -> None:
+    from peagle_pipeline.errors import BadInput
+    from peagle_pipeline.stages.vllm_check import run
+
+    other = tmp_path / "other"
+    shutil.copytree(random_draft, other)
+    config = json.loads((other / "config.json").read_text())
+    config["transformer_layer_config"]["vocab_size"] = 1024
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(BadInput, match="vocabulary of 1024"):
+        run(str(other), str(tiny_model))
+
+
+def test_prompt_sources(tiny_model: Path, tiny_chat_data: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from peagle_pipeline.stages.vllm_check import DEFAULT_PROMPTS, load_prompts
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    header = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    plain = tmp_path / "p.jsonl"
+    plain.write_text(
+        json.dumps({"prompt": "Hello! How are you today?"}) + "\n\n" + json.dumps({"prompt": "Paris?"}) + "\n"
+    )
+    for source, n in ((None, len(DEFAULT_PROMPTS)), (str(plain), 2), (str(tiny_chat_data), 5)):
+        prompts = load_prompts(source, str(tiny_model), 5 if source else 100)
+        assert len(prompts) == n
+        for ids in prompts:  # rendered with the chat template, ending with the generation prompt
+            assert ids[-len(header) :] == header
+    first = load_prompts(str(plain), str(tiny_model), 1)[0]
+    assert tok.decode(first).count("Hello! How are you today?") == 1
+
+
+def test_mismatch_listing() -> None:
+    from peagle_pipeline.stages.vllm_check import _mismatches
+
+    found = _mismatches([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 9, 9], [6, 7]])
+    assert [(m["prompt"], m["first_difference"]) for m in found] == [(1, 1), (2, 1)]
+    assert found[0]["plain"] == [5] and found[0]["speculative"] == [9, 9]
