@@ -9,8 +9,11 @@ PYTEST_ARGS ?=
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
+BENCH_VENV := .venv-bench
+BENCH_PY := $(BENCH_VENV)/bin/python
+BENCH_STAMP := $(BENCH_VENV)/.installed
 
-.PHONY: setup setup-vllm test-vllm test test-fast test-crash lint fmt demo demo-assets bench clean
+.PHONY: setup setup-vllm setup-bench test-vllm test test-fast test-crash lint fmt demo demo-assets bench clean
 
 setup: $(STAMP)
 
@@ -33,6 +36,20 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q -e ".[dev]"
 	touch $(VLLM_STAMP)
+
+# Benchmark-only env: speculators==0.9.0 is a comparator (bench/bench_speculators.py), never a dependency.
+# Its metadata hard-requires torchvision, torchaudio and hs-connectors (training-CLI only); torchvision/torchaudio
+# would replace or break the local CPU torch, so it is installed with --no-deps plus what its P-EAGLE model imports.
+setup-bench: $(BENCH_STAMP)
+
+$(BENCH_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q --upgrade pip
+	$(BENCH_VENV)/bin/pip install -q torch==2.13.0
+	$(BENCH_VENV)/bin/pip install -q -e .
+	$(BENCH_VENV)/bin/pip install -q --no-deps speculators==0.9.0
+	$(BENCH_VENV)/bin/pip install -q "pydantic>=2" "pydantic-settings>=2" "loguru>=0.7.2,<=0.7.3" huggingface-hub
+	touch $(BENCH_STAMP)
 
 test-vllm: setup-vllm demo-assets
 	$(VLLM_PY) -m pytest -q tests/vllm $(PYTEST_ARGS)
@@ -60,7 +77,7 @@ fmt: setup
 demo: setup demo-assets
 	$(PY) scripts/demo.py --dir $(DEMO_DIR)
 
-bench: setup demo-assets
+bench: setup setup-bench demo-assets
 	$(PY) bench/run_all.py --out bench/results
 
 clean:

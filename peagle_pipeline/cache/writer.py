@@ -7,6 +7,9 @@ Commit protocol (crash-safe, resumable to the bit):
      every array's rows in every shard and of every table, and `complete` after a clean close.
 Anything the manifest does not name is garbage, overwritten by the next run. Never reads user data, never
 runs models; the runner (`stages/extract.py`) feeds it samples in storage order.
+
+Test hook: PEAGLE_TEST_COMMIT_SLEEP=<seconds> sleeps between writing a commit's shard data and its tables and
+manifest, so crash tests can kill -9 a writer inside that window. Unset (always, outside tests) it does nothing.
 """
 
 from __future__ import annotations
@@ -354,6 +357,7 @@ class CacheWriter:
                 self._fsync_shards(start, stop)
             except OSError as err:
                 raise_if_no_space(err, f"store {self.store}")
+            _test_pause()
             for first in range(start, stop, S):
                 last = min(first + S, stop)
                 self._shards.append(
@@ -466,6 +470,15 @@ class CacheWriter:
             self.close()
         else:
             self.abort()
+
+
+def _test_pause() -> None:
+    """The crash-test hook of the module docstring (a no-op unless PEAGLE_TEST_COMMIT_SLEEP is set)."""
+    delay = os.environ.get("PEAGLE_TEST_COMMIT_SLEEP")
+    if delay:
+        import time
+
+        time.sleep(float(delay))
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:
