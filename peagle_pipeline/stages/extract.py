@@ -363,6 +363,19 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     layer_ids = resolve_layers(cfg, info.num_hidden_layers)
     if cfg.topk > info.vocab_size:
         raise BadInput(f"topk {cfg.topk} exceeds the target vocabulary ({info.vocab_size})")
+    from transformers import AutoTokenizer
+
+    from peagle_pipeline.data.chat import ChatRenderer
+    from peagle_pipeline.data.formats import iter_rows
+
+    # Checked before the output exists: bad data paths or tokenizer must not leave a cache stamped with them.
+    iter_rows(cfg.data)  # checks every path's existence and kind; reads nothing
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    except Exception as err:  # transformers/tokenizers raise many types for a broken tokenizer
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise BadInput(f"cannot load the tokenizer of {cfg.model}: {why}") from None
+    renderer = ChatRenderer(tokenizer, cfg.assistant_turns, cfg.leading_assistant)
     meta = build_meta(cfg, info, layer_ids, world)
     root = prepare_output(cfg, meta)
     writer = CacheWriter(root, meta, rank, world).open()
@@ -373,12 +386,6 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     backend: TargetBackend | None = None
     start = time.perf_counter()
     try:
-        from transformers import AutoTokenizer
-
-        from peagle_pipeline.data.chat import ChatRenderer
-
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        renderer = ChatRenderer(tokenizer, cfg.assistant_turns, cfg.leading_assistant)
         backend, summary.new_tokens = _loop(cfg, meta, writer, renderer, rank, world)
         writer.close()
     except KeyboardInterrupt:

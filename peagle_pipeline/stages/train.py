@@ -17,12 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
-import os
-import platform
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +26,7 @@ from typing import Any
 
 import torch
 
-from peagle_pipeline.config import TrainConfig, to_dict
+from peagle_pipeline.config import TrainConfig
 from peagle_pipeline.core import cod, loss, mask, partition, vocab
 from peagle_pipeline.core.model import DraftConfig, PEagleDraft
 from peagle_pipeline.errors import (
@@ -38,12 +34,11 @@ from peagle_pipeline.errors import (
     BadInput,
     CorruptCache,
     NumericalFault,
-    OutputExists,
-    ResumeMismatch,
 )
-from peagle_pipeline.runtime import RankLock, atomic_write_json, atomic_write_text, rank_world_from_env
+from peagle_pipeline.runtime import RankLock
 from peagle_pipeline.stages import metrics as metrics_mod
 from peagle_pipeline.stages.checkpoint import CheckpointManager
+from peagle_pipeline.stages.distributed import Dist
 from peagle_pipeline.stages.export import DraftSpec, export_run
 from peagle_pipeline.stages.loader import (
     Cursor,
@@ -54,28 +49,16 @@ from peagle_pipeline.stages.loader import (
     read_packed,
     split_samples,
 )
+from peagle_pipeline.stages.rundir import (
+    EXPORT_DIR,
+    LOCK_FILE,
+    prepare_output,
+    write_run_files,
+)
 
-__all__ = [
-    "run",
-    "Trainer",
-    "Dist",
-    "lr_at",
-    "build_draft",
-    "prepare_output",
-    "TRAIN_YAML",
-    "RUN_JSON",
-    "EXPORT_DIR",
-    "RESUME_IGNORED",
-]
+__all__ = ["run", "Trainer", "lr_at", "build_draft"]
 
 log = logging.getLogger(__name__)
-
-TRAIN_YAML = "train.yaml"
-RUN_JSON = "run.json"
-EXPORT_DIR = "export"
-LOCK_FILE = "train.lock"
-# Settings a resume may change: they do not alter the trained weights.
-RESUME_IGNORED = frozenset({"resume", "num_workers", "log_every", "export"})
 
 
 # ------------------------------------------------------------------------------------------------ small parts
@@ -92,122 +75,6 @@ def lr_at(step: int, peak: float, warmup: int, total: int, schedule: str) -> flo
     if schedule == "linear":
         return peak * max(0.0, 1.0 - progress)
     return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-@dataclass
-class Dist:
-    """This process's place in the data-parallel group (world 1 = no process group)."""
-
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    owns_group: bool = False
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    @classmethod
-    def setup(cls, device: str) -> Dist:
-        """Read RANK/WORLD_SIZE/LOCAL_RANK (torchrun); init gloo (CPU) or NCCL (CUDA) when world > 1."""
-        rank, world = rank_world_from_env(None, None)
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        if device == "auto":
-            device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
-        elif device == "cuda" and world > 1:
-            device = f"cuda:{local}"
-        dev = torch.device(device)
-        if dev.type == "cuda":
-            if not torch.cuda.is_available():
-                raise BadConfig(f"device {device} requested but CUDA is not available")
-            torch.cuda.set_device(dev)
-        owns = False
-        if world > 1 and not torch.distributed.is_initialized():
-            torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-            owns = True
-        return cls(rank=rank, world=world, local_rank=local, device=dev, owns_group=owns)
-
-    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum a small CPU tensor over ranks, in place (through the device for NCCL, which has no CPU tensors)."""
-        if self.world > 1:
-            on_dev = t.to(self.device)
-            torch.distributed.all_reduce(on_dev)
-            t.copy_(on_dev.cpu())
-        return t
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            torch.distributed.barrier()
-
-    def teardown(self) -> None:
-        if self.owns_group and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-
-def prepare_output(cfg: TrainConfig, world: int, micro_steps: int) -> bool:
-    """Check the run directory against the request; True when a previous run is continued.
-
-    Raises:
-        OutputExists: a non-empty output without --resume.
-        BadInput: --resume but no run there.
-        ResumeMismatch: --resume with settings other than the run's train.yaml (names them).
-    """
-    import yaml
-
-    out = Path(cfg.output)
-    has_run = (out / TRAIN_YAML).is_file()
-    if not cfg.resume:
-        if has_run:
-            raise OutputExists(
-                f"{out} already holds a training run: add --resume to continue it, or choose another --output"
-            )
-        if out.exists() and any(out.iterdir()):
-            raise OutputExists(f"{out} is not empty and holds no training run: choose another --output")
-        return False
-    if not has_run:
-        raise BadInput(f"nothing to resume in {out} (no {TRAIN_YAML}): drop --resume to start a new run")
-    saved = (yaml.safe_load((out / TRAIN_YAML).read_text()) or {}).get("train", {})
-    now = to_dict(cfg)
-    run_facts = json.loads((out / RUN_JSON).read_text()) if (out / RUN_JSON).is_file() else {}
-    saved.update(
-        world_size=run_facts.get("world_size", world), micro_steps=run_facts.get("micro_steps", micro_steps)
-    )
-    now.update(world_size=world, micro_steps=micro_steps)
-    diff = sorted(k for k in set(saved) | set(now) if k not in RESUME_IGNORED and saved.get(k) != now.get(k))
-    if diff:
-        detail = ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in diff)
-        raise ResumeMismatch(f"cannot resume {out}: settings differ from its {TRAIN_YAML}: {detail}")
-    return True
-
-
-def _write_run_files(cfg: TrainConfig, world: int, micro_steps: int, resumed: bool) -> None:
-    import transformers
-    import yaml
-
-    out = Path(cfg.output)
-    out.mkdir(parents=True, exist_ok=True)
-    if not resumed:
-        head = "# Resolved settings of this run (compared by --resume). Use it as a pipeline file: -c train.yaml\n"
-        atomic_write_text(out / TRAIN_YAML, head + yaml.safe_dump({"train": to_dict(cfg)}, sort_keys=False))
-    facts = json.loads((out / RUN_JSON).read_text()) if (out / RUN_JSON).is_file() else {"starts": []}
-    from peagle_pipeline import __version__
-
-    facts.update(world_size=world, micro_steps=micro_steps)
-    facts["starts"].append(
-        {
-            "argv": sys.argv,
-            "time": time.time(),
-            "resumed": resumed,
-            "versions": {
-                "peagle_pipeline": __version__,
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-                "python": platform.python_version(),
-            },
-        }
-    )
-    atomic_write_json(out / RUN_JSON, facts)
 
 
 def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, vocab.DraftVocab | None]:
@@ -694,7 +561,7 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
         dist.barrier()
         if dist.main:
             lock = RankLock(Path(cfg.output) / LOCK_FILE, f"training run {cfg.output}").acquire()
-            _write_run_files(cfg, dist.world, micro_steps, resumed)
+            write_run_files(cfg, dist.world, micro_steps, resumed)
         dist.barrier()
         trainer = Trainer(cfg, dist, micro_steps)
         if dist.main:

@@ -12,8 +12,11 @@ import torch
 
 from peagle_pipeline.config import TrainConfig, resolve
 from peagle_pipeline.errors import NumericalFault
+from peagle_pipeline.stages.distributed import Dist
 from peagle_pipeline.stages.loader import Cursor
-from peagle_pipeline.stages.train import Dist, Trainer
+from peagle_pipeline.stages.train import Trainer
+
+pytestmark = pytest.mark.slow
 
 
 def _poison(micro):

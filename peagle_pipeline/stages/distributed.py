@@ -1,0 +1,67 @@
+"""This process's place in the data-parallel group: torchrun environment, process group, tiny all-reduces.
+
+Only `stages.train.run()` creates one (STYLE: process groups only in a stage's run()).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from peagle_pipeline.errors import BadConfig
+from peagle_pipeline.runtime import rank_world_from_env
+
+__all__ = ["Dist"]
+
+
+@dataclass
+class Dist:
+    """This process's place in the data-parallel group (world 1 = no process group)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    owns_group: bool = False
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def setup(cls, device: str) -> Dist:
+        """Read RANK/WORLD_SIZE/LOCAL_RANK (torchrun); init gloo (CPU) or NCCL (CUDA) when world > 1."""
+        rank, world = rank_world_from_env(None, None)
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        if device == "auto":
+            device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+        elif device == "cuda" and world > 1:
+            device = f"cuda:{local}"
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise BadConfig(f"device {device} requested but CUDA is not available")
+            torch.cuda.set_device(dev)
+        owns = False
+        if world > 1 and not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+            owns = True
+        return cls(rank=rank, world=world, local_rank=local, device=dev, owns_group=owns)
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum a small CPU tensor over ranks, in place (through the device for NCCL, which has no CPU tensors)."""
+        if self.world > 1:
+            on_dev = t.to(self.device)
+            torch.distributed.all_reduce(on_dev)
+            t.copy_(on_dev.cpu())
+        return t
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def teardown(self) -> None:
+        if self.owns_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
