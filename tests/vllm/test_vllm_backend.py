@@ -124,3 +124,14 @@ def test_bad_layer_ids_and_topk_fail_before_engine_start(tiny_model: Path) -> No
         VLLMBackend(_cfg(tiny_model), [2, 7])
     with pytest.raises(BadInput, match="larger than the target vocabulary"):
         VLLMBackend(_cfg(tiny_model, topk=1000), TINY_LAYERS)
+
+
+def test_gpu_pinning_under_torchrun() -> None:
+    from peagle_pipeline.backends.vllm import local_gpu_devices
+
+    torchrun = {"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4", "RANK": "6", "WORLD_SIZE": "8"}
+    assert local_gpu_devices(torchrun, 1) == "2"
+    assert local_gpu_devices(torchrun, 2) == "4,5"
+    assert local_gpu_devices({**torchrun, "CUDA_VISIBLE_DEVICES": "0"}, 1) is None  # SLURM/user choice wins
+    assert local_gpu_devices({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}, 2) is None
+    assert local_gpu_devices({}, 1) is None
