@@ -20,6 +20,7 @@ import numpy as np
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.layout import CacheMeta
+from peagle_pipeline.cache.writer import file_hash
 from peagle_pipeline.errors import BadInput, CorruptCache, IncompatibleCache
 
 if TYPE_CHECKING:
@@ -140,9 +141,22 @@ class _StoreReader:
         self.manifest = manifest
         self.specs = specs
         self.info: dict[str, _ArrayInfo] = {}
-        for array in specs:
-            meta = json.loads(root.read_bytes(f"{self.rel}/{array}/zarr.json"))
-            self.info[array] = _ArrayInfo(array, meta)
+        for array, (dtype, inner) in specs.items():
+            try:
+                info = _ArrayInfo(array, json.loads(root.read_bytes(f"{self.rel}/{array}/zarr.json")))
+                ok = (
+                    info.dtype == np.dtype(dtype).newbyteorder("<")
+                    and info.inner == tuple(inner)
+                    and info.shard_tokens == int(manifest["shard_tokens"])
+                    and info.chunk_tokens == int(manifest["chunk_tokens"])
+                )
+            except (OSError, ValueError, KeyError, TypeError, IndexError, ZeroDivisionError) as err:
+                raise CorruptCache(
+                    f"store {name}: {array}/zarr.json is damaged ({type(err).__name__})"
+                ) from None
+            if not ok:
+                raise CorruptCache(f"store {name}: {array}/zarr.json disagrees with the cache metadata")
+            self.info[array] = info
         self._pid = -1
         self._fds: dict[tuple[str, int], int] = {}
         self._index: dict[tuple[str, int], np.ndarray] = {}
@@ -174,11 +188,18 @@ class _StoreReader:
         """Rows [start, stop) of `array` in their stored dtype, shape [stop-start, *inner]."""
         self._check_process()
         info = self.info[array]
-        if fast and info.fast and self.root.local is not None:
-            return self._read_fast(info, start, stop)
-        if self._zarr is None:
-            self._zarr = self.root.zarr_group(self.rel)
-        return np.asarray(self._zarr[array][start:stop])
+        try:
+            if fast and info.fast and self.root.local is not None:
+                return self._read_fast(info, start, stop)
+            if self._zarr is None:
+                self._zarr = self.root.zarr_group(self.rel)
+            return np.asarray(self._zarr[array][start:stop])
+        except CorruptCache:
+            raise
+        except Exception as err:  # damaged bytes surface as codec, crc, size or value errors of many types
+            raise CorruptCache(
+                f"store {self.name}: {array} tokens {start}..{stop} cannot be read ({type(err).__name__})"
+            ) from None
 
     def _fd(self, info: _ArrayInfo, shard: int) -> int:
         key = (info.name, shard)
@@ -295,14 +316,25 @@ class Cache:
         for name, manifest in manifests.items():
             if manifest is None:
                 continue
-            self._stores[name] = _StoreReader(root, name, manifest, self.specs)
-            table = pd.read_parquet(
-                io.BytesIO(root.read_bytes(f"{layout.STORES_DIR}/{name}/{layout.SAMPLES_TABLE}"))
-            )
-            frames.append(table.iloc[: int(manifest["committed_samples"])])
-            rel = f"{layout.STORES_DIR}/{name}/{layout.REJECTS_TABLE}"
-            if root.exists(rel):
-                rejects.append(pd.read_parquet(io.BytesIO(root.read_bytes(rel))))
+            try:
+                if CacheMeta.from_dict(manifest["meta"]).differences(meta):
+                    raise CorruptCache(f"store {name}: its manifest disagrees with {layout.CACHE_META}")
+                self._stores[name] = _StoreReader(root, name, manifest, self.specs)
+                blob = root.read_bytes(f"{layout.STORES_DIR}/{name}/{layout.SAMPLES_TABLE}")
+                _check_table(name, manifest, layout.SAMPLES_TABLE, blob)
+                table = pd.read_parquet(io.BytesIO(blob))
+                frames.append(table.iloc[: int(manifest["committed_samples"])][list(layout.SAMPLE_COLUMNS)])
+                rel = f"{layout.STORES_DIR}/{name}/{layout.REJECTS_TABLE}"
+                if root.exists(rel):
+                    blob = root.read_bytes(rel)
+                    _check_table(name, manifest, layout.REJECTS_TABLE, blob)
+                    rejects.append(pd.read_parquet(io.BytesIO(blob))[list(layout.REJECT_COLUMNS)])
+            except CorruptCache:
+                raise
+            except (OSError, ValueError, KeyError, TypeError, IndexError) as err:  # pyarrow's errors included
+                raise CorruptCache(
+                    f"store {name} of {root.url} is damaged ({type(err).__name__}); run `peagle-pipeline verify`"
+                ) from None
         cols = list(layout.SAMPLE_COLUMNS)
         self.samples: pd.DataFrame = (
             pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=cols)
@@ -349,8 +381,18 @@ class Cache:
         """int64 [V]: how often each token id is a supervised token, summed over all stores."""
         total = np.zeros(self.meta.vocab_size, dtype=np.int64)
         for name in self._stores:
-            raw = self._root.read_bytes(f"{layout.STORES_DIR}/{name}/{layout.TOKEN_COUNTS}")
-            total += np.load(io.BytesIO(raw)).astype(np.int64)
+            try:
+                raw = self._root.read_bytes(f"{layout.STORES_DIR}/{name}/{layout.TOKEN_COUNTS}")
+            except FileNotFoundError:
+                raise CorruptCache(f"store {name}: {layout.TOKEN_COUNTS} is missing") from None
+            _check_table(name, self.manifests[name] or {}, layout.TOKEN_COUNTS, raw)
+            try:
+                counts = np.load(io.BytesIO(raw), allow_pickle=False).astype(np.int64)
+                total += counts.reshape(self.meta.vocab_size)
+            except (ValueError, OSError, EOFError) as err:
+                raise CorruptCache(
+                    f"store {name}: {layout.TOKEN_COUNTS} is damaged ({type(err).__name__})"
+                ) from None
         return total
 
     def __len__(self) -> int:
@@ -502,13 +544,27 @@ class Cache:
         return verify_cache(self)
 
 
+def _check_table(store: str, manifest: dict[str, Any], table: str, blob: bytes) -> None:
+    """A complete store's tables never change after its last commit: a hash mismatch is damage.
+
+    (An incomplete store's table may legitimately run ahead of its manifest while a writer commits.)
+    """
+    if manifest.get("complete") and file_hash(blob) != manifest.get("tables", {}).get(table):
+        raise CorruptCache(
+            f"store {store}: {table} does not match its manifest checksum; run `peagle-pipeline verify`"
+        )
+
+
 def _read_json(root: _Root, rel: str) -> dict[str, Any] | None:
     try:
-        return json.loads(root.read_bytes(rel))
+        data = json.loads(root.read_bytes(rel))
     except FileNotFoundError:
         return None
-    except json.JSONDecodeError:
-        raise IncompatibleCache(f"{root.url}/{rel} is not valid JSON; the cache is damaged") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CorruptCache(f"{root.url}/{rel} is not valid JSON; the cache is damaged") from None
+    if not isinstance(data, dict):
+        raise CorruptCache(f"{root.url}/{rel} is not a JSON object; the cache is damaged")
+    return data
 
 
 def open_cache(path: str | os.PathLike[str], check: bool = True) -> Cache:
@@ -534,7 +590,11 @@ def open_cache(path: str | os.PathLike[str], check: bool = True) -> Cache:
             f"{root.url} has cache format {meta_dict.get('format_version')}, this version "
             f"reads {layout.FORMAT_VERSION}; re-extract it"
         )
-    meta = CacheMeta.from_dict(meta_dict)
+    try:
+        meta = CacheMeta.from_dict(meta_dict)
+        layout.array_specs(meta)
+    except (TypeError, ValueError, KeyError) as err:
+        raise CorruptCache(f"{root.url}/{layout.CACHE_META} is damaged ({type(err).__name__})") from None
     manifests: dict[str, dict[str, Any] | None] = {}
     for rank in range(meta.world_size):
         name = layout.store_name(rank, meta.world_size)

@@ -79,14 +79,20 @@ def _verify_store(cache: Cache, name: str, manifest: dict[str, Any], seen: dict[
         seen[sid] = name
         if sid % cache.meta.world_size != rank:
             out.append(f"{name}: sample {sid} does not belong to rank {rank}")
-    group = root.zarr_group(rel)
+    try:
+        group = root.zarr_group(rel)
+    except Exception as err:  # a damaged zarr.json: zarr raises several types
+        return [
+            *out,
+            f"{name}: Zarr group unreadable ({type(err).__name__}); affects every sample of the store",
+        ]
     covered = 0
     data: dict[str, np.ndarray] = {}
     for array, (dtype, inner) in cache.specs.items():
         try:
             arr = group[array]
-        except KeyError:
-            out.append(f"{name}: array {array} missing")
+        except Exception as err:  # missing (KeyError) or damaged zarr.json (several types)
+            out.append(f"{name}: array {array} missing or unreadable ({type(err).__name__})")
             continue
         if arr.shape[0] < n_tokens or tuple(arr.shape[1:]) != inner or arr.dtype != np.dtype(dtype):
             out.append(
@@ -150,6 +156,6 @@ def _verify_values(cache: Cache, name: str, samples: Any, data: dict[str, np.nda
         )
         if not np.array_equal(stored, counts):
             out.append(f"{name}: token_counts.npy disagrees with the supervised tokens of its samples")
-    except (FileNotFoundError, ValueError):
+    except (OSError, ValueError, EOFError):  # missing, truncated or damaged .npy
         out.append(f"{name}: token_counts.npy missing or unreadable")
     return out

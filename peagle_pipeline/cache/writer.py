@@ -14,12 +14,16 @@ manifest, so crash tests can kill -9 a writer inside that window. Unset (always,
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import logging
 import os
 import shutil
+import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -338,7 +342,11 @@ class CacheWriter:
 
     # ------------------------------------------------------------------------------------------- commit
     def _flush(self, final: bool) -> None:
-        """Write the buffered whole shards (and at close the partial tail), then commit."""
+        """Write the buffered whole shards (and at close the partial tail), then commit; Ctrl-C waits for it."""
+        with _sigint_deferred():
+            self._write_and_commit(final)
+
+    def _write_and_commit(self, final: bool) -> None:
         S = self.shard_tokens
         n = self._buffered if final else (self._buffered // S) * S
         if n == 0 and not final:
@@ -470,6 +478,27 @@ class CacheWriter:
             self.close()
         else:
             self.abort()
+
+
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold SIGINT while a commit is written and raise KeyboardInterrupt right after it.
+
+    An interrupt inside Zarr's I/O would abandon its event-loop tasks mid-write (and print asyncio noise); the
+    commit takes milliseconds, so finishing it first costs nothing and keeps Ctrl-C a clean stop.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield
+        return
+    caught: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def _test_pause() -> None:
