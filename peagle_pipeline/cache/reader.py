@@ -94,6 +94,13 @@ class _Root:
         return zarr.open_group(f"{self.url.rstrip('/')}/{rel}", mode="r")
 
 
+def _crc32c(data: bytes) -> bytes:
+    """crc32c of `data` as the 4 little-endian bytes zarr's crc32c codec appends."""
+    import google_crc32c
+
+    return np.uint32(google_crc32c.value(data)).tobytes()
+
+
 class _ArrayInfo:
     """Static description of one stored array, parsed from its zarr.json (for the fast path)."""
 
@@ -117,8 +124,9 @@ class _ArrayInfo:
             ]
             self.chunk_tokens = int(conf["chunk_shape"][0])
             self.zstd = inner_codecs == ["bytes", "zstd"]
+            self.crc = inner_codecs == ["bytes", "crc32c"]
             self.fast = (
-                inner_codecs in (["bytes"], ["bytes", "zstd"])
+                inner_codecs in (["bytes"], ["bytes", "zstd"], ["bytes", "crc32c"])
                 and index_codecs == ["bytes", "crc32c"]
                 and conf.get("index_location", "end") == "end"
                 and endian == ["little"]
@@ -127,7 +135,7 @@ class _ArrayInfo:
             self.chunks_per_shard = self.shard_tokens // self.chunk_tokens
         else:
             self.chunk_tokens = self.shard_tokens
-            self.zstd = False
+            self.zstd = self.crc = False
             self.chunks_per_shard = 1
 
 
@@ -247,7 +255,7 @@ class _StoreReader:
             span = index[local : local + last - chunk + 1]
             present = span[:, 0] != _EMPTY
             lo_row, hi_row = max(start, chunk * C), min(stop, (last + 1) * C)
-            if not info.zstd and present.all() and self._contiguous(span, C * row_bytes):
+            if not (info.zstd or info.crc) and present.all() and self._contiguous(span, C * row_bytes):
                 # Raw chunks laid out back to back: read exactly the rows needed, straight into `out`.
                 dest = out[lo_row - start : hi_row - start].reshape(-1).view(np.uint8)
                 pos = int(span[0, 0]) + (lo_row - chunk * C) * row_bytes
@@ -277,6 +285,11 @@ class _StoreReader:
                             self._decoder().decode(raw, out=dest)
                             continue
                         raw = self._decoder().decode(raw)
+                    elif info.crc:  # raw chunk + little-endian crc32c of it (zarr's crc32c codec)
+                        body = bytes(raw[:-4])  # google_crc32c takes bytes only; frombuffer reuses it below
+                        if n != C * row_bytes + 4 or _crc32c(body) != bytes(raw[-4:]):
+                            raise ValueError("crc32c mismatch")
+                        raw = body
                     rows = np.frombuffer(raw, dtype=info.dtype).reshape(-1, *info.inner)
                 except (RuntimeError, ValueError) as err:
                     raise CorruptCache(

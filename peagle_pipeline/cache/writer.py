@@ -210,7 +210,7 @@ class CacheWriter:
 
     def _create_store(self) -> None:
         import zarr
-        from zarr.codecs import ZstdCodec
+        from zarr.codecs import Crc32cCodec, ZstdCodec
 
         self.store_dir.parent.mkdir(parents=True, exist_ok=True)
         group = zarr.create_group(
@@ -223,9 +223,14 @@ class CacheWriter:
             },
         )
         for name, (dtype, inner) in self.specs.items():
-            # Frame checksums let a reader detect a damaged chunk without the shard's manifest checksum.
+            # zstd frame checksums / crc32c let a reader detect a damaged chunk without the manifest checksum.
+            codec = layout.chunk_codec(name, self.meta.compress)
             level = layout.zstd_level(name, self.meta.compress)
-            compressors = [ZstdCodec(level=level, checksum=True)] if level is not None else None
+            compressors = {
+                "zstd": [ZstdCodec(level=level or 3, checksum=True)],
+                "crc32c": [Crc32cCodec()],
+                "none": None,
+            }[codec]
             attrs: dict[str, Any] = {}
             if name in ("aux_hidden", "last_hidden"):
                 attrs["logical_dtype"] = self.meta.hidden_dtype
