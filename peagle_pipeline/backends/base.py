@@ -10,14 +10,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from peagle_pipeline.errors import BadConfig
+from peagle_pipeline.errors import BadConfig, BadInput
 
 if TYPE_CHECKING:
     import torch
 
     from peagle_pipeline.config import ExtractConfig
 
-__all__ = ["TargetInfo", "SampleOutputs", "TargetBackend", "get_backend", "default_layer_ids"]
+__all__ = [
+    "TargetInfo",
+    "SampleOutputs",
+    "TargetBackend",
+    "get_backend",
+    "default_layer_ids",
+    "validate_layer_ids",
+    "check_target",
+]
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,35 @@ def default_layer_ids(num_hidden_layers: int) -> list[int]:
     """SPEC default aux ids: [2, L//2, L-3] (deduplicated, ascending)."""
     L = num_hidden_layers
     return sorted({2, L // 2, L - 3})
+
+
+def validate_layer_ids(layer_ids: list[int], num_hidden_layers: int) -> list[int]:
+    """Sorted unique ids, each in 0..L (L = num_hidden_layers).
+
+    Raises:
+        BadInput: empty list or an id outside 0..L.
+    """
+    bad = [k for k in layer_ids if not 0 <= k <= num_hidden_layers]
+    if not layer_ids or bad:
+        raise BadInput(
+            f"aux layer ids must be in 0..{num_hidden_layers} (vLLM convention, 0 = embeddings); got {layer_ids}"
+        )
+    return sorted(set(layer_ids))
+
+
+def check_target(cfg: ExtractConfig, layer_ids: list[int]) -> tuple[TargetInfo, list[int]]:
+    """What every backend checks before loading weights: the target's config, the layer ids and top-k.
+
+    Raises:
+        BadInput: unreadable model config, a layer id outside 0..L, top-k larger than the vocabulary.
+    """
+    from peagle_pipeline.backends.pieces import read_target_info
+
+    info = read_target_info(cfg.model)
+    ids = validate_layer_ids(list(layer_ids), info.num_hidden_layers)
+    if cfg.topk > info.vocab_size:
+        raise BadInput(f"topk ({cfg.topk}) is larger than the target vocabulary ({info.vocab_size})")
+    return info, ids
 
 
 def get_backend(cfg: ExtractConfig, layer_ids: list[int]) -> TargetBackend:

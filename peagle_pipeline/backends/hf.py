@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from peagle_pipeline.backends.base import SampleOutputs, TargetInfo
-from peagle_pipeline.backends.pieces import read_target_info, text_config
+from peagle_pipeline.backends.base import SampleOutputs, check_target
+from peagle_pipeline.backends.pieces import text_config
 from peagle_pipeline.errors import BadInput
 
 if TYPE_CHECKING:
     from peagle_pipeline.config import ExtractConfig
 
-__all__ = ["HFBackend", "resolve_device", "validate_layer_ids"]
+__all__ = ["HFBackend", "resolve_device"]
 
 log = logging.getLogger(__name__)
 
@@ -39,20 +39,6 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def validate_layer_ids(layer_ids: list[int], num_hidden_layers: int) -> list[int]:
-    """Sorted unique ids, each in 0..L (L = num_hidden_layers).
-
-    Raises:
-        BadInput: empty list or an id outside 0..L.
-    """
-    bad = [k for k in layer_ids if not 0 <= k <= num_hidden_layers]
-    if not layer_ids or bad:
-        raise BadInput(
-            f"aux layer ids must be in 0..{num_hidden_layers} (vLLM convention, 0 = embeddings); got {layer_ids}"
-        )
-    return sorted(set(layer_ids))
-
-
 class HFBackend:
     """The target model in transformers, returning `SampleOutputs` in the cache's conventions.
 
@@ -67,11 +53,8 @@ class HFBackend:
     def __init__(self, cfg: ExtractConfig, layer_ids: list[int]) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.info: TargetInfo = read_target_info(cfg.model)
+        self.info, self.layer_ids = check_target(cfg, layer_ids)
         L = self.info.num_hidden_layers
-        self.layer_ids = validate_layer_ids(list(layer_ids), L)
-        if cfg.topk > self.info.vocab_size:
-            raise BadInput(f"topk ({cfg.topk}) is larger than the target vocabulary ({self.info.vocab_size})")
         self.topk = cfg.topk
         self.topk_chunk = cfg.topk_chunk
         self.want_last_hidden = cfg.last_hidden

@@ -24,9 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from peagle_pipeline.backends.base import SampleOutputs, TargetInfo
-from peagle_pipeline.backends.hf import validate_layer_ids
-from peagle_pipeline.backends.pieces import read_target_info, text_config
+from peagle_pipeline.backends.base import SampleOutputs, check_target
+from peagle_pipeline.backends.pieces import text_config
 from peagle_pipeline.errors import BackendMismatch, BadInput
 
 if TYPE_CHECKING:
@@ -173,11 +172,8 @@ class VLLMBackend:
     """
 
     def __init__(self, cfg: ExtractConfig, layer_ids: list[int]) -> None:
-        self.info: TargetInfo = read_target_info(cfg.model)
+        self.info, self.layer_ids = check_target(cfg, layer_ids)
         L = self.info.num_hidden_layers
-        self.layer_ids = validate_layer_ids(list(layer_ids), L)
-        if cfg.topk > self.info.vocab_size:
-            raise BadInput(f"topk ({cfg.topk}) is larger than the target vocabulary ({self.info.vocab_size})")
         self.topk = cfg.topk
         self.want_last_hidden = cfg.last_hidden
         # vLLM returns the captured layers in ascending id order; L is added when the last hidden state is asked.
