@@ -70,7 +70,9 @@ def make_batch(L: int, seed: int, topk: int = 32) -> dict[str, torch.Tensor]:
         "last_hidden": torch.randn(L, H, generator=g),
         "weight": weight,
         "topk_ids": torch.randint(0, V, (L, topk), generator=g),
-        "topk_logprobs": torch.log_softmax(torch.randn(L, topk, generator=g) * 3, -1).sort(-1, descending=True).values,
+        "topk_logprobs": torch.log_softmax(torch.randn(L, topk, generator=g) * 3, -1)
+        .sort(-1, descending=True)
+        .values,
     }
 
 
@@ -116,7 +118,7 @@ def build_speculators(ours: torch.nn.Module, target_norm: torch.Tensor, depths: 
     return model
 
 
-def our_step(model, lay, b, target: str, norm_w, eps, depths: int, chunk: int) -> tuple[float, int]:
+def our_step(model, vocab, lay, b, target: str, norm_w, eps, depths: int, chunk: int) -> tuple[float, int]:
     """Our core step on one segment: mask, forward, chunked KL (sum / count), backward."""
     ew = lay.element_weight(b["weight"])
     count = int(ew.sum())
@@ -125,16 +127,32 @@ def our_step(model, lay, b, target: str, norm_w, eps, depths: int, chunk: int) -
         hidden, owned = forward_segment(model, lay, seg, b["tokens"], b["aux"])
         t = lay.target[owned]
         if target == "exact":
-            out = kl_exact(hidden, model.lm_head.weight, b["last_hidden"][t], norm_w, eps, ew[owned], lay.depth[owned], depths, chunk)
+            out = kl_exact(
+                hidden,
+                model.lm_head.weight,
+                b["last_hidden"][t],
+                norm_w,
+                eps,
+                ew[owned],
+                lay.depth[owned],
+                depths,
+                chunk,
+            )
         else:
-            out = kl_topk(hidden, model.lm_head.weight, b["topk_ids"][t], b["topk_logprobs"][t], ew[owned], lay.depth[owned], model_vocab(model), depths, chunk)
+            out = kl_topk(
+                hidden,
+                model.lm_head.weight,
+                b["topk_ids"][t],
+                b["topk_logprobs"][t],
+                ew[owned],
+                lay.depth[owned],
+                vocab,
+                depths,
+                chunk,
+            )
         (out.loss_sum / count).backward()
         total += float(out.loss_sum.detach())
     return total / max(count, 1), count
-
-
-def model_vocab(model):
-    return getattr(model, "_bench_vocab", None)
 
 
 def main() -> None:
@@ -157,11 +175,12 @@ def main() -> None:
         from speculators.losses import resolve_loss_config
         from speculators.models.peagle.data import generate_cod_sample_indices
     except ImportError as err:
-        raise SystemExit(f"error: speculators is not importable ({err}); run `make setup-bench` and use .venv-bench/bin/python")
+        raise SystemExit(
+            f"error: speculators is not importable ({err}); run `make setup-bench`, use .venv-bench/bin/python"
+        ) from None
 
     L, K, seed = args.tokens, args.depths, 1234
     model, vocab, pieces = tiny_draft(seed=0, layers=1, draft_vocab=args.draft_vocab, config=SMOLLM2)
-    model._bench_vocab = vocab
     norm_w, eps = pieces["norm.weight"].float(), float(SMOLLM2["rms_norm_eps"])
     theirs = build_speculators(model, norm_w, K)
     b = make_batch(L, seed=7)
@@ -180,7 +199,7 @@ def main() -> None:
     def run_ours(target: str) -> tuple[float, int]:
         model.zero_grad(set_to_none=True)
         layout = build_layout([L], b["weight"], cod, torch.Generator().manual_seed(seed))
-        return our_step(model, layout, b, target, norm_w, eps, K, args.chunk)
+        return our_step(model, vocab, layout, b, target, norm_w, eps, K, args.chunk)
 
     def run_theirs() -> tuple[float, int]:
         theirs.zero_grad(set_to_none=True)
@@ -199,7 +218,11 @@ def main() -> None:
         return float(loss.detach()), int(sum(int(metrics[f"position_{d}_acc_total"]) for d in range(K)))
 
     timings: dict[str, list[float]] = {"ours_exact": [], "ours_topk": [], "speculators": []}
-    fns = {"ours_exact": lambda: run_ours("exact"), "ours_topk": lambda: run_ours("topk"), "speculators": run_theirs}
+    fns = {
+        "ours_exact": lambda: run_ours("exact"),
+        "ours_topk": lambda: run_ours("topk"),
+        "speculators": run_theirs,
+    }
     results: dict[str, Any] = {}
     for name, fn in fns.items():  # warm-up (allocator, kernels) and the numbers to compare
         results[name] = fn()
@@ -207,7 +230,8 @@ def main() -> None:
             g_ours = model.fc.weight.grad.clone()
         if name == "speculators":
             g_theirs = theirs.fc.weight.grad.clone()
-    for r in range(args.repeat):  # interleaved, rotating order: drift on a shared machine hits all sides alike
+    # interleaved, rotating order: drift on a shared machine hits all sides alike
+    for r in range(args.repeat):
         names = list(fns)
         names = names[r % 3 :] + names[: r % 3]
         for name in names:
@@ -228,7 +252,11 @@ def main() -> None:
         "same_cod_elements": same_cod,
         "threads": args.threads,
         "precision": "fp32",
-        "speculators_settings": {"attn": "sdpa", "loss": "kl_div eager", "target": "exact (verifier lm_head)"},
+        "speculators_settings": {
+            "attn": "sdpa",
+            "loss": "kl_div eager",
+            "target": "exact (verifier lm_head)",
+        },
         "seconds": sec,
         "tokens_per_s": {k: L / v for k, v in sec.items()},
         "ratio": sec["speculators"] / sec["ours_exact"],
@@ -242,11 +270,19 @@ def main() -> None:
     }
     print(f"\n{L} tokens, K={K}, Vd={args.draft_vocab}, {len(lay)} COD elements (same in both: {same_cod})\n")
     print("| step | s/step | tokens/s | ours vs this |\n|---|---:|---:|---:|")
-    print(f"| speculators 0.9.0 P-EAGLE (exact target) | {sec['speculators']:.2f} | {L / sec['speculators']:.0f} | 1.00 |")
-    print(f"| ours, exact target | {sec['ours_exact']:.2f} | {L / sec['ours_exact']:.0f} | {res['ratio']:.2f} |")
-    print(f"| ours, top-k target (default) | {sec['ours_topk']:.2f} | {L / sec['ours_topk']:.0f} | {res['ratio_topk']:.2f} |")
-    print(f"\nloss rel diff {loss_rel:.1e} (ours {results['ours_exact'][0]:.5f}, speculators "
-          f"{results['speculators'][0]:.5f}); fc grad rel diff {grad_rel:.1e}")
+    print(
+        f"| speculators 0.9.0 P-EAGLE (exact target) | {sec['speculators']:.2f} | {L / sec['speculators']:.0f} | 1.00 |"
+    )
+    print(
+        f"| ours, exact target | {sec['ours_exact']:.2f} | {L / sec['ours_exact']:.0f} | {res['ratio']:.2f} |"
+    )
+    print(
+        f"| ours, top-k target (default) | {sec['ours_topk']:.2f} | {L / sec['ours_topk']:.0f} | {res['ratio_topk']:.2f} |"
+    )
+    print(
+        f"\nloss rel diff {loss_rel:.1e} (ours {results['ours_exact'][0]:.5f}, speculators "
+        f"{results['speculators'][0]:.5f}); fc grad rel diff {grad_rel:.1e}"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
 

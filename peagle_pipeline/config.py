@@ -46,7 +46,7 @@ class ExtractConfig:
     leading_assistant: Literal["context", "drop"] = _f("context", "An assistant turn before any user turn: keep as unsupervised context, or drop it.")
     compress: Literal["auto", "zstd", "none"] = _f("auto", "Zarr shard compression: auto = zstd for ids, mask and top-k, fast zstd (checksummed, near raw, memcpy-speed reads) for hidden states; zstd = zstd level 3 for every array (smaller, ~10x slower reads); none.")
     shard_tokens: int = _f(16384, "Tokens per Zarr shard (one file per array per shard; the unit of commit).")
-    chunk_tokens: int = _f(512, "Tokens per inner Zarr chunk (the unit of a random read).")
+    chunk_tokens: int = _f(128, "Tokens per inner Zarr chunk (the unit of a random read and of the crc32c check).")
     rank: int | None = _f(None, "This writer's rank; default from RANK / SLURM_PROCID, else 0.")
     world_size: int | None = _f(None, "Number of writers; default from WORLD_SIZE / SLURM_NTASKS, else 1.")
     device: str = _f("auto", "Device for the hf backend: auto, cpu, cuda, cuda:N.")

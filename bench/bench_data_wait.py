@@ -1,0 +1,171 @@
+"""Data-wait fraction of training: a short real training run on a SmolLM2 cache (SPEC §8: < 5 % of step time).
+
+The trainer measures, for every optimizer step, the time spent waiting for the next packed batch from its
+DataLoader (worker processes reading the cache in random order) and logs `data_wait` = wait / step time and
+`step_time` per log window in RUN/metrics.jsonl. This script runs `peagle-pipeline train` as a subprocess
+(the real CLI, real cache, bf16 autocast as the demo) and reads those records back. The first log window holds the
+worker start-up (a one-time cost) and is reported apart; the goal applies to the steady-state windows.
+Without --cache it extracts a small SmolLM2 cache first (kept under --workdir, reused by later runs).
+
+    python bench/bench_data_wait.py --out bench/results/data_wait.json [--cache DIR] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args: str) -> None:
+    """Run `peagle-pipeline ARGS` with this interpreter (its progress and errors go to the terminal)."""
+    cmd = [sys.executable, "-m", "peagle_pipeline.cli", *args]
+    code = subprocess.run(cmd, cwd=ROOT).returncode
+    if code != 0:
+        raise SystemExit(f"error: `peagle-pipeline {args[0]}` failed with exit code {code} (message above)")
+
+
+def ensure_cache(workdir: Path, model: str, data: str, samples: int, max_length: int) -> Path:
+    """A small SmolLM2 cache under workdir (extract resumes / no-ops when it is already complete)."""
+    cache = workdir / f"smollm2-{samples}x{max_length}"
+    cli(
+        "extract",
+        "--model",
+        model,
+        "--data",
+        data,
+        "--output",
+        str(cache),
+        "--max-samples",
+        str(samples),
+        "--max-length",
+        str(max_length),
+        "--batch-tokens",
+        "4096",
+    )
+    return cache
+
+
+def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Time-weighted data-wait fractions: all windows, and steady state (the first window apart)."""
+    windows, prev = [], 0  # (steps, seconds, wait fraction, record) per log window
+    for r in (r for r in records if r.get("kind") == "train"):
+        steps, prev = int(r["step"]) - prev, int(r["step"])
+        windows.append((steps, steps * float(r["step_time"]), float(r["data_wait"]), r))
+    if not windows:
+        raise SystemExit("error: the training run logged no train records")
+    steady = windows[1:] or windows
+
+    def frac(ws: list) -> float:
+        return sum(t * f for _, t, f, _ in ws) / max(sum(t for _, t, _, _ in ws), 1e-9)
+
+    return {
+        "windows": [
+            {
+                "step": r["step"],
+                "data_wait": f,
+                "step_time": r["step_time"],
+                "tokens_per_s": r.get("tokens_per_s"),
+            }
+            for _, _, f, r in windows
+        ],
+        "data_wait_all": frac(windows),
+        "data_wait_first_window": windows[0][2],
+        "data_wait_steady": frac(steady),
+        "mean_step_time_steady": sum(t for _, t, _, _ in steady) / max(1, sum(n for n, _, _, _ in steady)),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--cache", default=None, help="existing cache (default: extract a small one under --workdir)"
+    )
+    ap.add_argument("--model", default=str(ROOT / ".demo/models/SmolLM2-135M-Instruct"))
+    ap.add_argument("--data", default=str(ROOT / ".demo/data/sharegpt.jsonl"))
+    ap.add_argument("--workdir", default=str(ROOT / ".demo/bench"), help="where the extracted cache is kept")
+    ap.add_argument("--samples", type=int, default=48, help="conversations to extract without --cache")
+    ap.add_argument("--max-length", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--log-every", type=int, default=4)
+    ap.add_argument("--tokens-per-step", type=int, default=1024)
+    ap.add_argument("--num-workers", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="8 steps on a 16-sample cache")
+    args = ap.parse_args()
+    if args.quick:
+        args.steps, args.log_every, args.samples = 8, 2, min(args.samples, 16)
+
+    cache = (
+        Path(args.cache)
+        if args.cache
+        else ensure_cache(Path(args.workdir), args.model, args.data, args.samples, args.max_length)
+    )
+    run = Path(tempfile.mkdtemp(prefix="bench-data-wait-")) / "run"
+    try:
+        cli(
+            "train",
+            "--cache",
+            str(cache),
+            "--output",
+            str(run),
+            "--steps",
+            str(args.steps),
+            "--tokens-per-step",
+            str(args.tokens_per_step),
+            "--draft-layers",
+            "1",
+            "--depths",
+            "4",
+            "--draft-vocab-size",
+            "8192",
+            "--precision",
+            "bf16",
+            "--num-workers",
+            str(args.num_workers),
+            "--eval-samples",
+            "0",
+            "--log-every",
+            str(args.log_every),
+            "--save-every",
+            str(10 * args.steps),
+            "--warmup",
+            "2",
+            "--no-export",
+        )
+        sys.path.insert(0, str(ROOT))
+        from peagle_pipeline.stages.metrics import read_metrics
+
+        res = summarise(read_metrics(run))
+    finally:
+        shutil.rmtree(run.parent, ignore_errors=True)
+    res.update(
+        cache=str(cache),
+        steps=args.steps,
+        tokens_per_step=args.tokens_per_step,
+        num_workers=args.num_workers,
+        goal_max=0.05,
+        quick=args.quick,
+        load_avg=os.getloadavg()[0],
+    )
+    print("\n| windows | data wait (fraction of step time) |\n|---|---:|")
+    print(f"| first (worker start-up) | {res['data_wait_first_window']:.3f} |")
+    print(f"| steady state | {res['data_wait_steady']:.3f} |")
+    print(f"| all | {res['data_wait_all']:.3f} |")
+    print(
+        f"\nsteady-state step time {res['mean_step_time_steady']:.2f} s ({args.tokens_per_step} tokens/step)"
+    )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

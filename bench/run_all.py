@@ -1,0 +1,383 @@
+"""Every SPEC §8 figure in one run (`make bench`): runs the benchmark scripts one after the other, then writes
+OUT/report.md and OUT/report.json with each figure, its goal, and whether it is met.
+
+    python bench/run_all.py --out bench/results [--quick] [--only extract,cache,...]
+
+Each script runs as a subprocess (its own tables go to the terminal) and writes OUT/<name>.json; this script only
+reads those files. Figures are ratios measured side by side in the same process on this machine, never absolute
+times. The speculators comparison runs in `.venv-bench` (`make setup-bench`); the quality figures come from
+the latest `make demo` (read from .demo, not re-run here). A script that fails is reported as such, the others
+still run, and the exit code is non-zero. Sizes are chosen so the whole run stays around 15-20 minutes on 2 CPU
+cores; --quick shrinks every benchmark to a smoke test (its figures are not meaningful).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_PY = ROOT / ".venv-bench" / "bin" / "python"
+DEMO = ROOT / ".demo"
+
+
+@dataclass
+class Bench:
+    """One benchmark script: how to run it (full and quick arguments) and which interpreter."""
+
+    name: str
+    script: str
+    args: list[str]
+    quick_args: list[str]
+    python: Path | None = None  # None = this interpreter
+    ran: dict[str, Any] = field(default_factory=dict)
+
+
+BENCHES = [
+    Bench(
+        "extract",
+        "bench_extract.py",
+        ["--samples", "24", "--max-length", "512"],
+        ["--samples", "4", "--max-length", "256"],
+    ),
+    Bench(
+        "cache",
+        "bench_cache.py",
+        ["--samples", "16", "--max-length", "1024", "--repeats", "5"],
+        ["--samples", "4", "--max-length", "256", "--repeats", "2"],
+    ),
+    Bench(
+        "step", "bench_step.py", ["--tokens", "2048", "--repeat", "2"], ["--tokens", "256", "--repeat", "1"]
+    ),
+    Bench(
+        "speculators", "bench_speculators.py", ["--tokens", "2048", "--repeat", "2"], ["--quick"], BENCH_PY
+    ),
+    Bench(
+        "partition_memory",
+        "bench_partition_memory.py",
+        ["--tokens", "4096", "--samples", "2"],
+        ["--tokens", "1024", "--samples", "1"],
+    ),
+    Bench(
+        "data_wait",
+        "bench_data_wait.py",
+        ["--samples", "32", "--max-length", "512", "--steps", "24"],
+        ["--quick"],
+    ),
+]
+
+
+def run_bench(b: Bench, out: Path, quick: bool) -> None:
+    """Run one script; record seconds, load average and exit code in b.ran."""
+    py = b.python or Path(sys.executable)
+    if not py.exists():
+        b.ran = {"status": "not run", "why": f"{py.relative_to(ROOT)} missing: run `make setup-bench`"}
+        print(f"\n### {b.name}: not run ({b.ran['why']})", flush=True)
+        return
+    result = out / f"{b.name}.json"
+    result.unlink(missing_ok=True)  # never report a previous run's numbers as this run's
+    shown = os.path.relpath(result, ROOT) if result.is_relative_to(ROOT) else str(result)
+    cmd = [str(py), f"bench/{b.script}", "--out", shown, *(b.quick_args if quick else b.args)]
+    print(f"\n### {b.name}: {' '.join(cmd[1:])}", flush=True)
+    load0, t0 = os.getloadavg()[0], time.perf_counter()
+    code = subprocess.run(cmd, cwd=ROOT).returncode
+    b.ran = {
+        "status": "ok" if code == 0 and result.is_file() else "failed",
+        "exit_code": code,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "load_avg_start": round(load0, 2),
+        "load_avg_end": round(os.getloadavg()[0], 2),
+        "command": " ".join(["python" if b.python is None else str(py.relative_to(ROOT)), *cmd[1:]]),
+    }
+
+
+# -------------------------------------------------------------------------------------------- figures
+def _load(out: Path, name: str) -> dict[str, Any] | None:
+    try:
+        return json.loads((out / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _fig(
+    figure: str, goal: str, source: str, value: float | None, text: str, met: bool | None, note: str = ""
+) -> dict[str, Any]:
+    return {
+        "figure": figure,
+        "goal": goal,
+        "source": source,
+        "value": value,
+        "measured": text,
+        "met": met,
+        "note": note,
+    }
+
+
+def figures(out: Path) -> list[dict[str, Any]]:
+    """Each SPEC §8 figure from the scripts' JSON (None values = not measured in this run)."""
+    figs: list[dict[str, Any]] = []
+    missing = "not measured (script failed or not run)"
+
+    r = _load(out, "extract")
+    figs.append(
+        _fig(
+            "Extraction throughput vs bare target forward (HF backend)",
+            ">= 0.90x",
+            "bench_extract",
+            r and r["ratio"],
+            f"{r['ratio']:.3f}x ({r['extract_tokens_per_s']:.0f} vs "
+            f"{r['bare_tokens_per_s']:.0f} tokens/s, {r['tokens']} tokens)"
+            if r
+            else missing,
+            r and r["ratio"] >= 0.90,
+        )
+    )
+
+    r = _load(out, "cache")
+    if r:
+        size, reads = r["size_ratio"]["ours-auto"], r["read_ratio"]["ours-auto"]
+        figs.append(
+            _fig(
+                "Cache bytes per token vs one safetensors file per sample",
+                "<= 0.80x, aux bit-exact",
+                "bench_cache",
+                size,
+                f"{size:.3f}x ({r['bytes_per_token']['ours-auto']:.0f} vs "
+                f"{r['bytes_per_token']['per-sample']:.0f} B/token); aux bit-exact: {r['aux_bit_exact']}",
+                size <= 0.80 and bool(r["aux_bit_exact"]),
+                "per-sample files hold the last hidden state too (the common format); ours does not",
+            )
+        )
+        figs.append(
+            _fig(
+                "Random-order sample reads vs per-sample safetensors",
+                ">= 1.0x",
+                "bench_cache",
+                reads,
+                f"{reads:.2f}x ({r['reads_samples_per_s']['ours-auto']:.0f} vs "
+                f"{r['reads_samples_per_s']['per-sample']:.0f} samples/s)",
+                reads >= 1.0,
+            )
+        )
+    else:
+        figs += [
+            _fig(
+                "Cache bytes per token vs one safetensors file per sample",
+                "<= 0.80x, aux bit-exact",
+                "bench_cache",
+                None,
+                missing,
+                None,
+            ),
+            _fig(
+                "Random-order sample reads vs per-sample safetensors",
+                ">= 1.0x",
+                "bench_cache",
+                None,
+                missing,
+                None,
+            ),
+        ]
+
+    r = _load(out, "data_wait")
+    figs.append(
+        _fig(
+            "Training data-wait fraction of step time (steady state)",
+            "< 5 %",
+            "bench_data_wait",
+            r and r["data_wait_steady"],
+            f"{100 * r['data_wait_steady']:.2f} % (first window, with "
+            f"worker start-up: {100 * r['data_wait_first_window']:.1f} %; all: "
+            f"{100 * r['data_wait_all']:.2f} %)"
+            if r
+            else missing,
+            r and r["data_wait_steady"] < 0.05,
+        )
+    )
+
+    r = _load(out, "step")
+    figs.append(
+        _fig(
+            "Training step vs reference P-EAGLE step (dense mask, unchunked loss)",
+            ">= 1.0x, equal loss",
+            "bench_step",
+            r and r["speedup"],
+            f"{r['speedup']:.2f}x ({r['optimised_tok_s']:.0f} vs "
+            f"{r['reference_tok_s']:.0f} tokens/s); loss rel diff {r['loss_rel_diff']:.1e}"
+            if r
+            else missing,
+            r and r["speedup"] >= 1.0 and r["loss_rel_diff"] < 1e-4,
+        )
+    )
+
+    r = _load(out, "speculators")
+    figs.append(
+        _fig(
+            "Training step vs speculators==0.9.0 P-EAGLE step (same config, batch, COD elements)",
+            ">= 1.0x, equal loss",
+            "bench_speculators",
+            r and r["ratio"],
+            f"{r['ratio']:.2f}x exact target ({r['tokens_per_s']['ours_exact']:.0f} vs "
+            f"{r['tokens_per_s']['speculators']:.0f} tokens/s; our top-k step {r['ratio_topk']:.2f}x); "
+            f"same COD elements: {r['same_cod_elements']}; loss rel diff {r['loss_rel_diff']:.1e}"
+            if r
+            else missing,
+            r and r["ratio"] >= 1.0 and r["loss_rel_diff"] < 1e-4 and r["same_cod_elements"],
+        )
+    )
+
+    r = _load(out, "partition_memory")
+    figs.append(
+        _fig(
+            "Peak step memory, 1 vs 4 sequence segments at 4k-token samples",
+            ">= 2.5x lower",
+            "bench_partition_memory",
+            r and r["ratio"],
+            f"{r['ratio']:.2f}x ({r['runs'][0]['peak_mib']:.0f} vs {r['runs'][1]['peak_mib']:.0f} MiB, "
+            f"{r['samples']} x {r['tokens_per_sample']} tokens); loss rel diff {r['loss_rel_diff']:.1e}"
+            if r
+            else missing,
+            r and r["ratio"] >= 2.5,
+        )
+    )
+    figs += demo_figures()
+    return figs
+
+
+def demo_figures() -> list[dict[str, Any]]:
+    """Quality figures from the latest `make demo` (not re-run here)."""
+    sys.path.insert(0, str(ROOT))
+    from peagle_pipeline.stages.metrics import read_metrics
+
+    evals = [r for r in read_metrics(DEMO / "run") if r.get("kind") == "eval"]
+    ev = evals[-1] if evals else None
+    acc = ev and ev.get("acceptance")
+    agree = ", ".join("-" if a is None else f"{a:.2f}" for a in ev["agreement"]) if ev else ""
+    figs = [
+        _fig(
+            "Demo: estimated acceptance length on held-out samples (per-depth agreement)",
+            "well above 1",
+            "make demo",
+            acc,
+            f"{acc:.3f} (agreement per depth: {agree}; step {ev['step']})"
+            if acc
+            else "not measured (run `make demo`)",
+            None if acc is None else acc >= 1.5,
+            "'well above 1' read as >= 1.5",
+        )
+    ]
+    try:
+        v = json.loads((DEMO / "vllm_check.json").read_text())
+    except (OSError, ValueError):
+        v = None
+    va = v and v.get("acceptance_length")
+    figs.append(
+        _fig(
+            "Demo: exported draft loads in vLLM; vLLM-measured acceptance length",
+            "loads; reported",
+            "make demo (vllm-check)",
+            va,
+            f"{va:.3f}; greedy output identical: {v['identical']}"
+            if va
+            else "not measured (make setup-vllm, then make demo)",
+            None if v is None else bool(v["identical"]) and va is not None,
+        )
+    )
+    return figs
+
+
+def render(figs: list[dict[str, Any]], meta: dict[str, Any], benches: list[Bench]) -> str:
+    mark = {True: "met", False: "**not met**", None: "n/a"}
+    lines = [
+        "# Benchmark report (SPEC §8)",
+        "",
+        f"`{meta['command']}` on {meta['date']}: {meta['machine']}; load average {meta['load_avg_start']} at "
+        f"start, {meta['load_avg_end']} at end (the machine is shared). Python {meta['python']}, torch "
+        f"{meta['torch']}. Every figure is a ratio measured side by side in one process; see docs/benchmarks.md."
+        + (" **Quick mode: smoke-test sizes, the figures are not meaningful.**" if meta["quick"] else ""),
+        "",
+        "| figure | measured | goal | status | source |",
+        "|---|---|---|---|---|",
+    ]
+    for f in figs:
+        note = f" ({f['note']})" if f["note"] else ""
+        lines.append(
+            f"| {f['figure']} | {f['measured']}{note} | {f['goal']} | {mark[f['met']]} | {f['source']} |"
+        )
+    lines += ["", "| script | status | seconds | load avg (start/end) | command |", "|---|---|---:|---|---|"]
+    for b in benches:
+        r = b.ran
+        lines.append(
+            f"| {b.script} | {r.get('status')}{' (' + r['why'] + ')' if 'why' in r else ''} | "
+            f"{r.get('seconds', '')} | {r.get('load_avg_start', '')}/{r.get('load_avg_end', '')} | "
+            f"`{r.get('command', '')}` |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--quick", action="store_true", help="smoke-test sizes (figures not meaningful)")
+    ap.add_argument(
+        "--only", default="", help="comma-separated benchmark names to run (the report reads all)"
+    )
+    args = ap.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    only = {s for s in args.only.split(",") if s}
+    unknown = only - {b.name for b in BENCHES}
+    if unknown:
+        print(
+            f"error: unknown benchmark(s) {sorted(unknown)}; choose from {[b.name for b in BENCHES]}",
+            file=sys.stderr,
+        )
+        return 2
+    load0, t0 = os.getloadavg()[0], time.perf_counter()
+    for b in BENCHES:
+        if not only or b.name in only:
+            run_bench(b, out, args.quick)
+        else:
+            b.ran = {"status": "skipped (--only)"}
+    import torch
+
+    meta = {
+        "command": "make bench" + (" (--quick)" if args.quick else "")
+        if not only
+        else f"run_all.py --only {args.only}",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, {platform.system()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_avg_start": round(load0, 2),
+        "load_avg_end": round(os.getloadavg()[0], 2),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "quick": args.quick,
+    }
+    figs = figures(out)
+    (out / "report.json").write_text(
+        json.dumps({"meta": meta, "figures": figs, "scripts": {b.name: b.ran for b in BENCHES}}, indent=2)
+        + "\n"
+    )
+    report = render(figs, meta, BENCHES)
+    (out / "report.md").write_text(report)
+    print(
+        "\n" + report + f"\nwritten to {out / 'report.md'} and report.json ({meta['seconds'] / 60:.1f} min)"
+    )
+    failed = [b.name for b in BENCHES if b.ran.get("status") == "failed"]
+    if failed:
+        print(f"error: benchmark script(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,396 @@
+"""The CPU demo end to end (`make demo`): extract, inspect, train, evaluate, export, plot, vLLM check, summary.
+
+    python scripts/demo.py --dir .demo [--config pipelines/smollm2-sharegpt.yaml] [--vllm/--no-vllm]
+
+Every stage runs the real CLI as a subprocess (`python -m peagle_pipeline.cli ...`) with the pipeline file's
+`extract:` / `train:` sections; paths are taken from --dir (DIR/models/SmolLM2-135M-Instruct, DIR/data/sharegpt.jsonl,
+DIR/cache, DIR/run, DIR/export). Re-running is cheap: extraction resumes or is a no-op, a finished training run is
+reused (a partial one continues with --resume), and the vLLM check is skipped when its report matches the export.
+The stages print their own progress; this script prints the stage headers and, at the end, a summary table that it
+also writes to DIR/summary.md. Timings of earlier runs are kept in DIR/demo_state.json. A failing stage stops the
+demo with a one-line error and its exit code. The summary never invents a number: what was not measured says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+STATE_FILE = "demo_state.json"
+SUMMARY_FILE = "summary.md"
+VLLM_REPORT = "vllm_check.json"
+VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
+
+
+class DemoError(Exception):
+    """The demo cannot go on: a one-line message and the exit code."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class StageFailed(DemoError):
+    """A stage's subprocess exited non-zero (its own one-line error is already on stderr)."""
+
+    def __init__(self, stage: str, code: int) -> None:
+        super().__init__(
+            f"demo stopped: `{stage}` failed with exit code {code} (its error is printed above)", code
+        )
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def header(text: str) -> None:
+    print(f"\n=== {text} ===", flush=True)
+
+
+def cli(*args: str, python: str | os.PathLike[str] = sys.executable, capture: bool = False) -> str:
+    """Run `peagle-pipeline ARGS` as a subprocess; stderr (progress bars) always goes to the terminal.
+
+    With capture=True stdout is returned (and echoed); otherwise it goes to the terminal too.
+    """
+    cmd = [str(python), "-m", "peagle_pipeline.cli", *args]
+    proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE if capture else None, text=True)
+    out = proc.stdout or ""
+    if capture and out:
+        print(out, end="" if out.endswith("\n") else "\n", flush=True)
+    if proc.returncode != 0:
+        raise StageFailed(f"peagle-pipeline {args[0]}", proc.returncode)
+    return out
+
+
+def load_state(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def save_state(path: Path, state: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def file_sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------ stages
+def extract(cfg_path: Path, paths: dict[str, Path], state: dict[str, Any]) -> None:
+    """Extract (or resume, or no-op) the cache; accumulate the time and tokens of the runs that did work."""
+    header("1/7 extract: run the target once over the conversations (resumes; no-op when complete)")
+    out = cli(
+        "extract",
+        "--config",
+        str(cfg_path),
+        "--model",
+        str(paths["model"]),
+        "--data",
+        str(paths["data"]),
+        "--output",
+        str(paths["cache"]),
+        capture=True,
+    )
+    m = re.search(r"(\d+) new tokens in ([\d.]+) s", out)
+    if m and int(m.group(1)) > 0:
+        ex = state.setdefault("extract", {"seconds": 0.0, "tokens": 0, "runs": 0})
+        ex["seconds"] += float(m.group(2))
+        ex["tokens"] += int(m.group(1))
+        ex["runs"] += 1
+        ex["load_avg"] = round(os.getloadavg()[1], 1)  # 5-minute average over the run's end
+
+
+def train_status(cfg_path: Path, paths: dict[str, Path]) -> tuple[str, int | None]:
+    """('fresh' | 'resume' | 'complete', planned steps) of the run directory."""
+    from peagle_pipeline.config import TrainConfig, resolve
+    from peagle_pipeline.stages.checkpoint import CHECKPOINTS_DIR
+
+    cfg = resolve(TrainConfig, cfg_path, {"cache": str(paths["cache"]), "output": str(paths["run"])})
+    run = paths["run"]
+    if not (run / "train.yaml").is_file():
+        return "fresh", cfg.steps
+    steps = [
+        int(p.name.split("-")[1]) for p in (run / CHECKPOINTS_DIR).glob("step-*") if p.name[5:].isdigit()
+    ]
+    done = max(steps, default=0)
+    if cfg.steps is not None:
+        return ("complete" if done >= cfg.steps else "resume"), cfg.steps
+    return ("complete" if (run / "export" / "config.json").is_file() else "resume"), None
+
+
+def train(cfg_path: Path, paths: dict[str, Path], state: dict[str, Any]) -> None:
+    status, steps = train_status(cfg_path, paths)
+    base = ["train", "--config", str(cfg_path), "--cache", str(paths["cache"]), "--output", str(paths["run"])]
+    if status == "complete":
+        header(
+            f"3/7 train: the run in {paths['run']} is complete ({steps} steps): reused (delete it to retrain)"
+        )
+        return
+    what = "continue the partial run (--resume)" if status == "resume" else "a new run"
+    header(f"3/7 train: {what} from the cache only (the target model is never loaded)")
+    t0 = time.perf_counter()
+    cli(*base, *(["--resume"] if status == "resume" else []))
+    tr = state.setdefault("train", {"seconds": 0.0, "runs": 0})
+    tr["seconds"] += time.perf_counter() - t0
+    tr["runs"] += 1
+    tr["load_avg"] = round(os.getloadavg()[2], 1)  # 15-minute average over the run
+
+
+def vllm_check(paths: dict[str, Path], state: dict[str, Any], wanted: bool | None) -> dict[str, Any] | None:
+    """Run `vllm-check` in .venv-vllm on the export (skipped when the report already matches the export)."""
+    if wanted is False:
+        header("7/7 vllm-check: skipped (--no-vllm)")
+        state["vllm_skipped"] = "--no-vllm"
+        return None
+    if not VLLM_PY.exists():
+        if wanted:
+            raise DemoError("--vllm given but .venv-vllm does not exist: run `make setup-vllm` first", 2)
+        header("7/7 vllm-check: skipped (no .venv-vllm; `make setup-vllm` enables it)")
+        state["vllm_skipped"] = "no .venv-vllm"
+        return None
+    state.pop("vllm_skipped", None)
+    report = paths["dir"] / VLLM_REPORT
+    sha = file_sha(paths["export"] / "model.safetensors")
+    if report.is_file() and state.get("vllm_export_sha") == sha:
+        header("7/7 vllm-check: the report in place matches this export: reused")
+        return json.loads(report.read_text())
+    header("7/7 vllm-check: load target + draft in vLLM (parallel drafting), compare greedy outputs")
+    report.unlink(missing_ok=True)
+    try:
+        cli(
+            "vllm-check",
+            str(paths["export"]),
+            "--target",
+            str(paths["model"]),
+            "--prompts",
+            str(paths["cache"]),
+            "--num-prompts",
+            "8",
+            "--max-tokens",
+            "64",
+            "--report",
+            str(report),
+            python=VLLM_PY,
+        )
+    finally:
+        if report.is_file():
+            state["vllm_export_sha"] = sha
+    return json.loads(report.read_text())
+
+
+# ------------------------------------------------------------------------------------------------ summary
+def final_eval(run: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None, float, float]:
+    """(last eval record, last train record, summed step seconds, tokens trained) from the run's metrics.jsonl."""
+    from peagle_pipeline.stages.metrics import read_metrics
+
+    records = read_metrics(run)
+    evals = [r for r in records if r.get("kind") == "eval"]
+    trains = [r for r in records if r.get("kind") == "train"]
+    step_time, tokens, prev = 0.0, 0.0, 0
+    for r in trains:
+        seconds = (int(r["step"]) - prev) * float(r.get("step_time", 0.0))
+        step_time += seconds
+        tokens += seconds * float(r.get("tokens_per_s", 0.0))
+        prev = int(r["step"])
+    return (evals[-1] if evals else None), (trains[-1] if trains else None), step_time, tokens
+
+
+def summary(paths: dict[str, Path], state: dict[str, Any], vllm: dict[str, Any] | None, load0: float) -> str:
+    from peagle_pipeline.cache import layout
+    from peagle_pipeline.cache.reader import open_cache
+
+    cache = open_cache(paths["cache"])
+    tokens = int(cache.samples["length"].sum())
+    supervised = int(cache.samples["num_supervised"].sum())
+    store_bytes = dir_bytes(paths["cache"] / layout.STORES_DIR)
+    ev, last_train, step_time, trained = final_eval(paths["run"])
+    ex, tr = state.get("extract"), state.get("train")
+    rows: list[tuple[str, str]] = [
+        (
+            "machine",
+            f"{os.cpu_count()} CPU cores; load average {load0:.1f} at the start of this `make demo`, "
+            f"{os.getloadavg()[0]:.1f} at its end",
+        ),
+        ("conversations", f"{len(cache.samples)} samples extracted, {len(cache.rejects)} rejected"),
+        ("tokens extracted", f"{tokens:,} ({supervised:,} supervised, {supervised / max(tokens, 1):.0%})"),
+        (
+            "cache size",
+            f"{dir_bytes(paths['cache']) / 1e6:.1f} MB on disk: {store_bytes / 1e6:.1f} MB of Zarr stores, "
+            "the rest the target pieces (embeddings, lm_head, norm, tokenizer)",
+        ),
+        ("bytes per token", f"{store_bytes / max(tokens, 1):,.0f}"),
+    ]
+    if ex and ex.get("tokens"):
+        rows.append(
+            (
+                "extraction",
+                f"{ex['seconds'] / 60:.1f} min, {ex['tokens'] / ex['seconds']:.0f} tokens/s "
+                f"({ex['tokens']:,} tokens computed in {ex['runs']} run(s) of this demo"
+                + (f"; load average {ex['load_avg']}" if "load_avg" in ex else "")
+                + ")",
+            )
+        )
+    else:
+        rows.append(("extraction", "not timed (the cache was built before this demo kept its state)"))
+    steps = last_train["step"] if last_train else 0
+    if tr:
+        rows.append(
+            (
+                "training",
+                f"{tr['seconds'] / 60:.1f} min wall in {tr['runs']} run(s), {steps} steps "
+                f"({step_time / 60:.1f} min in steps, {trained / max(step_time, 1e-9):.0f} tokens/s on average"
+                + (f"; load average {tr['load_avg']}" if "load_avg" in tr else "")
+                + ")"
+                if last_train
+                else f"{tr['seconds'] / 60:.1f} min",
+            )
+        )
+    else:
+        rows.append(
+            ("training", f"{steps} steps, {step_time / 60:.1f} min in steps (wall time not recorded)")
+        )
+    if ev:
+        agree = ", ".join(
+            f"d{d} {a:.2f}" if a is not None else f"d{d} -" for d, a in enumerate(ev["agreement"])
+        )
+        acc = ev.get("acceptance")
+        rows += [
+            (
+                "held-out eval",
+                f"step {ev['step']}, {ev.get('eval_elements', '?')} elements, KL loss {ev['loss']:.3f}",
+            ),
+            ("per-depth top-1 agreement (held-out)", agree),
+            (
+                "estimated acceptance length (held-out)",
+                "-" if acc is None else f"{acc:.3f} tokens per verification",
+            ),
+        ]
+    else:
+        rows.append(("held-out eval", "none logged (eval_samples = 0?)"))
+    if vllm is not None:
+        acc = vllm.get("acceptance_length")
+        per = vllm.get("acceptance_per_position") or []
+        rows.append(
+            (
+                "vLLM-measured acceptance length",
+                f"{acc:.3f} ({vllm['prompts']} prompts x {vllm['max_tokens']} tokens, K={vllm['depths']}; "
+                f"per position {', '.join(f'{p:.2f}' for p in per)}); greedy output identical: "
+                f"{'yes' if vllm['identical'] else 'NO'}"
+                if acc is not None
+                else "no drafts measured",
+            )
+        )
+    else:
+        rows.append(("vLLM-measured acceptance length", f"not run ({state.get('vllm_skipped', 'skipped')})"))
+    rows += [
+        ("plots", str(paths["run"] / "plots")),
+        ("export (speculators P-EAGLE format)", str(paths["export"])),
+    ]
+    lines = ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ entry
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--dir", default=".demo", help="demo folder (assets from `make demo-assets`, all outputs)"
+    )
+    ap.add_argument(
+        "--config", default=str(REPO / "pipelines" / "smollm2-sharegpt.yaml"), help="pipeline file"
+    )
+    ap.add_argument("--vllm", dest="vllm", action="store_true", default=None, help="require the vLLM check")
+    ap.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip the vLLM check")
+    args = ap.parse_args(argv)
+    # Paths relative to the repository when inside it (the stages run there): the same strings as the pipeline
+    # file's, so a run started with `peagle-pipeline train -c pipelines/smollm2-sharegpt.yaml` resumes here too.
+    d = Path(args.dir).resolve()
+    if d.is_relative_to(REPO):
+        d = d.relative_to(REPO)
+    os.chdir(REPO)
+    paths = {
+        "dir": d,
+        "model": d / "models" / MODEL_NAME,
+        "data": d / "data" / "sharegpt.jsonl",
+        "cache": d / "cache",
+        "run": d / "run",
+        "export": d / "export",
+    }
+    load0 = os.getloadavg()[0]
+    try:
+        for key in ("model", "data"):
+            if not paths[key].exists():
+                raise DemoError(f"{paths[key]} is missing: run `make demo-assets` (or give --dir)", 2)
+        state_path = d / STATE_FILE
+        state = load_state(state_path)
+        for key, folder in (("extract", "cache"), ("train", "run")):  # timings of outputs since deleted
+            if not paths[folder].exists():
+                state.pop(key, None)
+        cfg = Path(args.config)
+        extract(cfg, paths, state)
+        save_state(state_path, state)
+        header("2/7 inspect: the cache's settings and statistics")
+        cli("inspect", str(paths["cache"]))
+        train(cfg, paths, state)
+        save_state(state_path, state)
+        header("4/7 evaluate: held-out conversations (the trainer's final eval, full-depth chains)")
+        ev = final_eval(paths["run"])[0]
+        print(json.dumps(ev) if ev else "no eval record in metrics.jsonl", flush=True)
+        header("5/7 export: speculators P-EAGLE format (config.json + model.safetensors)")
+        cli("export", str(paths["run"]), "--output", str(paths["export"]))
+        header("6/7 plot: loss, per-depth agreement, acceptance")
+        cli("plot", str(paths["run"]))
+        failure: DemoError | None = None
+        try:
+            vllm = vllm_check(paths, state, args.vllm)
+        except DemoError as err:  # a failed check still gets a summary (with its report, if any)
+            failure, report = err, paths["dir"] / VLLM_REPORT
+            vllm = json.loads(report.read_text()) if report.is_file() else None
+        save_state(state_path, state)
+        header("summary")
+        table = summary(paths, state, vllm, load0)
+        print(table, flush=True)
+        (d / SUMMARY_FILE).write_text(
+            f"# peagle-pipeline demo summary\n\n`make demo` ({time.strftime('%Y-%m-%d %H:%M')})\n\n{table}\n"
+        )
+        print(f"\nwritten to {d / SUMMARY_FILE}", flush=True)
+        if failure is not None:
+            raise failure
+    except DemoError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.code
+    except KeyboardInterrupt:
+        print("error: interrupted: finished work is kept; run `make demo` again to continue", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 (the demo's one error boundary)
+        if os.environ.get("PEAGLE_DEBUG") == "1":
+            raise
+        print(f"error: demo failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
