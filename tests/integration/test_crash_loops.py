@@ -46,7 +46,7 @@ EXTRACT_SETTINGS = [
     "--batch-tokens",
     "512",
 ]
-STEPS = 36
+STEPS = 72  # 24 checkpoints for 10 kills: margin when a loaded machine lets a run race ahead between kills
 TRAIN_FLAGS = [
     "--depths",
     "3",
