@@ -45,13 +45,13 @@ BENCHES = [
     Bench(
         "extract",
         "bench_extract.py",
-        ["--samples", "24", "--max-length", "512"],
+        ["--samples", "64", "--max-length", "512"],
         ["--samples", "4", "--max-length", "256"],
     ),
     Bench(
         "cache",
         "bench_cache.py",
-        ["--samples", "16", "--max-length", "1024", "--repeats", "5"],
+        ["--samples", "48", "--max-length", "1024", "--repeats", "5"],
         ["--samples", "4", "--max-length", "256", "--repeats", "2"],
     ),
     Bench(
