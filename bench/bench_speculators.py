@@ -40,19 +40,9 @@ from peagle_pipeline.core.cod import CODConfig, build_layout  # noqa: E402
 from peagle_pipeline.core.loss import kl_exact, kl_topk  # noqa: E402
 from peagle_pipeline.core.partition import forward_segment, plan_segments  # noqa: E402
 
-SMOLLM2 = {
-    "model_type": "llama",
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "head_dim": 64,
-    "vocab_size": 49152,
-    "rms_norm_eps": 1e-5,
-    "hidden_act": "silu",
-    "max_position_embeddings": 8192,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
-}
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_step import SMOLLM2  # noqa: E402  (one SmolLM2-sized draft config for both step benchmarks)
+
 AUX_LAYERS = [2, 15, 27]  # SmolLM2's default aux ids (30 layers)
 
 
