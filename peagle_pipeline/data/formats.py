@@ -112,7 +112,7 @@ def to_conversation(record: Any, source: str, row: int) -> Conversation | Reject
     elif record.get("messages") is not None:
         turns, key = record["messages"], "messages"
     else:
-        keys = ", ".join(sorted(map(str, record)))[:120]
+        keys = ", ".join(repr(k) for k in sorted(map(str, record)))[:120]  # repr: a reason stays one line
         return reject(
             f"wrong schema: no 'conversations' (ShareGPT) or 'messages' (OpenAI) list; keys: [{keys}]"
         )
