@@ -57,7 +57,9 @@ def extract(
     backend: Annotated[str | None, typer.Option(help=_E("backend"))] = None,
     layers: Annotated[str | None, typer.Option(help=_E("layers"))] = None,
     topk: Annotated[int | None, typer.Option(help=_E("topk"))] = None,
-    last_hidden: Annotated[bool | None, typer.Option("--last-hidden/--no-last-hidden", help=_E("last_hidden"))] = None,
+    last_hidden: Annotated[
+        bool | None, typer.Option("--last-hidden/--no-last-hidden", help=_E("last_hidden"))
+    ] = None,
     max_length: Annotated[int | None, typer.Option(help=_E("max_length"))] = None,
     overlong: Annotated[str | None, typer.Option(help=_E("overlong"))] = None,
     max_samples: Annotated[int | None, typer.Option(help=_E("max_samples"))] = None,
@@ -106,7 +108,8 @@ def train(
     max_anchors: Annotated[int | None, typer.Option(help=_T("max_anchors"))] = None,
     sequence_partitions: Annotated[int | None, typer.Option(help=_T("sequence_partitions"))] = None,
     grad_checkpointing: Annotated[
-        bool | None, typer.Option("--grad-checkpointing/--no-grad-checkpointing", help=_T("grad_checkpointing"))
+        bool | None,
+        typer.Option("--grad-checkpointing/--no-grad-checkpointing", help=_T("grad_checkpointing")),
     ] = None,
     target: Annotated[str | None, typer.Option(help=_T("target"))] = None,
     eval_samples: Annotated[int | None, typer.Option(help=_T("eval_samples"))] = None,
@@ -120,9 +123,12 @@ def train(
     num_workers: Annotated[int | None, typer.Option(help=_T("num_workers"))] = None,
     loss_chunk: Annotated[int | None, typer.Option(help=_T("loss_chunk"))] = None,
     norm_before_residual: Annotated[
-        bool | None, typer.Option("--norm-before-residual/--no-norm-before-residual", help=_T("norm_before_residual"))
+        bool | None,
+        typer.Option("--norm-before-residual/--no-norm-before-residual", help=_T("norm_before_residual")),
     ] = None,
-    skip_corrupt: Annotated[bool | None, typer.Option("--skip-corrupt/--no-skip-corrupt", help=_T("skip_corrupt"))] = None,
+    skip_corrupt: Annotated[
+        bool | None, typer.Option("--skip-corrupt/--no-skip-corrupt", help=_T("skip_corrupt"))
+    ] = None,
     max_bad_steps: Annotated[int | None, typer.Option(help=_T("max_bad_steps"))] = None,
     log_every: Annotated[int | None, typer.Option(help=_T("log_every"))] = None,
     export: Annotated[bool | None, typer.Option("--export/--no-export", help=_T("export"))] = None,
@@ -187,18 +193,36 @@ def plot(run_dir: Annotated[str, typer.Argument(help="Training run directory.")]
 def vllm_check(
     draft_dir: Annotated[str, typer.Argument(help="Exported draft directory.")],
     target: Annotated[str, typer.Option(help="Target model directory.")],
-    prompts: Annotated[str | None, typer.Option(help="Prompt file (JSONL with 'prompt' or chat data), or a cache dir for held-out prompts.")] = None,
+    prompts: Annotated[
+        str | None,
+        typer.Option(
+            help="Prompt file (JSONL with 'prompt' or chat data), or a cache dir for held-out prompts."
+        ),
+    ] = None,
     num_prompts: Annotated[int, typer.Option(help="Prompts to generate for.")] = 8,
     max_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 64,
-    depths: Annotated[int | None, typer.Option(help="num_speculative_tokens (default: the draft's K).")] = None,
-    report: Annotated[str | None, typer.Option(help="Write the JSON report (acceptance, mismatches) here.")] = None,
+    depths: Annotated[
+        int | None, typer.Option(help="num_speculative_tokens (default: the draft's K).")
+    ] = None,
+    report: Annotated[
+        str | None, typer.Option(help="Write the JSON report (acceptance, mismatches) here.")
+    ] = None,
     tensor_parallel_size: Annotated[int, typer.Option(help="vLLM tensor parallel size.")] = 1,
 ) -> None:
     """Load target + draft in vLLM (parallel drafting), check greedy equality, report vLLM's acceptance."""
     from peagle_pipeline.stages import vllm_check as stage
 
-    stage.run(draft_dir, target, prompts=prompts, num_prompts=num_prompts, max_tokens=max_tokens, depths=depths,
-              report=report, tensor_parallel_size=tensor_parallel_size, echo=typer.echo)
+    stage.run(
+        draft_dir,
+        target,
+        prompts=prompts,
+        num_prompts=num_prompts,
+        max_tokens=max_tokens,
+        depths=depths,
+        report=report,
+        tensor_parallel_size=tensor_parallel_size,
+        echo=typer.echo,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,8 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        print(f"error: {Interrupted('interrupted: committed work is kept; re-run the same command to resume')}",
-              file=sys.stderr)
+        print(
+            f"error: {Interrupted('interrupted: committed work is kept; re-run the same command to resume')}",
+            file=sys.stderr,
+        )
         code = Interrupted.exit_code
     except Exception as err:  # typer vendors click: match its usage errors by shape, not by import
         if debug or not (hasattr(err, "show") and hasattr(err, "exit_code")):

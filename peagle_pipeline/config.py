@@ -31,22 +31,42 @@ class ExtractConfig:
     """Settings of `peagle-pipeline extract` (pipeline-file section `extract:`)."""
 
     model: str = _f("", "Target model: a local HF model directory (config.json + safetensors + tokenizer).")
-    data: list[str] = _f([], "Dataset files or HF datasets saved to disk (ShareGPT or OpenAI messages; JSON, JSONL, Parquet). Repeatable.")
+    data: list[str] = _f(
+        [],
+        "Dataset files or HF datasets saved to disk (ShareGPT or OpenAI messages; JSON, JSONL, Parquet). Repeatable.",
+    )
     output: str = _f("", "Cache directory to create or resume.")
     backend: Literal["hf", "vllm"] = _f("hf", "Target runtime: hf (transformers) or vllm.")
-    layers: list[int] | None = _f(None, "Aux hidden-state layer ids in vLLM convention (0 = embeddings); default 2, L//2, L-3.")
-    topk: int = _f(32, "Number of top target log-probabilities kept per token (over the full target vocabulary).")
-    last_hidden: bool = _f(False, "Also store the pre-norm last hidden state (layer id L), enabling exact targets.")
-    max_length: int = _f(2048, "Maximum tokens per sample; longer samples are truncated or skipped (see overlong).")
+    layers: list[int] | None = _f(
+        None, "Aux hidden-state layer ids in vLLM convention (0 = embeddings); default 2, L//2, L-3."
+    )
+    topk: int = _f(
+        32, "Number of top target log-probabilities kept per token (over the full target vocabulary)."
+    )
+    last_hidden: bool = _f(
+        False, "Also store the pre-norm last hidden state (layer id L), enabling exact targets."
+    )
+    max_length: int = _f(
+        2048, "Maximum tokens per sample; longer samples are truncated or skipped (see overlong)."
+    )
     overlong: Literal["truncate", "skip"] = _f("truncate", "What to do with samples longer than max_length.")
-    max_samples: int | None = _f(None, "Use only the first N conversations of the data (before rank splitting).")
+    max_samples: int | None = _f(
+        None, "Use only the first N conversations of the data (before rank splitting)."
+    )
     batch_tokens: int = _f(8192, "Padded tokens per forward batch.")
     dtype: Literal["bf16", "fp32"] = _f("bf16", "Target forward and stored hidden-state dtype.")
     assistant_turns: Literal["all", "last"] = _f("all", "Supervise all assistant turns or only the last one.")
-    leading_assistant: Literal["context", "drop"] = _f("context", "An assistant turn before any user turn: keep as unsupervised context, or drop it.")
-    compress: Literal["auto", "zstd", "none"] = _f("auto", "Zarr shard compression: auto = zstd for ids, mask and top-k, fast zstd (checksummed, near raw, memcpy-speed reads) for hidden states; zstd = zstd level 3 for every array (smaller, ~10x slower reads); none.")
+    leading_assistant: Literal["context", "drop"] = _f(
+        "context", "An assistant turn before any user turn: keep as unsupervised context, or drop it."
+    )
+    compress: Literal["auto", "zstd", "none"] = _f(
+        "auto",
+        "Zarr shard compression: auto = zstd for ids, mask and top-k log-probs, blosc-lz4 for top-k ids, raw + crc32c for hidden states (memcpy-speed reads, checked on every read); zstd = zstd level 3 for every array (smaller, ~10x slower reads); none = raw, no per-chunk checksum.",
+    )
     shard_tokens: int = _f(16384, "Tokens per Zarr shard (one file per array per shard; the unit of commit).")
-    chunk_tokens: int = _f(128, "Tokens per inner Zarr chunk (the unit of a random read and of the crc32c check).")
+    chunk_tokens: int = _f(
+        128, "Tokens per inner Zarr chunk (the unit of a random read and of the crc32c check)."
+    )
     rank: int | None = _f(None, "This writer's rank; default from RANK / SLURM_PROCID, else 0.")
     world_size: int | None = _f(None, "Number of writers; default from WORLD_SIZE / SLURM_NTASKS, else 1.")
     device: str = _f("auto", "Device for the hf backend: auto, cpu, cuda, cuda:N.")
@@ -59,12 +79,22 @@ class ExtractConfig:
         _require(self.model, "model", "--model")
         _require(self.data, "data", "--data")
         _require(self.output, "output", "--output")
-        _positive(self, "topk", "max_length", "batch_tokens", "shard_tokens", "chunk_tokens", "topk_chunk",
-                  "tensor_parallel_size")
+        _positive(
+            self,
+            "topk",
+            "max_length",
+            "batch_tokens",
+            "shard_tokens",
+            "chunk_tokens",
+            "topk_chunk",
+            "tensor_parallel_size",
+        )
         if self.max_samples is not None and self.max_samples <= 0:
             raise BadConfig(f"max_samples must be positive, got {self.max_samples}")
         if self.shard_tokens % self.chunk_tokens:
-            raise BadConfig(f"shard_tokens ({self.shard_tokens}) must be a multiple of chunk_tokens ({self.chunk_tokens})")
+            raise BadConfig(
+                f"shard_tokens ({self.shard_tokens}) must be a multiple of chunk_tokens ({self.chunk_tokens})"
+            )
         if self.layers is not None and (not self.layers or min(self.layers) < 0):
             raise BadConfig(f"layers must be non-negative layer ids, got {self.layers}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -79,8 +109,12 @@ class TrainConfig:
     output: str = _f("", "Run directory (checkpoints, metrics, plots, export).")
     draft_layers: int = _f(1, "Decoder layers of the draft (the first is the fused EAGLE-3 layer).")
     depths: int = _f(8, "K: tokens drafted in parallel (COD depths 0..K-1).")
-    draft_vocab_size: int = _f(32000, "Draft vocabulary size (most frequent supervised tokens); capped at the target vocabulary.")
-    tokens_per_step: int = _f(8192, "Packing budget: shifted tokens per packed row (per rank and micro-step).")
+    draft_vocab_size: int = _f(
+        32000, "Draft vocabulary size (most frequent supervised tokens); capped at the target vocabulary."
+    )
+    tokens_per_step: int = _f(
+        8192, "Packing budget: shifted tokens per packed row (per rank and micro-step)."
+    )
     epochs: int = _f(1, "Passes over the training split (ignored when steps is set).")
     steps: int | None = _f(None, "Optimizer steps to run (overrides epochs).")
     lr: float = _f(6e-4, "Peak learning rate (AdamW).")
@@ -91,21 +125,31 @@ class TrainConfig:
     down_sample_ratio: float = _f(0.7, "COD ratio r: depth d keeps about r**d of the anchors.")
     down_sample_ratio_min: float = _f(0.2, "COD floor r_min of the kept fraction per depth.")
     max_anchors: int = _f(512, "At most this many COD seeds per sample (depth >= 1 only).")
-    sequence_partitions: int = _f(1, "Split each packed row into this many segments (forward+backward each) to cut memory.")
+    sequence_partitions: int = _f(
+        1, "Split each packed row into this many segments (forward+backward each) to cut memory."
+    )
     grad_checkpointing: bool = _f(False, "Recompute each draft layer in backward (activation checkpointing).")
-    target: Literal["topk", "exact"] = _f("topk", "Training target: renormalised stored top-k, or exact from the stored last hidden state.")
+    target: Literal["topk", "exact"] = _f(
+        "topk", "Training target: renormalised stored top-k, or exact from the stored last hidden state."
+    )
     eval_samples: int = _f(64, "Held-out samples (fixed by seed) for agreement and acceptance estimates.")
     eval_every: int = _f(100, "Evaluate every N steps (and always at the end).")
     seed: int = _f(0, "Seed of the shuffle, the held-out split, COD sampling and the draft init.")
     save_every: int = _f(200, "Write a checkpoint every N steps (and always at the end).")
     keep_checkpoints: int = _f(2, "Step checkpoints kept on disk (the best one is kept apart).")
-    precision: Literal["bf16", "fp32"] = _f("bf16", "Compute precision (bf16 autocast or full fp32); master weights stay fp32.")
+    precision: Literal["bf16", "fp32"] = _f(
+        "bf16", "Compute precision (bf16 autocast or full fp32); master weights stay fp32."
+    )
     device: str = _f("auto", "auto, cpu, cuda, cuda:N (under torchrun, cuda:LOCAL_RANK).")
     resume: bool = _f(False, "Continue the run in output from its latest complete checkpoint.")
     num_workers: int = _f(1, "DataLoader worker processes reading the cache.")
     loss_chunk: int = _f(2048, "Elements per chunk of the KL computation (bounds [elements, Vd] memory).")
-    norm_before_residual: bool = _f(False, "Fused layer 0: residual is the normed hidden instead of fc output.")
-    skip_corrupt: bool = _f(False, "Skip samples whose data fails its checksum (reported) instead of stopping.")
+    norm_before_residual: bool = _f(
+        False, "Fused layer 0: residual is the normed hidden instead of fc output."
+    )
+    skip_corrupt: bool = _f(
+        False, "Skip samples whose data fails its checksum (reported) instead of stopping."
+    )
     max_bad_steps: int = _f(5, "Stop after this many consecutive steps with non-finite loss or gradients.")
     log_every: int = _f(10, "Log metrics every N steps.")
     export: bool = _f(True, "Export the speculators P-EAGLE checkpoint at the end of training.")
@@ -113,9 +157,22 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _require(self.cache, "cache", "--cache")
         _require(self.output, "output", "--output")
-        _positive(self, "draft_layers", "depths", "draft_vocab_size", "tokens_per_step", "epochs", "max_anchors",
-                  "sequence_partitions", "eval_every", "save_every", "keep_checkpoints", "loss_chunk", "max_bad_steps",
-                  "log_every")
+        _positive(
+            self,
+            "draft_layers",
+            "depths",
+            "draft_vocab_size",
+            "tokens_per_step",
+            "epochs",
+            "max_anchors",
+            "sequence_partitions",
+            "eval_every",
+            "save_every",
+            "keep_checkpoints",
+            "loss_chunk",
+            "max_bad_steps",
+            "log_every",
+        )
         if self.steps is not None and self.steps <= 0:
             raise BadConfig(f"steps must be positive, got {self.steps}")
         if self.lr <= 0:
@@ -159,7 +216,9 @@ def load_section(yaml_path: str | Path, section: str) -> dict[str, Any]:
         raise BadConfig(f"pipeline file {path} must be a mapping with 'extract:' and/or 'train:' sections")
     unknown = set(doc) - set(SECTIONS.values())
     if unknown:
-        raise BadConfig(f"pipeline file {path}: unknown section(s) {sorted(unknown)}; expected 'extract' and 'train'")
+        raise BadConfig(
+            f"pipeline file {path}: unknown section(s) {sorted(unknown)}; expected 'extract' and 'train'"
+        )
     body = doc.get(section) or {}
     if not isinstance(body, dict):
         raise BadConfig(f"pipeline file {path}: section '{section}' must be a mapping")
@@ -177,7 +236,9 @@ def resolve(cls: type[C], yaml_path: str | Path | None = None, overrides: dict[s
     if yaml_path is not None:
         section = SECTIONS[cls]
         for key, value in load_section(yaml_path, section).items():
-            values[_check_key(str(key).replace("-", "_"), names, f"section '{section}' of {yaml_path}")] = value
+            values[_check_key(str(key).replace("-", "_"), names, f"section '{section}' of {yaml_path}")] = (
+                value
+            )
     for key, value in (overrides or {}).items():
         if value is not None:
             values[_check_key(key, names, "flags")] = value

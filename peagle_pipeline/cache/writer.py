@@ -210,7 +210,7 @@ class CacheWriter:
 
     def _create_store(self) -> None:
         import zarr
-        from zarr.codecs import Crc32cCodec, ZstdCodec
+        from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
         self.store_dir.parent.mkdir(parents=True, exist_ok=True)
         group = zarr.create_group(
@@ -223,11 +223,12 @@ class CacheWriter:
             },
         )
         for name, (dtype, inner) in self.specs.items():
-            # zstd frame checksums / crc32c let a reader detect a damaged chunk without the manifest checksum.
+            # zstd frame checksums / crc32c trailers let a reader detect a damaged chunk without the manifest checksum.
             codec = layout.chunk_codec(name, self.meta.compress)
             level = layout.zstd_level(name, self.meta.compress)
             compressors = {
                 "zstd": [ZstdCodec(level=level or 3, checksum=True)],
+                "blosc": [BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"), Crc32cCodec()],
                 "crc32c": [Crc32cCodec()],
                 "none": None,
             }[codec]

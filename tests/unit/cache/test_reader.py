@@ -51,6 +51,9 @@ def test_fast_path_equals_zarr_on_random_ranges(tmp_path, compress):
     write_cache(tmp_path / "c", fake_meta(shard_tokens=48, chunk_tokens=16, compress=compress))
     cache = open_cache(tmp_path / "c")
     store = cache._stores[STORE]
+    assert all(info.fast for info in store.info.values())  # every codec of every mode has a fast path
+    if compress == "auto":
+        assert store.info["topk_ids"].blosc and store.info["aux_hidden"].crc and store.info["input_ids"].zstd
     n = int(cache.samples["length"].sum())
     rng = np.random.default_rng(0)
     for _ in range(60):

@@ -1,0 +1,374 @@
+"""Low-level reads of one cache store: the cache location (local directory or fsspec URL) and a per-store reader.
+
+Random sample reads on local disk take a fast path that parses each shard's index once and reads just the inner
+chunks a range of tokens needs: raw chunks with one `os.preadv` straight into the output (crc32c checked in place),
+zstd and blosc chunks decoded with a reused context. Other stores (fsspec URLs such as `memory://` or `s3://`) read
+through Zarr's own store layer. File handles are opened lazily per process, so a reader may be handed to DataLoader
+workers (fork or spawn). Never writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zstandard
+from zstandard import ZstdError as _ZstdError
+
+from peagle_pipeline.cache import layout
+from peagle_pipeline.errors import CorruptCache
+
+__all__ = ["StoreRoot", "StoreReader"]
+
+_EMPTY = np.uint64(2**64 - 1)
+
+
+class StoreRoot:
+    """The cache location: a local directory, or an fsspec URL (read through fsspec / Zarr's store layer)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        text = os.fspath(path)
+        self.url = text
+        self.local: Path | None = None
+        self.fs: Any = None
+        if "://" in text and not text.startswith("file://"):
+            import fsspec
+
+            self.fs, self.base = fsspec.core.url_to_fs(text)
+        else:
+            self.local = Path(text.removeprefix("file://"))
+
+    def read_bytes(self, rel: str) -> bytes:
+        if self.local is not None:
+            return (self.local / rel).read_bytes()
+        with self.fs.open(f"{self.base}/{rel}", "rb") as f:
+            return f.read()
+
+    def exists(self, rel: str) -> bool:
+        if self.local is not None:
+            return (self.local / rel).exists()
+        return bool(self.fs.exists(f"{self.base}/{rel}"))
+
+    def size(self, rel: str) -> int:
+        """Bytes under `rel` (a file or a directory tree)."""
+        if self.local is not None:
+            p = self.local / rel
+            if p.is_file():
+                return p.stat().st_size
+            return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+        return int(self.fs.du(f"{self.base}/{rel}"))
+
+    def zarr_group(self, rel: str) -> Any:
+        import zarr
+
+        if self.local is not None:
+            return zarr.open_group(str(self.local / rel), mode="r")
+        return zarr.open_group(f"{self.url.rstrip('/')}/{rel}", mode="r")
+
+
+def _crc32c(data: bytes) -> bytes:
+    """crc32c of `data` as the 4 little-endian bytes zarr's crc32c codec appends."""
+    import google_crc32c
+
+    return np.uint32(google_crc32c.value(data)).tobytes()
+
+
+_ZSTD = (
+    threading.local()
+)  # one reusable decompression context per thread (creating one per chunk costs ~10 us)
+
+
+def _zstd_decompress(frame: memoryview, nbytes: int) -> bytes:
+    """One zstd frame (as zarr's zstd codec writes it) decoded to exactly `nbytes` bytes, else ValueError."""
+    dctx = getattr(_ZSTD, "dctx", None)
+    if dctx is None:
+        dctx = _ZSTD.dctx = zstandard.ZstdDecompressor()
+    data = dctx.decompress(frame, max_output_size=nbytes)
+    if len(data) != nbytes:
+        raise ValueError(f"decoded {len(data)} bytes, expected {nbytes}")
+    return data
+
+
+def _blosc_decompress(frame: bytes, nbytes: int) -> bytes:
+    """One blosc frame decoded to exactly `nbytes` bytes, else ValueError. (numcodecs decodes without its thread
+    pool in a forked process, e.g. a DataLoader worker, so this is fork-safe.)"""
+    from numcodecs import blosc
+
+    data = blosc.decompress(frame)
+    if len(data) != nbytes:
+        raise ValueError(f"decoded {len(data)} bytes, expected {nbytes}")
+    return data
+
+
+class _ArrayInfo:
+    """Static description of one stored array, parsed from its zarr.json (for the fast path)."""
+
+    def __init__(self, name: str, meta: dict[str, Any]) -> None:
+        self.name = name
+        self.dtype = np.dtype(meta["data_type"]).newbyteorder("<")
+        self.inner = tuple(meta["shape"][1:])
+        self.shard_tokens = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
+        self.fill_value = meta.get("fill_value", 0)
+        self.logical_dtype = meta.get("attributes", {}).get("logical_dtype")
+        codecs = meta["codecs"]
+        self.fast = False
+        if len(codecs) == 1 and codecs[0]["name"] == "sharding_indexed":
+            conf = codecs[0]["configuration"]
+            inner_codecs = [c["name"] for c in conf["codecs"]]
+            index_codecs = [c["name"] for c in conf["index_codecs"]]
+            endian = [
+                c.get("configuration", {}).get("endian", "little")
+                for c in conf["codecs"]
+                if c["name"] == "bytes"
+            ]
+            self.chunk_tokens = int(conf["chunk_shape"][0])
+            self.zstd = inner_codecs == ["bytes", "zstd"]
+            self.crc = inner_codecs == ["bytes", "crc32c"]
+            self.blosc = inner_codecs == ["bytes", "blosc", "crc32c"]
+            self.fast = (
+                inner_codecs
+                in (["bytes"], ["bytes", "zstd"], ["bytes", "crc32c"], ["bytes", "blosc", "crc32c"])
+                and index_codecs == ["bytes", "crc32c"]
+                and conf.get("index_location", "end") == "end"
+                and endian == ["little"]
+                and list(conf["chunk_shape"][1:]) == list(self.inner)
+            )
+            self.chunks_per_shard = self.shard_tokens // self.chunk_tokens
+        else:
+            self.chunk_tokens = self.shard_tokens
+            self.zstd = self.crc = self.blosc = False
+            self.chunks_per_shard = 1
+
+
+class StoreReader:
+    """Reads token ranges of one store. Local: pread fast path; otherwise zarr. Lazily opened per process."""
+
+    def __init__(self, root: StoreRoot, name: str, manifest: dict[str, Any], specs: dict[str, Any]) -> None:
+        self.root = root
+        self.name = name
+        self.rel = f"{layout.STORES_DIR}/{name}"
+        self.manifest = manifest
+        self.specs = specs
+        self.info: dict[str, _ArrayInfo] = {}
+        for array, (dtype, inner) in specs.items():
+            try:
+                info = _ArrayInfo(array, json.loads(root.read_bytes(f"{self.rel}/{array}/zarr.json")))
+                ok = (
+                    info.dtype == np.dtype(dtype).newbyteorder("<")
+                    and info.inner == tuple(inner)
+                    and info.shard_tokens == int(manifest["shard_tokens"])
+                    and info.chunk_tokens == int(manifest["chunk_tokens"])
+                )
+            except (OSError, ValueError, KeyError, TypeError, IndexError, ZeroDivisionError) as err:
+                raise CorruptCache(
+                    f"store {name}: {array}/zarr.json is damaged ({type(err).__name__})"
+                ) from None
+            if not ok:
+                raise CorruptCache(f"store {name}: {array}/zarr.json disagrees with the cache metadata")
+            self.info[array] = info
+        self._pid = -1
+        self._fds: dict[tuple[str, int], int] = {}
+        self._index: dict[tuple[str, int], np.ndarray] = {}
+        self._zarr: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_pid=-1, _fds={}, _index={}, _zarr=None)
+        return state
+
+    def _check_process(self) -> None:
+        """After a fork, drop the parent's handles (pread needs no shared offset, but keep them apart)."""
+        if self._pid != os.getpid():
+            for fd in self._fds.values():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._fds, self._index, self._zarr = {}, {}, None
+            self._pid = os.getpid()
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+    def read(self, array: str, start: int, stop: int, fast: bool = True) -> np.ndarray:
+        """Rows [start, stop) of `array` in their stored dtype, shape [stop-start, *inner]."""
+        self._check_process()
+        info = self.info[array]
+        try:
+            if fast and info.fast and self.root.local is not None:
+                return self._read_fast(info, start, stop)
+            if self._zarr is None:
+                self._zarr = self.root.zarr_group(self.rel)
+            return np.asarray(self._zarr[array][start:stop])
+        except CorruptCache:
+            raise
+        except Exception as err:  # damaged bytes surface as codec, crc, size or value errors of many types
+            raise CorruptCache(
+                f"store {self.name}: {array} tokens {start}..{stop} cannot be read ({type(err).__name__})"
+            ) from None
+
+    def prefetch(self, start: int, stop: int) -> None:
+        """Ask the kernel to start reading the bytes of token rows [start, stop) of every array at once
+        (posix_fadvise WILLNEED), so that on a cold page cache the per-array reads that follow overlap their disk
+        latency instead of waiting one after another. Local fast-path stores only. A hint: any problem is left for
+        the reads that follow to report."""
+        if self.root.local is None or not hasattr(os, "posix_fadvise"):
+            return
+        self._check_process()
+        try:
+            for info in self.info.values():
+                if info.fast:
+                    self._prefetch_array(info, start, stop)
+        except (CorruptCache, OSError, ValueError):
+            return
+
+    def _prefetch_array(self, info: _ArrayInfo, start: int, stop: int) -> None:
+        first, last = start // info.chunk_tokens, (stop - 1) // info.chunk_tokens
+        per_shard = info.chunks_per_shard
+        for shard in range(first // per_shard, last // per_shard + 1):
+            lo = max(first, shard * per_shard) - shard * per_shard
+            hi = min(last, (shard + 1) * per_shard - 1) - shard * per_shard
+            span = self._shard_index(info, shard)[lo : hi + 1]
+            span = span[span[:, 0] != _EMPTY]
+            if len(span):
+                begin = int(span[:, 0].min())
+                end = int((span[:, 0] + span[:, 1]).max())
+                os.posix_fadvise(self._fd(info, shard), begin, end - begin, os.POSIX_FADV_WILLNEED)
+
+    def _fd(self, info: _ArrayInfo, shard: int) -> int:
+        key = (info.name, shard)
+        fd = self._fds.get(key)
+        if fd is None:
+            assert self.root.local is not None
+            path = (
+                self.root.local / self.rel / info.name / "/".join(["c", str(shard)] + ["0"] * len(info.inner))
+            )
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise CorruptCache(
+                    f"store {self.name}: shard file {info.name}/c/{shard} is missing"
+                ) from None
+            self._fds[key] = fd
+        return fd
+
+    def _shard_index(self, info: _ArrayInfo, shard: int) -> np.ndarray:
+        """[chunks_per_shard, 2] uint64 (offset, nbytes) of each inner chunk; parsed once per shard."""
+        key = (info.name, shard)
+        index = self._index.get(key)
+        if index is None:
+            import google_crc32c
+
+            fd = self._fd(info, shard)
+            size = os.fstat(fd).st_size
+            nbytes = info.chunks_per_shard * layout.SHARD_INDEX_ENTRY + 4
+            raw = os.pread(fd, nbytes, size - nbytes)
+            if len(raw) != nbytes or np.uint32(google_crc32c.value(raw[:-4])).tobytes() != raw[-4:]:
+                raise CorruptCache(f"store {self.name}: shard index of {info.name}/c/{shard} is damaged")
+            index = np.frombuffer(raw[:-4], dtype="<u8").reshape(info.chunks_per_shard, 2)
+            self._index[key] = index
+        return index
+
+    def _read_fast(self, info: _ArrayInfo, start: int, stop: int) -> np.ndarray:
+        C = info.chunk_tokens
+        row_bytes = info.dtype.itemsize * math.prod(info.inner)
+        first, last = start // C, (stop - 1) // C
+        if info.crc and first // info.chunks_per_shard == last // info.chunks_per_shard:
+            rows = self._read_crc_chunks(info, first, last, row_bytes)
+            if rows is not None:  # one read into one buffer, crc-checked in place, returned as a view
+                return rows[start - first * C : stop - first * C]
+        out = np.empty((stop - start, *info.inner), dtype=info.dtype)
+        chunk = first
+        while chunk * C < stop:
+            shard, local = divmod(chunk, info.chunks_per_shard)
+            last = min((stop - 1) // C, (shard + 1) * info.chunks_per_shard - 1)  # last chunk in this shard
+            index = self._shard_index(info, shard)
+            span = index[local : local + last - chunk + 1]
+            present = span[:, 0] != _EMPTY
+            lo_row, hi_row = max(start, chunk * C), min(stop, (last + 1) * C)
+            if (
+                not (info.zstd or info.crc or info.blosc)
+                and present.all()
+                and self._contiguous(span, C * row_bytes)
+            ):
+                # Raw chunks laid out back to back: read exactly the rows needed, straight into `out`.
+                dest = out[lo_row - start : hi_row - start].reshape(-1).view(np.uint8)
+                pos = int(span[0, 0]) + (lo_row - chunk * C) * row_bytes
+                if os.preadv(self._fd(info, shard), [dest], pos) != dest.nbytes:
+                    raise CorruptCache(f"store {self.name}: shard {shard} of {info.name} is truncated")
+                chunk = last + 1
+                continue
+            blob = b""
+            base = 0
+            if present.any():
+                base = int(span[present, 0].min())
+                end = int((span[present, 0] + span[present, 1]).max())
+                blob = os.pread(self._fd(info, shard), end - base, base)  # one read for all chunks needed
+            for j in range(len(span)):
+                c = chunk + j
+                lo, hi = max(start, c * C), min(stop, (c + 1) * C)
+                dest = out[lo - start : hi - start]
+                if not present[j]:
+                    dest[...] = info.fill_value
+                    continue
+                off, n = int(span[j, 0]) - base, int(span[j, 1])
+                raw = memoryview(blob)[off : off + n]
+                try:
+                    if info.zstd:
+                        raw = _zstd_decompress(raw, C * row_bytes)
+                    elif (
+                        info.crc or info.blosc
+                    ):  # raw or blosc chunk + its little-endian crc32c (zarr's codec)
+                        body = bytes(raw[:-4])  # google_crc32c takes bytes only; frombuffer reuses it below
+                        if (info.crc and n != C * row_bytes + 4) or _crc32c(body) != bytes(raw[-4:]):
+                            raise ValueError("crc32c mismatch")
+                        raw = _blosc_decompress(body, C * row_bytes) if info.blosc else body
+                    rows = np.frombuffer(raw, dtype=info.dtype).reshape(-1, *info.inner)
+                except (RuntimeError, ValueError, _ZstdError) as err:
+                    raise CorruptCache(
+                        f"store {self.name}: chunk {c} of {info.name} cannot be decoded ({err})"
+                    ) from None
+                if len(rows) != C:
+                    raise CorruptCache(f"store {self.name}: chunk {c} of {info.name} has a wrong size")
+                dest[...] = rows[lo - c * C : hi - c * C]
+            chunk = last + 1
+        return out
+
+    def _read_crc_chunks(self, info: _ArrayInfo, first: int, last: int, row_bytes: int) -> np.ndarray | None:
+        """Whole chunks first..last of one shard, read with one preadv straight into a numpy buffer (the crc32c
+        trailers into a side buffer) and checked in place; None when they are not stored back to back."""
+        import google_crc32c
+
+        C = info.chunk_tokens
+        shard, local = divmod(first, info.chunks_per_shard)
+        span = self._shard_index(info, shard)[local : local + last - first + 1]
+        chunk_bytes = C * row_bytes
+        if not ((span[:, 0] != _EMPTY).all() and self._contiguous(span, chunk_bytes + 4)):
+            return None
+        n = len(span)
+        rows = np.empty((n * C, *info.inner), dtype=info.dtype)
+        flat = rows.reshape(-1).view(np.uint8)
+        trailers = np.empty(4 * n, dtype=np.uint8)
+        views: list[np.ndarray] = []
+        for j in range(n):
+            views += [flat[j * chunk_bytes : (j + 1) * chunk_bytes], trailers[4 * j : 4 * j + 4]]
+        if os.preadv(self._fd(info, shard), views, int(span[0, 0])) != n * (chunk_bytes + 4):
+            raise CorruptCache(f"store {self.name}: shard {shard} of {info.name} is truncated")
+        expected = trailers.view("<u4")
+        for j in range(n):
+            if google_crc32c.value(flat[j * chunk_bytes : (j + 1) * chunk_bytes]) != int(expected[j]):
+                raise CorruptCache(
+                    f"store {self.name}: chunk {first + j} of {info.name} cannot be decoded (crc32c mismatch)"
+                )
+        return rows
+
+    @staticmethod
+    def _contiguous(span: np.ndarray, chunk_bytes: int) -> bool:
+        return bool((span[:, 1] == chunk_bytes).all() and (span[1:, 0] == span[:-1, 0] + span[:-1, 1]).all())
