@@ -32,8 +32,14 @@ def tiny_model_factory(tmp_path_factory):
     """Build (once per session and argument set) a tiny random Llama with a chat template; returns its dir."""
     built: dict[tuple, Path] = {}
 
-    def make(template: str = "chatml", num_layers: int = 6, hidden_size: int = 64, vocab_size: int = 512,
-             seed: int = 0, dtype: str = "bfloat16") -> Path:
+    def make(
+        template: str = "chatml",
+        num_layers: int = 6,
+        hidden_size: int = 64,
+        vocab_size: int = 512,
+        seed: int = 0,
+        dtype: str = "bfloat16",
+    ) -> Path:
         key = (template, num_layers, hidden_size, vocab_size, seed, dtype)
         if key not in built:
             out = tmp_path_factory.mktemp(f"tiny-{template}-{num_layers}l")

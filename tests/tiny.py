@@ -29,8 +29,15 @@ CHAT_TEMPLATES = {
     ),
 }
 
-SPECIAL_TOKENS = ["<pad>", "<|begin_of_text|>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>",
-                  "<|end_header_id|>", "<|eot_id|>"]
+SPECIAL_TOKENS = [
+    "<pad>",
+    "<|begin_of_text|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
 
 CORPUS = [
     "Hello! How are you today? I am fine, thank you very much.",
@@ -50,19 +57,31 @@ def build_tokenizer(out_dir: str | Path, template: str = "chatml", vocab_size: i
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS * 4, trainer=trainer)
     eos = "<|eot_id|>" if template == "llama3" else "<|im_end|>"
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token=eos,
-                                   pad_token="<pad>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token=eos, pad_token="<pad>"
+    )
     fast.chat_template = CHAT_TEMPLATES[template]
     fast.save_pretrained(str(out_dir))
     return fast
 
 
-def build_tiny_model(out_dir: str | Path, template: str = "chatml", num_layers: int = 6, hidden_size: int = 64,
-                     vocab_size: int = 512, seed: int = 0, dtype: str = "bfloat16") -> Path:
+def build_tiny_model(
+    out_dir: str | Path,
+    template: str = "chatml",
+    num_layers: int = 6,
+    hidden_size: int = 64,
+    vocab_size: int = 512,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+) -> Path:
     """Save a random tiny LlamaForCausalLM (+ tokenizer) to `out_dir` and return the path.
 
     vocab_size is larger than the tokenizer on purpose: the first unused embedding row becomes the mask token.
@@ -74,10 +93,19 @@ def build_tiny_model(out_dir: str | Path, template: str = "chatml", num_layers: 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out, template)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 32, num_key_value_heads=1,
-        head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // 32,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

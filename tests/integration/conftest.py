@@ -8,10 +8,10 @@ import json
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_argv import PEAGLE
 
 WORDS = (
     "hello world the quick brown fox jumps over lazy dog speculative decoding drafts tokens target model "
@@ -44,7 +44,7 @@ def cli(
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.pop("PEAGLE_DEBUG", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "peagle_pipeline.cli", *args],
+        [*PEAGLE, *args],
         capture_output=True,
         text=True,
         env=full_env,

@@ -25,12 +25,12 @@ import resource
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from cache_compare import assert_same_cache
+from cli_argv import PEAGLE
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
@@ -177,9 +177,7 @@ def base_run(tiny_cache: Path, tmp_path_factory) -> Path:
     env.pop("PEAGLE_DEBUG", None)
     proc = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "peagle_pipeline.cli",
+            *PEAGLE,
             "train",
             "--cache",
             str(tiny_cache),
@@ -213,7 +211,7 @@ def _placeholders(
 
 
 def _argv(command: list[str], ph: dict[str, str]) -> list[str]:
-    return [sys.executable, "-m", "peagle_pipeline.cli", *(arg.format(**ph) for arg in command)]
+    return [*PEAGLE, *(arg.format(**ph) for arg in command)]
 
 
 def _limit_file_size(limit: int):  # type: ignore[no-untyped-def]

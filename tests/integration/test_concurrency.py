@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_argv import PEAGLE
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
@@ -92,9 +93,7 @@ def _digest(arrays: dict[str, np.ndarray]) -> str:
 
 def _extract(model: Path, data: Path, out: Path, rank: int, env: dict[str, str]) -> subprocess.Popen[str]:
     cmd = [
-        sys.executable,
-        "-m",
-        "peagle_pipeline.cli",
+        *PEAGLE,
         "extract",
         "--model",
         str(model),
@@ -142,9 +141,7 @@ def test_four_ranks_one_reader_one_intruder(
         try:
             intruder = subprocess.run(
                 [
-                    sys.executable,
-                    "-m",
-                    "peagle_pipeline.cli",
+                    *PEAGLE,
                     "extract",
                     "--model",
                     str(tiny_model),

@@ -13,10 +13,10 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_argv import PEAGLE
 
 from peagle_pipeline import cli
 from peagle_pipeline.cache import layout
@@ -139,9 +139,7 @@ def _train(cache: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[s
     ]
     return subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "peagle_pipeline.cli",
+            *PEAGLE,
             "train",
             "--cache",
             str(cache),

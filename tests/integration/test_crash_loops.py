@@ -16,7 +16,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from cache_compare import assert_same_cache
+from cli_argv import PEAGLE, flags
 from safetensors.torch import load_file
 
 from peagle_pipeline.cache import layout
@@ -47,35 +47,22 @@ EXTRACT_SETTINGS = [
     "512",
 ]
 STEPS = 72  # 24 checkpoints for 10 kills: margin when a loaded machine lets a run race ahead between kills
-TRAIN_FLAGS = [
-    "--depths",
-    "3",
-    "--tokens-per-step",
-    "160",
-    "--steps",
-    str(STEPS),
-    "--eval-every",
-    "12",
-    "--save-every",
-    "3",
-    "--eval-samples",
-    "4",
-    "--precision",
-    "fp32",
-    "--log-every",
-    "1",
-    "--warmup",
-    "2",
-    "--lr",
-    "2e-3",
-    "--num-workers",
-    "0",
-    "--draft-vocab-size",
-    "300",
-    "--no-export",
-    "--keep-checkpoints",
-    "2",
-]
+TRAIN_FLAGS = flags(
+    depths=3,
+    tokens_per_step=160,
+    steps=STEPS,
+    eval_every=12,
+    save_every=3,
+    eval_samples=4,
+    precision="fp32",
+    log_every=1,
+    warmup=2,
+    lr=2e-3,
+    num_workers=0,
+    draft_vocab_size=300,
+    export=False,
+    keep_checkpoints=2,
+)
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -118,9 +105,7 @@ def _kill_when(
 # ------------------------------------------------------------------------------------------------- extract
 def _extract_cmd(model: Path, data: Path, out: Path) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "peagle_pipeline.cli",
+        *PEAGLE,
         "extract",
         "--model",
         str(model),
@@ -190,9 +175,7 @@ def test_extraction_survives_kill9_loop(tiny_model: Path, conversations: Path, t
 # --------------------------------------------------------------------------------------------------- train
 def _train_cmd(cache: Path, out: Path, *extra: str) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "peagle_pipeline.cli",
+        *PEAGLE,
         "train",
         "--cache",
         str(cache),

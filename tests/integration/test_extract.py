@@ -14,13 +14,13 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from cache_compare import assert_same_cache
+from cli_argv import PEAGLE
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
@@ -66,9 +66,7 @@ def extract(
     model: Path, data: Path, out: Path, env: dict[str, str], *extra: str, wait: bool = True
 ) -> subprocess.CompletedProcess | subprocess.Popen:
     cmd = [
-        sys.executable,
-        "-m",
-        "peagle_pipeline.cli",
+        *PEAGLE,
         "extract",
         "--model",
         str(model),
@@ -86,7 +84,7 @@ def extract(
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "peagle_pipeline.cli", *args],
+        [*PEAGLE, *args],
         env=env,
         capture_output=True,
         text=True,

@@ -7,12 +7,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from cli_argv import PEAGLE, flags
 from safetensors.torch import load_file
 
 from peagle_pipeline.stages import metrics
@@ -20,42 +20,27 @@ from peagle_pipeline.stages import metrics
 pytestmark = [pytest.mark.crash, pytest.mark.slow]
 
 STEPS = 30
-FLAGS = [
-    "--depths",
-    "4",
-    "--tokens-per-step",
-    "200",
-    "--steps",
-    str(STEPS),
-    "--eval-every",
-    "10",
-    "--save-every",
-    "3",
-    "--eval-samples",
-    "4",
-    "--precision",
-    "fp32",
-    "--log-every",
-    "1",
-    "--warmup",
-    "2",
-    "--lr",
-    "2e-3",
-    "--num-workers",
-    "1",
-    "--draft-vocab-size",
-    "300",
-    "--no-export",
-    "--keep-checkpoints",
-    "2",
-]
+FLAGS = flags(
+    depths=4,
+    tokens_per_step=200,
+    steps=STEPS,
+    eval_every=10,
+    save_every=3,
+    eval_samples=4,
+    precision="fp32",
+    log_every=1,
+    warmup=2,
+    lr=2e-3,
+    num_workers=1,
+    draft_vocab_size=300,
+    export=False,
+    keep_checkpoints=2,
+)
 
 
 def _cmd(cache: Path, out: Path, *extra: str) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "peagle_pipeline.cli",
+        *PEAGLE,
         "train",
         "--cache",
         str(cache),

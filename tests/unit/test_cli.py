@@ -33,8 +33,27 @@ def test_flags_become_overrides(monkeypatch):
     import peagle_pipeline.stages.train as train_stage
 
     monkeypatch.setattr(extract_stage, "run", fake_run)
-    assert cli.main(["extract", "--model", "m", "--data", "a.jsonl", "--data", "b.jsonl", "--output", "o",
-                     "--layers", "1,3", "--topk", "5", "--last-hidden"]) == 0
+    assert (
+        cli.main(
+            [
+                "extract",
+                "--model",
+                "m",
+                "--data",
+                "a.jsonl",
+                "--data",
+                "b.jsonl",
+                "--output",
+                "o",
+                "--layers",
+                "1,3",
+                "--topk",
+                "5",
+                "--last-hidden",
+            ]
+        )
+        == 0
+    )
     cfg = seen["cfg"]
     assert isinstance(cfg, ExtractConfig)
     assert (cfg.data, cfg.layers, cfg.topk, cfg.last_hidden) == (["a.jsonl", "b.jsonl"], [1, 3], 5, True)
@@ -56,7 +75,11 @@ def test_every_config_field_has_a_flag():
 @pytest.mark.parametrize("debug", ["0", "1"])
 def test_debug_env_shows_traceback(tmp_path, debug, cli_env):
     cli_env["PEAGLE_DEBUG"] = debug
-    out = subprocess.run([sys.executable, "-m", "peagle_pipeline.cli", "inspect", str(tmp_path / "nope")],
-                         capture_output=True, text=True, env=cli_env)
+    out = subprocess.run(
+        [sys.executable, "-m", "peagle_pipeline.cli", "inspect", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        env=cli_env,
+    )
     assert out.returncode != 0
     assert ("Traceback" in out.stderr) == (debug == "1")

@@ -22,8 +22,10 @@ def test_defaults_match_spec():
 
 def test_precedence_flag_over_yaml_over_default(tmp_path):
     pipe = tmp_path / "p.yaml"
-    pipe.write_text("extract:\n  model: m\n  data: d.jsonl\n  output: out\n  topk: 8\n  max-length: 99\n"
-                    "train:\n  cache: c\n  output: o\n")
+    pipe.write_text(
+        "extract:\n  model: m\n  data: d.jsonl\n  output: out\n  topk: 8\n  max-length: 99\n"
+        "train:\n  cache: c\n  output: o\n"
+    )
     cfg = resolve(ExtractConfig, pipe, {"topk": 4})
     assert cfg.topk == 4  # flag wins
     assert cfg.max_length == 99  # yaml (dash spelling accepted) beats default
@@ -90,5 +92,7 @@ def test_generated_docs_are_current():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "scripts/gen_docs.py", "--check"], cwd=root, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "scripts/gen_docs.py", "--check"], cwd=root, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stdout

@@ -22,7 +22,18 @@ ALLOWED = {
     "errors": set(),
     "__init__": {"cache"},
 }
-FORBIDDEN_IN_CORE = {"os", "zarr", "pandas", "pyarrow", "safetensors", "yaml", "typer", "tqdm", "random", "requests"}
+FORBIDDEN_IN_CORE = {
+    "os",
+    "zarr",
+    "pandas",
+    "pyarrow",
+    "safetensors",
+    "yaml",
+    "typer",
+    "tqdm",
+    "random",
+    "requests",
+}
 
 
 def _imports(path: Path) -> set[str]:
