@@ -2,7 +2,8 @@
 
 A record is a flat dict: `step`, `kind` ("train" or "eval"), scalars (`loss`, `lr`, `tokens_per_s`, ...) and
 per-depth lists (`agreement`: top-1 agreement at depth 0..K-1). Only rank 0 builds real sinks; other ranks get
-`NullSink`. Never computes metrics itself and never touches models.
+`NullSink`. `StepWindow` sums the per-step statistics the trainer hands it into one record per log window;
+nothing here touches models.
 """
 
 from __future__ import annotations
@@ -11,14 +12,79 @@ import json
 import math
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["METRICS_FILE", "TB_DIR", "PLOTS_DIR", "MetricSink", "NullSink", "RunSink", "read_metrics", "plot"]
+__all__ = [
+    "METRICS_FILE",
+    "TB_DIR",
+    "PLOTS_DIR",
+    "StepStats",
+    "StepWindow",
+    "MetricSink",
+    "NullSink",
+    "RunSink",
+    "read_metrics",
+    "plot",
+]
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
 PLOTS_DIR = "plots"
+
+
+@dataclass
+class StepStats:
+    """Global (all-rank) sums of one step."""
+
+    loss_sum: float = 0.0
+    count: int = 0
+    correct: list[int] = field(default_factory=list)
+    total: list[int] = field(default_factory=list)
+    tokens: int = 0
+    grad_norm: float = 0.0
+    skipped: bool = False
+
+
+class StepWindow:
+    """Sums of the steps since the last log record, turned into one `train` record."""
+
+    def __init__(self, depths: int) -> None:
+        self.loss, self.count, self.tokens, self.steps, self.skipped = 0.0, 0, 0, 0, 0
+        self.correct, self.total = [0] * depths, [0] * depths
+        self.wait, self.elapsed, self.grad_norm = 0.0, 0.0, 0.0
+
+    def add(self, s: StepStats, wait: float, elapsed: float) -> None:
+        self.steps += 1
+        self.skipped += int(s.skipped)
+        if math.isfinite(s.loss_sum):
+            self.loss += s.loss_sum
+            self.count += s.count
+        self.tokens += s.tokens
+        self.correct = [
+            a + b for a, b in zip(self.correct, s.correct or [0] * len(self.correct), strict=True)
+        ]
+        self.total = [a + b for a, b in zip(self.total, s.total or [0] * len(self.total), strict=True)]
+        self.wait += wait
+        self.elapsed += elapsed
+        self.grad_norm = s.grad_norm
+
+    def record(self, step: int, lr: float, skipped_corrupt: int) -> dict[str, Any]:
+        return {
+            "step": step,
+            "kind": "train",
+            "loss": self.loss / max(self.count, 1),
+            "lr": lr,
+            "grad_norm": self.grad_norm,
+            "tokens_per_s": self.tokens / max(self.elapsed, 1e-9),
+            "data_wait": self.wait / max(self.elapsed, 1e-9),
+            "step_time": self.elapsed / max(self.steps, 1),
+            "agreement": [c / t if t else None for c, t in zip(self.correct, self.total, strict=True)],
+            "elements": self.count,
+            "skipped_steps": self.skipped,
+            "skipped_corrupt": skipped_corrupt,
+        }
 
 
 class MetricSink(Protocol):

@@ -20,17 +20,15 @@ import dataclasses
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from peagle_pipeline.config import TrainConfig
-from peagle_pipeline.core import cod, loss, mask, partition, vocab
-from peagle_pipeline.core.model import DraftConfig, PEagleDraft
+from peagle_pipeline.core import cod, loss, mask, partition
 from peagle_pipeline.errors import (
-    BadConfig,
     BadInput,
     CorruptCache,
     NumericalFault,
@@ -39,7 +37,8 @@ from peagle_pipeline.runtime import RankLock
 from peagle_pipeline.stages import metrics as metrics_mod
 from peagle_pipeline.stages.checkpoint import CheckpointManager
 from peagle_pipeline.stages.distributed import Dist
-from peagle_pipeline.stages.export import DraftSpec, export_run
+from peagle_pipeline.stages.draft import build_draft
+from peagle_pipeline.stages.export import export_run
 from peagle_pipeline.stages.loader import (
     Cursor,
     PackedBatch,
@@ -49,6 +48,8 @@ from peagle_pipeline.stages.loader import (
     read_packed,
     split_samples,
 )
+from peagle_pipeline.stages.metrics import StepStats, StepWindow
+from peagle_pipeline.stages.optim import build_optimizer, lr_at
 from peagle_pipeline.stages.rundir import (
     EXPORT_DIR,
     LOCK_FILE,
@@ -56,86 +57,9 @@ from peagle_pipeline.stages.rundir import (
     write_run_files,
 )
 
-__all__ = ["run", "Trainer", "lr_at", "build_draft"]
+__all__ = ["run", "Trainer"]
 
 log = logging.getLogger(__name__)
-
-
-# ------------------------------------------------------------------------------------------------ small parts
-def lr_at(step: int, peak: float, warmup: int, total: int, schedule: str) -> float:
-    """Learning rate of optimizer step `step` (0-based): linear warm-up to `peak`, then cosine/linear to 0 or flat.
-
-    Example: peak 1.0, warmup 2, total 6, cosine -> 0.5, 1.0, 1.0, 0.854, 0.5, 0.146.
-    """
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    if schedule == "constant":
-        return peak
-    progress = (step - warmup) / max(1, total - warmup)
-    if schedule == "linear":
-        return peak * max(0.0, 1.0 - progress)
-    return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, vocab.DraftVocab | None]:
-    """The draft from the cache only: target config + pieces, token counts -> vocabulary, tokenizer -> mask id.
-
-    Raises:
-        BadConfig: draft_vocab_size explicitly larger than the target vocabulary; exact target without last
-            hidden states in the cache.
-    """
-    meta = cache.meta
-    V = int(meta.vocab_size)
-    size = cfg.draft_vocab_size
-    if size > V:
-        default = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "draft_vocab_size")
-        if size != default:
-            raise BadConfig(
-                f"draft_vocab_size {size} is larger than the target vocabulary ({V}): use at most {V}"
-            )
-        log.warning("draft_vocab_size %d exceeds the target vocabulary; using %d", size, V)
-        size = V
-    if cfg.target == "exact" and not meta.has_last_hidden:
-        raise BadConfig(
-            f"target=exact needs last hidden states, but cache {cfg.cache} has none: re-extract with "
-            "--last-hidden or use target=topk"
-        )
-    dvocab = vocab.build_draft_vocab(torch.from_numpy(cache.token_counts()), size)
-    tok = cache.tokenizer()
-    pieces = cache.target_pieces()
-    mask_id, warning = vocab.choose_mask_token_id(
-        tok.mask_token_id,
-        len(tok),
-        int(pieces["embed_tokens.weight"].shape[0]),
-        tok.pad_token_id,
-        tok.eos_token_id,
-    )
-    if warning:
-        log.warning(warning)
-    target_config = cache.target_config()
-    dcfg = DraftConfig.from_target_config(
-        target_config,
-        num_layers=cfg.draft_layers,
-        num_aux=len(meta.aux_layer_ids),
-        draft_vocab_size=size,
-        mask_token_id=mask_id,
-        norm_before_residual=cfg.norm_before_residual,
-    )
-    keep = None if dvocab.is_identity else dvocab
-    g = torch.Generator().manual_seed(mix_seed("init", cfg.seed))
-    model = PEagleDraft(dcfg, pieces, keep, generator=g, grad_checkpointing=cfg.grad_checkpointing)
-    spec = DraftSpec(
-        target_config=target_config,
-        verifier_name_or_path=meta.target_name_or_path,
-        verifier_architectures=list(meta.target_architectures),
-        aux_layer_ids=list(meta.aux_layer_ids),
-        draft_layers=cfg.draft_layers,
-        draft_vocab_size=size,
-        mask_token_id=mask_id,
-        norm_before_residual=cfg.norm_before_residual,
-        depths=cfg.depths,
-    )
-    return model, spec, keep
 
 
 @dataclass
@@ -146,19 +70,6 @@ class Prepared:
     layout: cod.CODLayout
     valid: torch.Tensor  # BoolTensor[N]: elements that carry loss
     segments: list[partition.Segment]
-
-
-@dataclass
-class StepStats:
-    """Global (all-rank) sums of one step."""
-
-    loss_sum: float = 0.0
-    count: int = 0
-    correct: list[int] = field(default_factory=list)
-    total: list[int] = field(default_factory=list)
-    tokens: int = 0
-    grad_norm: float = 0.0
-    skipped: bool = False
 
 
 # ------------------------------------------------------------------------------------------------- the trainer
@@ -177,10 +88,7 @@ class Trainer:
             self.ddp = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None
             )
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
-        )
+        self.optimizer = build_optimizer(self.model, cfg)
         self.cod = cod.CODConfig(
             depths=cfg.depths,
             ratio=cfg.down_sample_ratio,
@@ -454,7 +362,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Run steps until `total_steps`; eval, save and log on their cadences. Returns the final eval record."""
         cfg, K = self.cfg, self.cfg.depths
-        window = _Window(K)
+        window = StepWindow(K)
         stream = self.loader.iterate(self.cursor)
         last_eval: dict[str, Any] | None = None
         saved_at = self.step
@@ -473,7 +381,7 @@ class Trainer:
                     self.skipped_corrupt,
                 )
                 self.sink.log(record)
-                window = _Window(K)
+                window = StepWindow(K)
                 self.sink.progress(
                     0,
                     {
@@ -500,46 +408,6 @@ class Trainer:
                 self.save()
                 saved_at = self.step
         return last_eval or {}
-
-
-class _Window:
-    """Sums of the steps since the last log record."""
-
-    def __init__(self, depths: int) -> None:
-        self.loss, self.count, self.tokens, self.steps, self.skipped = 0.0, 0, 0, 0, 0
-        self.correct, self.total = [0] * depths, [0] * depths
-        self.wait, self.elapsed, self.grad_norm = 0.0, 0.0, 0.0
-
-    def add(self, s: StepStats, wait: float, elapsed: float) -> None:
-        self.steps += 1
-        self.skipped += int(s.skipped)
-        if math.isfinite(s.loss_sum):
-            self.loss += s.loss_sum
-            self.count += s.count
-        self.tokens += s.tokens
-        self.correct = [
-            a + b for a, b in zip(self.correct, s.correct or [0] * len(self.correct), strict=True)
-        ]
-        self.total = [a + b for a, b in zip(self.total, s.total or [0] * len(self.total), strict=True)]
-        self.wait += wait
-        self.elapsed += elapsed
-        self.grad_norm = s.grad_norm
-
-    def record(self, step: int, lr: float, skipped_corrupt: int) -> dict[str, Any]:
-        return {
-            "step": step,
-            "kind": "train",
-            "loss": self.loss / max(self.count, 1),
-            "lr": lr,
-            "grad_norm": self.grad_norm,
-            "tokens_per_s": self.tokens / max(self.elapsed, 1e-9),
-            "data_wait": self.wait / max(self.elapsed, 1e-9),
-            "step_time": self.elapsed / max(self.steps, 1),
-            "agreement": [c / t if t else None for c, t in zip(self.correct, self.total, strict=True)],
-            "elements": self.count,
-            "skipped_steps": self.skipped,
-            "skipped_corrupt": skipped_corrupt,
-        }
 
 
 def _fmt(x: float | None) -> str:

@@ -17,7 +17,7 @@ from peagle_pipeline.config import TrainConfig, resolve
 from peagle_pipeline.core import cod
 from peagle_pipeline.core.mask import dense_mask
 from peagle_pipeline.errors import BadInput, OutputExists
-from peagle_pipeline.stages import export, train
+from peagle_pipeline.stages import draft, export, train
 from peagle_pipeline.stages.checkpoint import CheckpointManager
 
 pytestmark = pytest.mark.slow
@@ -124,7 +124,7 @@ def test_full_vocabulary_has_no_mapping(tiny_cache: Path, tmp_path: Path) -> Non
 
 def test_reload_reproduces_the_trained_model(run_dir: Path, tiny_cache: Path, tmp_path: Path) -> None:
     path = export.export_run(run_dir, tmp_path / "draft", checkpoint="latest")
-    trained, _, _ = train.build_draft(
+    trained, _, _ = draft.build_draft(
         open_cache(str(tiny_cache)), _cfg(tiny_cache, run_dir, draft_vocab_size=VD)
     )
     ckpt = CheckpointManager(run_dir, 1).load_latest(with_optimizer=False)

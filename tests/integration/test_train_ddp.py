@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from peagle_pipeline.config import TrainConfig, resolve
-from peagle_pipeline.stages import metrics, train
+from peagle_pipeline.stages import draft, metrics, train
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +84,7 @@ def test_two_ranks_equal_one_process_with_two_micro_steps(tiny_cache: Path, tmp_
     from peagle_pipeline.cache.reader import open_cache
 
     cfg = resolve(TrainConfig, None, {"cache": str(tiny_cache), "output": str(single), **FLAGS})
-    init = train.build_draft(open_cache(str(tiny_cache)), cfg)[0].state_dict()
+    init = draft.build_draft(open_cache(str(tiny_cache)), cfg)[0].state_dict()
     assert not torch.allclose(init["fc.weight"], a["fc.weight"], atol=1e-4)  # training moved the weights
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)

@@ -1,10 +1,10 @@
-"""The learning-rate schedule is a pure function of the step."""
+"""Optimizer and schedule: the learning rate is a pure function of the step."""
 
 from __future__ import annotations
 
 import pytest
 
-from peagle_pipeline.stages.train import lr_at
+from peagle_pipeline.stages.optim import lr_at
 
 
 def test_warmup_then_cosine() -> None:

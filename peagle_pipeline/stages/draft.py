@@ -1,0 +1,81 @@
+"""The draft model of a training run, built from the cache alone (target config, pieces, token counts, tokenizer)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from peagle_pipeline.config import TrainConfig
+from peagle_pipeline.core import vocab
+from peagle_pipeline.core.model import DraftConfig, PEagleDraft
+from peagle_pipeline.errors import BadConfig
+from peagle_pipeline.stages.export import DraftSpec
+from peagle_pipeline.stages.loader import mix_seed
+
+__all__ = ["build_draft"]
+
+log = logging.getLogger(__name__)
+
+
+def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, vocab.DraftVocab | None]:
+    """The draft from the cache only: target config + pieces, token counts -> vocabulary, tokenizer -> mask id.
+
+    Raises:
+        BadConfig: draft_vocab_size explicitly larger than the target vocabulary; exact target without last
+            hidden states in the cache.
+    """
+    meta = cache.meta
+    V = int(meta.vocab_size)
+    size = cfg.draft_vocab_size
+    if size > V:
+        default = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "draft_vocab_size")
+        if size != default:
+            raise BadConfig(
+                f"draft_vocab_size {size} is larger than the target vocabulary ({V}): use at most {V}"
+            )
+        log.warning("draft_vocab_size %d exceeds the target vocabulary; using %d", size, V)
+        size = V
+    if cfg.target == "exact" and not meta.has_last_hidden:
+        raise BadConfig(
+            f"target=exact needs last hidden states, but cache {cfg.cache} has none: re-extract with "
+            "--last-hidden or use target=topk"
+        )
+    dvocab = vocab.build_draft_vocab(torch.from_numpy(cache.token_counts()), size)
+    tok = cache.tokenizer()
+    pieces = cache.target_pieces()
+    mask_id, warning = vocab.choose_mask_token_id(
+        tok.mask_token_id,
+        len(tok),
+        int(pieces["embed_tokens.weight"].shape[0]),
+        tok.pad_token_id,
+        tok.eos_token_id,
+    )
+    if warning:
+        log.warning(warning)
+    target_config = cache.target_config()
+    dcfg = DraftConfig.from_target_config(
+        target_config,
+        num_layers=cfg.draft_layers,
+        num_aux=len(meta.aux_layer_ids),
+        draft_vocab_size=size,
+        mask_token_id=mask_id,
+        norm_before_residual=cfg.norm_before_residual,
+    )
+    keep = None if dvocab.is_identity else dvocab
+    g = torch.Generator().manual_seed(mix_seed("init", cfg.seed))
+    model = PEagleDraft(dcfg, pieces, keep, generator=g, grad_checkpointing=cfg.grad_checkpointing)
+    spec = DraftSpec(
+        target_config=target_config,
+        verifier_name_or_path=meta.target_name_or_path,
+        verifier_architectures=list(meta.target_architectures),
+        aux_layer_ids=list(meta.aux_layer_ids),
+        draft_layers=cfg.draft_layers,
+        draft_vocab_size=size,
+        mask_token_id=mask_id,
+        norm_before_residual=cfg.norm_before_residual,
+        depths=cfg.depths,
+    )
+    return model, spec, keep
