@@ -349,11 +349,22 @@ def main(argv: list[str] | None = None) -> int:
             if not paths[folder].exists():
                 state.pop(key, None)
         cfg = Path(args.config)
-        extract(cfg, paths, state)
-        save_state(state_path, state)
-        header("2/7 inspect: the cache's settings and statistics")
-        cli("inspect", str(paths["cache"]))
-        train(cfg, paths, state)
+        try:
+            extract(cfg, paths, state)
+            save_state(state_path, state)
+            header("2/7 inspect: the cache's settings and statistics")
+            cli("inspect", str(paths["cache"]))
+            train(cfg, paths, state)
+        except StageFailed as err:
+            from peagle_pipeline.errors import ResumeMismatch
+
+            if err.code == ResumeMismatch.exit_code:  # e.g. made with an earlier version of the pipeline file
+                raise DemoError(
+                    f"{paths['cache']} or {paths['run']} was made with other settings than {cfg}: remove "
+                    f"{paths['cache']} and {paths['run']} to rebuild them",
+                    err.code,
+                ) from None
+            raise
         save_state(state_path, state)
         header("4/7 evaluate: held-out conversations (the trainer's final eval, full-depth chains)")
         ev = final_eval(paths["run"])[0]
