@@ -5,13 +5,11 @@ tiny model, from JSONL conversations generated here; and a helper to run the CLI
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 from pathlib import Path
 
 import pytest
-from cli_argv import PEAGLE
+from cli_argv import run_peagle
 
 WORDS = (
     "hello world the quick brown fox jumps over lazy dog speculative decoding drafts tokens target model "
@@ -36,25 +34,7 @@ def write_conversations(path: Path, n: int, seed: int = 0) -> Path:
     return path
 
 
-def cli(
-    *args: str, env: dict[str, str] | None = None, check: bool = True, timeout: float = 300
-) -> subprocess.CompletedProcess[str]:
-    """Run `peagle-pipeline ARGS` in a subprocess with this interpreter (OMP_NUM_THREADS=1)."""
-    full_env = dict(os.environ if env is None else env)
-    full_env.setdefault("OMP_NUM_THREADS", "1")
-    full_env.pop("PEAGLE_DEBUG", None)
-    proc = subprocess.run(
-        [*PEAGLE, *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"peagle-pipeline {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
-        )
-    return proc
+cli = run_peagle  # `peagle-pipeline ARGS` to completion (tests/cli_argv.py)
 
 
 def _extract(tiny_model: Path, out: Path, data: Path, *extra: str) -> Path:

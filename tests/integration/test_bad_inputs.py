@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 from cache_compare import assert_same_cache
-from cli_argv import PEAGLE
+from cli_argv import PEAGLE, run_peagle
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
@@ -173,24 +173,8 @@ SETUPS = {
 def base_run(tiny_cache: Path, tmp_path_factory) -> Path:
     """A finished two-step training run on `tiny_cache` (checkpoints included) for the resume case."""
     out = tmp_path_factory.mktemp("bad-inputs-run") / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
-    env.pop("PEAGLE_DEBUG", None)
-    proc = subprocess.run(
-        [
-            *PEAGLE,
-            "train",
-            "--cache",
-            str(tiny_cache),
-            "--output",
-            str(out),
-            *RUN_FLAGS,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = dict(os.environ, TQDM_DISABLE="1")
+    run_peagle("train", "--cache", str(tiny_cache), "--output", str(out), *RUN_FLAGS, env=env)
     assert (out / "checkpoints").is_dir()
     return out
 

@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cli_argv import PEAGLE
+from cli_argv import run_peagle
 
 from peagle_pipeline import cli
 from peagle_pipeline.cache import layout
@@ -137,21 +137,8 @@ def _train(cache: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[s
         "--log-every",
         "1",
     ]
-    return subprocess.run(
-        [
-            *PEAGLE,
-            "train",
-            "--cache",
-            str(cache),
-            "--output",
-            str(out),
-            *flags,
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
+    return run_peagle(
+        "train", "--cache", str(cache), "--output", str(out), *flags, *extra, env=env, check=False
     )
 
 

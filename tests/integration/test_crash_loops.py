@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from cache_compare import assert_same_cache
-from cli_argv import PEAGLE, flags
+from cli_argv import PEAGLE, small_train_flags
 from safetensors.torch import load_file
 
 from peagle_pipeline.cache import layout
@@ -47,22 +47,7 @@ EXTRACT_SETTINGS = [
     "512",
 ]
 STEPS = 72  # 24 checkpoints for 10 kills: margin when a loaded machine lets a run race ahead between kills
-TRAIN_FLAGS = flags(
-    depths=3,
-    tokens_per_step=160,
-    steps=STEPS,
-    eval_every=12,
-    save_every=3,
-    eval_samples=4,
-    precision="fp32",
-    log_every=1,
-    warmup=2,
-    lr=2e-3,
-    num_workers=0,
-    draft_vocab_size=300,
-    export=False,
-    keep_checkpoints=2,
-)
+TRAIN_FLAGS = small_train_flags(depths=3, tokens_per_step=160, steps=STEPS, eval_every=12, num_workers=0)
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_argv import PEAGLE, flags
+from cli_argv import PEAGLE, small_train_flags
 from safetensors.torch import load_file
 
 from peagle_pipeline.stages import metrics
@@ -20,22 +20,7 @@ from peagle_pipeline.stages import metrics
 pytestmark = [pytest.mark.crash, pytest.mark.slow]
 
 STEPS = 30
-FLAGS = flags(
-    depths=4,
-    tokens_per_step=200,
-    steps=STEPS,
-    eval_every=10,
-    save_every=3,
-    eval_samples=4,
-    precision="fp32",
-    log_every=1,
-    warmup=2,
-    lr=2e-3,
-    num_workers=1,
-    draft_vocab_size=300,
-    export=False,
-    keep_checkpoints=2,
-)
+FLAGS = small_train_flags(depths=4, tokens_per_step=200, steps=STEPS, eval_every=10, num_workers=1)
 
 
 def _cmd(cache: Path, out: Path, *extra: str) -> list[str]:
