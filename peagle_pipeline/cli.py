@@ -126,6 +126,7 @@ def train(
         bool | None,
         typer.Option("--norm-before-residual/--no-norm-before-residual", help=_T("norm_before_residual")),
     ] = None,
+    mask_token_id: Annotated[int | None, typer.Option(help=_T("mask_token_id"))] = None,
     skip_corrupt: Annotated[
         bool | None, typer.Option("--skip-corrupt/--no-skip-corrupt", help=_T("skip_corrupt"))
     ] = None,

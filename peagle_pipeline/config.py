@@ -147,6 +147,11 @@ class TrainConfig:
     norm_before_residual: bool = _f(
         False, "Fused layer 0: residual is the normed hidden instead of fc output."
     )
+    mask_token_id: int | None = _f(
+        None,
+        "Token fed at depth >= 1 slots; default by rule: the tokenizer's mask token, an unused embedding row, "
+        "else the lowest special token never seen in the data (SPEC 5.3).",
+    )
     skip_corrupt: bool = _f(
         False, "Skip samples whose data fails its checksum (reported) instead of stopping."
     )
@@ -175,6 +180,8 @@ class TrainConfig:
         )
         if self.steps is not None and self.steps <= 0:
             raise BadConfig(f"steps must be positive, got {self.steps}")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise BadConfig(f"mask_token_id must be a token id (>= 0), got {self.mask_token_id}")
         if self.lr <= 0:
             raise BadConfig(f"lr must be positive, got {self.lr}")
         if not 0.0 < self.down_sample_ratio <= 1.0 or not 0.0 <= self.down_sample_ratio_min <= 1.0:

@@ -13,6 +13,7 @@ Layout of a cache directory (see docs/cache-format.md, which mirrors this file):
           samples.parquet              committed samples of this store (offset, length, ...)
           rejects.parquet              rows this rank rejected, with reasons
           token_counts.npy             int64 [V] counts of supervised tokens
+          all_token_counts.npy         int64 [V] counts of every token (supervised or not; mask-token rule)
           manifest.json                commit record, written last: the only truth readers trust
         rank-00000-of-00002.lock       flock held by the live writer of that rank
 
@@ -38,6 +39,7 @@ __all__ = [
     "SAMPLES_TABLE",
     "REJECTS_TABLE",
     "TOKEN_COUNTS",
+    "ALL_TOKEN_COUNTS",
     "ARRAYS",
     "PIECE_KEYS",
     "SAMPLE_COLUMNS",
@@ -67,6 +69,7 @@ MANIFEST = "manifest.json"
 SAMPLES_TABLE = "samples.parquet"
 REJECTS_TABLE = "rejects.parquet"
 TOKEN_COUNTS = "token_counts.npy"
+ALL_TOKEN_COUNTS = "all_token_counts.npy"  # absent in caches written before it existed: readers recount
 
 # Array name -> stored numpy dtype for the default (bf16) extraction. Shapes: N = tokens in the store.
 ARRAYS: dict[str, str] = {

@@ -127,21 +127,40 @@ class Cache:
 
     def token_counts(self) -> np.ndarray:
         """int64 [V]: how often each token id is a supervised token, summed over all stores."""
+        return self._sum_counts(layout.TOKEN_COUNTS)
+
+    def all_token_counts(self) -> np.ndarray:
+        """int64 [V]: how often each token id occurs at all (context or supervised), summed over all stores.
+
+        Caches written before this table existed are recounted from their `input_ids`.
+        """
+        return self._sum_counts(layout.ALL_TOKEN_COUNTS)
+
+    def _sum_counts(self, table: str) -> np.ndarray:
         total = np.zeros(self.meta.vocab_size, dtype=np.int64)
         for name in self._stores:
+            manifest = self.manifests[name] or {}
+            if table not in manifest.get("tables", {}) and table == layout.ALL_TOKEN_COUNTS:
+                total += self._recount_all(name, manifest)
+                continue
             try:
-                raw = self._root.read_bytes(f"{layout.STORES_DIR}/{name}/{layout.TOKEN_COUNTS}")
+                raw = self._root.read_bytes(f"{layout.STORES_DIR}/{name}/{table}")
             except FileNotFoundError:
-                raise CorruptCache(f"store {name}: {layout.TOKEN_COUNTS} is missing") from None
-            _check_table(name, self.manifests[name] or {}, layout.TOKEN_COUNTS, raw)
+                raise CorruptCache(f"store {name}: {table} is missing") from None
+            _check_table(name, manifest, table, raw)
             try:
                 counts = np.load(io.BytesIO(raw), allow_pickle=False).astype(np.int64)
                 total += counts.reshape(self.meta.vocab_size)
             except (ValueError, OSError, EOFError) as err:
-                raise CorruptCache(
-                    f"store {name}: {layout.TOKEN_COUNTS} is damaged ({type(err).__name__})"
-                ) from None
+                raise CorruptCache(f"store {name}: {table} is damaged ({type(err).__name__})") from None
         return total
+
+    def _recount_all(self, name: str, manifest: dict[str, Any]) -> np.ndarray:
+        """Every committed token of one store counted from its `input_ids` (caches older than the table)."""
+        rows = self.samples[self.samples["store"] == name]
+        end = int((rows["offset"] + rows["length"]).max()) if len(rows) else 0
+        ids = self._stores[name].read("input_ids", 0, end) if end else np.zeros(0, dtype=np.int64)
+        return np.bincount(ids.astype(np.int64), minlength=self.meta.vocab_size)
 
     def __len__(self) -> int:
         return len(self._ids)

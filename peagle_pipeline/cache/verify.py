@@ -6,6 +6,7 @@ sound. Arrays are read through Zarr itself (the reference decoder), independentl
 
 from __future__ import annotations
 
+import io
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -138,6 +139,7 @@ def _verify_values(cache: Cache, name: str, samples: Any, data: dict[str, np.nda
     if topk is not None and topk.size and (topk.min() < 0 or topk.max() >= V):
         out.append(f"{name}: topk_ids outside 0..{V - 1}")
     counts = np.zeros(V, dtype=np.int64)
+    all_counts = np.zeros(V, dtype=np.int64)
     wrong = []
     for sid, off, n, sup in samples[["sample_id", "offset", "length", "num_supervised"]].itertuples(
         index=False
@@ -146,11 +148,10 @@ def _verify_values(cache: Cache, name: str, samples: Any, data: dict[str, np.nda
         if int(m.sum()) != int(sup):
             wrong.append(int(sid))
         counts += np.bincount(np.clip(ids[off : off + n][m], 0, V - 1), minlength=V)
+        all_counts += np.bincount(np.clip(ids[off : off + n], 0, V - 1), minlength=V)
     if wrong:
         out.append(f"{name}: num_supervised disagrees with loss_mask for samples {wrong[:8]}")
     try:
-        import io
-
         stored = np.load(
             io.BytesIO(cache._root.read_bytes(f"{layout.STORES_DIR}/{name}/{layout.TOKEN_COUNTS}"))
         )
@@ -158,4 +159,13 @@ def _verify_values(cache: Cache, name: str, samples: Any, data: dict[str, np.nda
             out.append(f"{name}: token_counts.npy disagrees with the supervised tokens of its samples")
     except (OSError, ValueError, EOFError):  # missing, truncated or damaged .npy
         out.append(f"{name}: token_counts.npy missing or unreadable")
+    if layout.ALL_TOKEN_COUNTS in (cache.manifests.get(name) or {}).get("tables", {}):
+        try:
+            stored = np.load(
+                io.BytesIO(cache._root.read_bytes(f"{layout.STORES_DIR}/{name}/{layout.ALL_TOKEN_COUNTS}"))
+            )
+            if not np.array_equal(stored, all_counts):
+                out.append(f"{name}: {layout.ALL_TOKEN_COUNTS} disagrees with the tokens of its samples")
+        except (OSError, ValueError, EOFError):
+            out.append(f"{name}: {layout.ALL_TOKEN_COUNTS} missing or unreadable")
     return out

@@ -83,6 +83,7 @@ class _Pending:
 
     row: dict[str, Any]
     counted_ids: np.ndarray  # int64 [n_supervised]: supervised token ids, counted on commit
+    all_ids: np.ndarray  # int64 [T]: every token id of the sample, counted on commit
 
 
 def file_hash(data: bytes) -> str:
@@ -155,6 +156,7 @@ class CacheWriter:
         self._samples: list[dict[str, Any]] = []  # committed rows, storage order
         self._rejects: dict[int, dict[str, Any]] = {}
         self._counts = np.zeros(meta.vocab_size, dtype=np.int64)
+        self._all_counts = np.zeros(meta.vocab_size, dtype=np.int64)
         self._shards: list[dict[str, Any]] = []
         self._pending: list[_Pending] = []
         self._buffer: dict[str, list[np.ndarray]] = {}
@@ -265,20 +267,26 @@ class CacheWriter:
         if rejects_path.exists():
             for row in pd.read_parquet(rejects_path).to_dict("records"):
                 self._rejects[int(row["sample_id"])] = row
-        counts_path = self.store_dir / layout.TOKEN_COUNTS
-        raw = counts_path.read_bytes() if counts_path.exists() else b""
-        if file_hash(raw) == manifest["tables"].get(layout.TOKEN_COUNTS):
-            self._counts = np.load(io.BytesIO(raw)).astype(np.int64)
-        else:  # written after the last manifest: recount the committed samples from the arrays
-            self._counts = self._recount()
+        self._counts = self._load_counts(manifest, layout.TOKEN_COUNTS, supervised_only=True)
+        self._all_counts = self._load_counts(manifest, layout.ALL_TOKEN_COUNTS, supervised_only=False)
 
-    def _recount(self) -> np.ndarray:
+    def _load_counts(self, manifest: dict[str, Any], table: str, supervised_only: bool) -> np.ndarray:
+        """A committed counts table, or a recount from the arrays when it was written after the last manifest
+        (or by a version that did not write it)."""
+        path = self.store_dir / table
+        raw = path.read_bytes() if path.exists() else b""
+        if file_hash(raw) == manifest["tables"].get(table):
+            return np.load(io.BytesIO(raw)).astype(np.int64)
+        return self._recount(supervised_only)
+
+    def _recount(self, supervised_only: bool) -> np.ndarray:
         counts = np.zeros(self.meta.vocab_size, dtype=np.int64)
         if self.committed_tokens:
-            ids = self._arrays["input_ids"][: self.committed_tokens]
-            mask = self._arrays["loss_mask"][: self.committed_tokens]
             end = self._samples[-1]["offset"] + self._samples[-1]["length"] if self._samples else 0
-            counts += np.bincount(ids[:end][mask[:end]], minlength=self.meta.vocab_size)
+            ids = self._arrays["input_ids"][:end]
+            if supervised_only:
+                ids = ids[self._arrays["loss_mask"][:end]]
+            counts += np.bincount(ids, minlength=self.meta.vocab_size)
         return counts
 
     # ------------------------------------------------------------------------------------------------ add
@@ -326,7 +334,8 @@ class CacheWriter:
             "num_supervised": int(mask.sum()),
             "truncated": bool(record.truncated),
         }
-        self._pending.append(_Pending(row, np.asarray(data.input_ids, dtype=np.int64)[mask]))
+        all_ids = np.asarray(data.input_ids, dtype=np.int64)
+        self._pending.append(_Pending(row, all_ids[mask], all_ids))
         skip = max(0, self.committed_tokens - offset)  # tokens already in committed shards
         if skip < T:
             for name in self.specs:
@@ -398,6 +407,7 @@ class CacheWriter:
             self._samples.append(done.row)
             if done.counted_ids.size:
                 self._counts += np.bincount(done.counted_ids, minlength=self.meta.vocab_size)
+            self._all_counts += np.bincount(done.all_ids, minlength=self.meta.vocab_size)
         self.committed_samples = len(self._samples)
         self._commit(complete=final)
 
@@ -420,6 +430,7 @@ class CacheWriter:
                     [self._rejects[k] for k in sorted(self._rejects)], layout.REJECT_COLUMNS, REJECT_TYPES
                 ),
                 layout.TOKEN_COUNTS: _npy_bytes(self._counts),
+                layout.ALL_TOKEN_COUNTS: _npy_bytes(self._all_counts),
             }
             for name, blob in tables.items():
                 atomic_write_bytes(self.store_dir / name, blob)

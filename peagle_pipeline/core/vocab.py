@@ -13,7 +13,13 @@ import torch
 
 from peagle_pipeline.errors import BadInput
 
-__all__ = ["DraftVocab", "build_draft_vocab", "choose_mask_token_id"]
+__all__ = [
+    "DraftVocab",
+    "build_draft_vocab",
+    "MaskTokenCandidates",
+    "MaskTokenChoice",
+    "choose_mask_token_id",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,34 +78,84 @@ def build_draft_vocab(token_counts: torch.Tensor, size: int) -> DraftVocab:
     return DraftVocab(ids=ids, d2t=ids - torch.arange(size), t2d=t2d, target_to_draft=target_to_draft)
 
 
+@dataclass(frozen=True, slots=True)
+class MaskTokenCandidates:
+    """What the mask-token rule needs to know about the tokenizer and the data (SPEC §5.3)."""
+
+    embedding_rows: int
+    """Rows of the target's embedding matrix (V)."""
+    tokenizer_len: int
+    """len(tokenizer): ids at or above it are unused embedding rows."""
+    tokenizer_mask_id: int | None = None
+    special_ids: tuple[int, ...] = ()
+    """Ids of the tokenizer's special (added) tokens."""
+    reserved_ids: frozenset[int] = frozenset()
+    """bos/eos/pad/unk and every id the chat template itself produces: never a mask token by rule 4."""
+    pad_id: int | None = None
+    eos_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MaskTokenChoice:
+    """The chosen mask token, the rule that chose it, and a warning when the choice is a poor one."""
+
+    token_id: int
+    rule: str
+    warning: str | None = None
+
+
 def choose_mask_token_id(
-    tokenizer_mask_id: int | None,
-    tokenizer_len: int,
-    embedding_rows: int,
-    pad_id: int | None,
-    eos_id: int | None,
-) -> tuple[int, str | None]:
-    """The token fed at depth >= 1 (SPEC §5.3).
+    c: MaskTokenCandidates, token_counts: torch.Tensor | None = None, override: int | None = None
+) -> MaskTokenChoice:
+    """The token fed at every depth >= 1 slot (SPEC §5.3); its embedding row is trained as the mask embedding.
 
-    Rule: the tokenizer's mask token; else the first unused embedding row when the tokenizer is smaller than
-    the embedding; else pad, then eos (both with a warning, since those ids also occur as real tokens).
+    Rule, first match wins: (1) an explicit `override`; (2) the tokenizer's mask token; (3) the first unused
+    embedding row when the tokenizer is smaller than the embedding; (4) the lowest-id special token that is not
+    reserved (bos/eos/pad/unk, produced by the chat template) and never occurs in the data; (5) pad, then eos,
+    with a warning, since those also occur as real tokens.
+    Example (SmolLM2): no mask token, tokenizer = embedding = 49152 rows, special ids 0..16 with 0, 1, 2
+    reserved (bos/eos/pad and ChatML's <|im_start|>/<|im_end|>) -> id 3 (`<repo_name>`) unless the data holds it.
 
-    Returns:
-        (mask_token_id, warning or None).
+    Args:
+        c: tokenizer facts (see MaskTokenCandidates).
+        token_counts: Int/LongTensor[V] of every token in the data (context and supervised), or None (unknown:
+            rule 4 is skipped).
+        override: an explicit `mask_token_id` setting.
 
     Raises:
-        BadInput: no candidate exists.
+        BadInput: the override is outside the embedding, or no candidate exists.
     """
-    if tokenizer_mask_id is not None and 0 <= tokenizer_mask_id < embedding_rows:
-        return int(tokenizer_mask_id), None
-    if tokenizer_len < embedding_rows:
-        return int(tokenizer_len), None
-    for name, tid in (("pad", pad_id), ("eos", eos_id)):
-        if tid is not None and 0 <= tid < embedding_rows:
-            return int(tid), (
-                f"tokenizer has no mask token and no unused embedding row; using the {name} token ({tid}) "
-                "as mask_token_id"
+    rows = c.embedding_rows
+    counts = None if token_counts is None else torch.as_tensor(token_counts).to(torch.long)
+    if override is not None:
+        if not 0 <= override < rows:
+            raise BadInput(f"mask_token_id {override} is outside the target vocabulary (0..{rows - 1})")
+        seen = counts is not None and override < counts.numel() and int(counts[override]) > 0
+        return MaskTokenChoice(
+            int(override),
+            "the mask_token_id setting",
+            f"mask_token_id {override} occurs {int(counts[override])} times in the data; its embedding will "
+            "serve both as a real token and as the mask"
+            if seen and counts is not None
+            else None,
+        )
+    if c.tokenizer_mask_id is not None and 0 <= c.tokenizer_mask_id < rows:
+        return MaskTokenChoice(int(c.tokenizer_mask_id), "the tokenizer's mask token")
+    if c.tokenizer_len < rows:
+        return MaskTokenChoice(int(c.tokenizer_len), "the first unused embedding row")
+    if counts is not None:
+        for tid in sorted(set(c.special_ids)):
+            if 0 <= tid < min(rows, counts.numel()) and tid not in c.reserved_ids and int(counts[tid]) == 0:
+                return MaskTokenChoice(int(tid), "the lowest unused special token")
+    for name, tid in (("pad", c.pad_id), ("eos", c.eos_id)):
+        if tid is not None and 0 <= tid < rows:
+            return MaskTokenChoice(
+                int(tid),
+                f"the {name} token",
+                f"no mask token, unused embedding row or unused special token; using the {name} token ({tid}) "
+                "as mask_token_id, which also occurs as a real token: set mask_token_id to a better id",
             )
     raise BadInput(
-        "cannot choose mask_token_id: the tokenizer has no mask, pad or eos token and no unused embedding row"
+        "cannot choose mask_token_id: the tokenizer has no mask, pad or eos token, no unused embedding row and "
+        "no unused special token; set mask_token_id"
     )

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from peagle_pipeline.data.formats import Message
 from peagle_pipeline.errors import BadInput
 
-__all__ = ["ChatRenderer", "RenderedSample", "RejectRow"]
+__all__ = ["ChatRenderer", "RenderedSample", "RejectRow", "template_token_ids"]
 
 
 class RejectRow(Exception):
@@ -111,6 +111,19 @@ class ChatRenderer:
             raise RejectRow("no supervised tokens after rendering")
         return RenderedSample(ids, mask)
 
+    def check_tokens(self, input_ids: Sequence[int], loss_mask: Sequence[bool]) -> RenderedSample:
+        """A row that arrives already tokenised (on-policy data from `generate`), checked against this tokenizer.
+
+        Raises:
+            RejectRow: an id outside the tokenizer, or nothing supervised.
+        """
+        top = max(input_ids, default=-1)
+        if top >= len(self.tokenizer):
+            raise RejectRow(f"token id {top} is outside the tokenizer ({len(self.tokenizer)} ids)")
+        if not any(loss_mask):
+            raise RejectRow("no supervised tokens")
+        return RenderedSample(list(input_ids), [bool(m) for m in loss_mask])
+
     # ------------------------------------------------------------------------------------------- helpers
 
     def _arrange(self, messages: Sequence[Message]) -> list[dict[str, str]]:
@@ -199,3 +212,32 @@ class ChatRenderer:
             if not full[max(s, c1) : e].isspace():
                 break
         return c1
+
+
+_PROBE = [
+    {"role": "system", "content": "s"},
+    {"role": "user", "content": "u"},
+    {"role": "assistant", "content": "a"},
+    {"role": "user", "content": "v"},
+]
+
+
+def template_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids the chat template itself writes (role headers, end-of-turn and generation-prompt tokens).
+
+    Found by rendering a small probe conversation with and without the generation prompt (and without the
+    system turn, for templates that refuse one) and tokenising it; the probe's own one-letter contents add
+    a few ordinary ids, which is harmless for the mask-token rule that uses this. Empty without a template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return frozenset()
+    ids: set[int] = set()
+    for msgs in (_PROBE, _PROBE[1:], _PROBE[1:2]):
+        for prompt in (False, True):
+            try:
+                text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=prompt)
+            except Exception:  # a template may refuse a system turn or a trailing user turn
+                continue
+            if isinstance(text, str):
+                ids.update(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return frozenset(ids)

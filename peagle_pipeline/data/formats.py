@@ -9,6 +9,7 @@ A bad row becomes a `Reject` with a reason; only a missing or unreadable path ra
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import hashlib
 import json
 import os
@@ -22,7 +23,10 @@ from peagle_pipeline.errors import BadInput
 __all__ = [
     "Message",
     "Conversation",
+    "TokenizedConversation",
     "Reject",
+    "Row",
+    "GENERATE_META",
     "iter_rows",
     "iter_json_records",
     "to_conversation",
@@ -47,6 +51,8 @@ ROLE_MAP: dict[str, Role] = {
 _JSON_SUFFIXES = (".json",)
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
+GENERATE_META = "generate.json"  # marks a directory written by `peagle-pipeline generate`
+_ROW_COLUMNS = ("conversations", "messages", "input_ids", "loss_mask")
 _READ_CHUNK = 1 << 20  # bytes per read of the incremental JSON parser
 _ARROW_BATCH = 1024  # rows per record batch converted to Python at a time
 
@@ -69,6 +75,20 @@ class Conversation:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenizedConversation:
+    """A row that carries its own token ids and loss mask (on-policy data written by `generate`): used as is.
+
+    `input_ids` [T] are the tokens the target saw and produced; `loss_mask` [T] is True on generated reply
+    tokens. Re-rendering the text could give other ids than were generated (SPEC §4a), so none is done.
+    """
+
+    source: str
+    source_row: int
+    input_ids: list[int]
+    loss_mask: list[bool]
+
+
+@dataclass(frozen=True, slots=True)
 class Reject:
     """A source row that cannot be used, with a one-line reason."""
 
@@ -77,7 +97,11 @@ class Reject:
     reason: str
 
 
-def iter_rows(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Conversation | Reject]:
+Row = Conversation | TokenizedConversation | Reject
+"""One source row as read: usable as text, usable as token ids, or rejected with a reason."""
+
+
+def iter_rows(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Row]:
     """Yield every row of every path, in order, as a Conversation or a Reject.
 
     Args:
@@ -94,19 +118,24 @@ def iter_rows(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Conversation 
     return _chain(readers)
 
 
-def _chain(readers: list[tuple[Path, Any]]) -> Iterator[Conversation | Reject]:
+def _chain(readers: list[tuple[Path, Any]]) -> Iterator[Row]:
     for path, reader in readers:
         yield from reader(path)
 
 
-def to_conversation(record: Any, source: str, row: int) -> Conversation | Reject:
-    """Validate one parsed record (a dict) and normalise it to a Conversation, or explain why not."""
+def to_conversation(record: Any, source: str, row: int) -> Conversation | TokenizedConversation | Reject:
+    """Validate one parsed record (a dict) and normalise it to a Conversation, or explain why not.
+
+    A record with both `input_ids` and `loss_mask` is a TokenizedConversation (its text, if any, is ignored).
+    """
 
     def reject(reason: str) -> Reject:
         return Reject(source, row, reason)
 
     if not isinstance(record, dict):
         return reject(f"wrong schema: row is a JSON {type(record).__name__}, expected an object")
+    if record.get("input_ids") is not None or record.get("loss_mask") is not None:
+        return _to_tokenized(record, source, row)
     if record.get("conversations") is not None:
         turns, key = record["conversations"], "conversations"
     elif record.get("messages") is not None:
@@ -140,6 +169,21 @@ def to_conversation(record: Any, source: str, row: int) -> Conversation | Reject
     if not any(m.role == "assistant" for m in messages):
         return reject("no assistant turn")
     return Conversation(source, row, messages)
+
+
+def _to_tokenized(record: dict[str, Any], source: str, row: int) -> TokenizedConversation | Reject:
+    ids, mask = record.get("input_ids"), record.get("loss_mask")
+    if not isinstance(ids, list) or not isinstance(mask, list):
+        return Reject(source, row, "wrong schema: a tokenised row needs both 'input_ids' and 'loss_mask' lists")
+    if len(ids) != len(mask):
+        return Reject(source, row, f"input_ids ({len(ids)}) and loss_mask ({len(mask)}) differ in length")
+    if not all(type(i) is int and i >= 0 for i in ids):
+        return Reject(source, row, "input_ids must be non-negative integers")
+    if not all(m in (0, 1) and type(m) in (int, bool) for m in mask):
+        return Reject(source, row, "loss_mask must hold 0/1 (or booleans)")
+    if not any(mask):
+        return Reject(source, row, "no supervised token (loss_mask is all 0)")
+    return TokenizedConversation(source, row, ids, [bool(m) for m in mask])
 
 
 def _content_text(content: Any) -> str | Exception:
@@ -180,9 +224,13 @@ def _reader_for(p: Path):  # type: ignore[no-untyped-def]
     if not p.exists():
         raise BadInput(f"data path not found: {p}")
     if p.is_dir():
+        if (p / GENERATE_META).is_file():
+            return _iter_generated_dir
         if (p / "dataset_dict.json").is_file() or (p / "state.json").is_file() or list(p.glob("*.arrow")):
             return _iter_hf_dir
-        raise BadInput(f"data directory {p} is not a Hugging Face dataset saved with save_to_disk")
+        raise BadInput(
+            f"data directory {p} is neither a `generate` output nor a Hugging Face dataset saved with save_to_disk"
+        )
     if not os.access(p, os.R_OK):
         raise BadInput(f"data file not readable: {p}")
     suffix = p.suffix.lower()
@@ -202,7 +250,7 @@ def _reader_for(p: Path):  # type: ignore[no-untyped-def]
 # ------------------------------------------------------------------------------------------------- JSONL
 
 
-def _iter_jsonl(path: Path) -> Iterator[Conversation | Reject]:
+def _iter_jsonl(path: Path) -> Iterator[Row]:
     """One row per non-blank line; `source_row` is the 0-based line index."""
     source = str(path)
     with _open_binary(path) as f:
@@ -222,10 +270,21 @@ def _iter_jsonl(path: Path) -> Iterator[Conversation | Reject]:
             yield to_conversation(record, source, row)
 
 
+def _iter_generated_dir(path: Path) -> Iterator[Row]:
+    """A `generate` output: every rank's rows file in rank order; `source_row` counts on across files."""
+    offset = 0
+    for file in sorted(path.glob("rows-rank*.jsonl")):
+        last = -1
+        for item in _iter_jsonl(file):
+            last = item.source_row
+            yield dataclasses.replace(item, source=str(path), source_row=offset + item.source_row)
+        offset += last + 1
+
+
 # -------------------------------------------------------------------------------------------------- JSON
 
 
-def _iter_json(path: Path) -> Iterator[Conversation | Reject]:
+def _iter_json(path: Path) -> Iterator[Row]:
     source = str(path)
     for item in iter_json_records(path):
         yield item if isinstance(item, Reject) else to_conversation(item[1], source, item[0])
@@ -357,7 +416,7 @@ def _looks_truncated(err: json.JSONDecodeError, length: int) -> bool:
 # -------------------------------------------------------------------------------------- Parquet and Arrow
 
 
-def _iter_parquet(path: Path) -> Iterator[Conversation | Reject]:
+def _iter_parquet(path: Path) -> Iterator[Row]:
     """Stream a Parquet file by record batches, reading only the conversation columns."""
     import pyarrow.parquet as pq
 
@@ -367,7 +426,7 @@ def _iter_parquet(path: Path) -> Iterator[Conversation | Reject]:
     except Exception as err:  # pyarrow raises several types for a bad file
         raise BadInput(f"cannot read Parquet file {path}: {str(err).splitlines()[0]}") from None
     names = pf.schema_arrow.names
-    columns = [c for c in ("conversations", "messages") if c in names]
+    columns = [c for c in _ROW_COLUMNS if c in names]
     if not columns:
         reason = f"wrong schema: no 'conversations' (ShareGPT) or 'messages' (OpenAI) column; columns: {names[:10]}"
         for row in range(pf.metadata.num_rows):
@@ -376,7 +435,7 @@ def _iter_parquet(path: Path) -> Iterator[Conversation | Reject]:
     yield from _iter_batches(pf.iter_batches(batch_size=_ARROW_BATCH, columns=columns), source, 0)
 
 
-def _iter_hf_dir(path: Path) -> Iterator[Conversation | Reject]:
+def _iter_hf_dir(path: Path) -> Iterator[Row]:
     """A `save_to_disk` directory: a DatasetDict (one sub-directory per split) or a single Dataset."""
     dict_file = path / "dataset_dict.json"
     if dict_file.is_file():
@@ -398,7 +457,7 @@ def _iter_hf_dir(path: Path) -> Iterator[Conversation | Reject]:
     yield from _iter_arrow_files(files, str(path))
 
 
-def _iter_arrow_files(files: list[Path], source: str) -> Iterator[Conversation | Reject]:
+def _iter_arrow_files(files: list[Path], source: str) -> Iterator[Row]:
     """Rows of Arrow IPC files (stream format as `save_to_disk` writes, or file format); rows count on across files."""
     import pyarrow as pa
 
@@ -420,12 +479,10 @@ def _iter_arrow_files(files: list[Path], source: str) -> Iterator[Conversation |
             row = item.source_row + 1
 
 
-def _iter_batches(batches: Iterable[Any], source: str, row: int) -> Iterator[Conversation | Reject]:
+def _iter_batches(batches: Iterable[Any], source: str, row: int) -> Iterator[Row]:
     for batch in batches:
         names = batch.schema.names
-        cols = {
-            c: batch.column(names.index(c)).to_pylist() for c in ("conversations", "messages") if c in names
-        }
+        cols = {c: batch.column(names.index(c)).to_pylist() for c in _ROW_COLUMNS if c in names}
         for i in range(batch.num_rows):
             record = {c: values[i] for c, values in cols.items()}
             if not cols:

@@ -15,7 +15,7 @@ from peagle_pipeline.errors import BadConfig
 from peagle_pipeline.stages.export import DraftSpec
 from peagle_pipeline.stages.loader import mix_seed
 
-__all__ = ["build_draft"]
+__all__ = ["build_draft", "choose_mask_token"]
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +44,9 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
             "--last-hidden or use target=topk"
         )
     dvocab = vocab.build_draft_vocab(torch.from_numpy(cache.token_counts()), size)
-    tok = cache.tokenizer()
     pieces = cache.target_pieces()
-    mask_id, warning = vocab.choose_mask_token_id(
-        tok.mask_token_id,
-        len(tok),
-        int(pieces["embed_tokens.weight"].shape[0]),
-        tok.pad_token_id,
-        tok.eos_token_id,
-    )
-    if warning:
-        log.warning(warning)
+    choice = choose_mask_token(cache, int(pieces["embed_tokens.weight"].shape[0]), cfg.mask_token_id)
+    mask_id = choice.token_id
     target_config = cache.target_config()
     dcfg = DraftConfig.from_target_config(
         target_config,
@@ -79,3 +71,33 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
         depths=cfg.depths,
     )
     return model, spec, keep
+
+
+def choose_mask_token(cache: Any, embedding_rows: int, override: int | None) -> vocab.MaskTokenChoice:
+    """The mask token of a draft trained on `cache` (SPEC §5.3), logged with the rule that chose it.
+
+    Uses the cache's tokenizer (special tokens, ids its chat template produces) and the counts of every token
+    in the cached samples, so a special token that occurs in the data is never chosen by rule.
+    """
+    from peagle_pipeline.data.chat import template_token_ids
+
+    tok = cache.tokenizer()
+    reserved = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id}
+    special = [i for i, t in tok.added_tokens_decoder.items() if t.special]
+    candidates = vocab.MaskTokenCandidates(
+        embedding_rows=embedding_rows,
+        tokenizer_len=len(tok),
+        tokenizer_mask_id=tok.mask_token_id,
+        special_ids=tuple(sorted(special)),
+        reserved_ids=frozenset(i for i in reserved | template_token_ids(tok) if i is not None),
+        pad_id=tok.pad_token_id,
+        eos_id=tok.eos_token_id,
+    )
+    choice = vocab.choose_mask_token_id(
+        candidates, torch.from_numpy(cache.all_token_counts()), override=override
+    )
+    name = tok.convert_ids_to_tokens(choice.token_id) if choice.token_id < len(tok) else "<unused row>"
+    log.info("mask_token_id %d (%s): %s", choice.token_id, name, choice.rule)
+    if choice.warning:
+        log.warning(choice.warning)
+    return choice

@@ -122,7 +122,7 @@ def render_rows(
 ) -> Iterator[PlannedSample | RowReject]:
     """Rendered samples (numbered 0, 1, ... in storage order) and rejects, in row order."""
     from peagle_pipeline.data.chat import RejectRow
-    from peagle_pipeline.data.formats import Reject
+    from peagle_pipeline.data.formats import Reject, TokenizedConversation
 
     ordinal = 0
     for index, row in rows:
@@ -130,7 +130,10 @@ def render_rows(
             yield RowReject(index, row.source, row.source_row, row.reason)
             continue
         try:
-            rendered = renderer.render(row.messages)
+            if isinstance(row, TokenizedConversation):  # on-policy rows: the generated ids are used as they are
+                rendered = renderer.check_tokens(row.input_ids, row.loss_mask)
+            else:
+                rendered = renderer.render(row.messages)
         except RejectRow as err:
             yield RowReject(index, row.source, row.source_row, err.reason)
             continue

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from peagle_pipeline.core.vocab import build_draft_vocab, choose_mask_token_id
+from peagle_pipeline.core.vocab import MaskTokenCandidates, build_draft_vocab, choose_mask_token_id
 from peagle_pipeline.errors import BadInput
 
 
@@ -33,12 +33,41 @@ def test_bad_sizes():
         build_draft_vocab(torch.zeros(2, 2), 1)
 
 
-def test_mask_token_rule():
-    assert choose_mask_token_id(7, 400, 512, 0, 1) == (7, None)
-    assert choose_mask_token_id(None, 400, 512, 0, 1) == (400, None)  # first unused embedding row
-    mid, warn = choose_mask_token_id(None, 512, 512, 3, 1)
-    assert mid == 3 and "pad" in warn
-    mid, warn = choose_mask_token_id(None, 512, 512, None, 1)
-    assert mid == 1 and "eos" in warn
+def _candidates(**kw):
+    base = dict(embedding_rows=512, tokenizer_len=512, pad_id=3, eos_id=1)
+    base.update(kw)
+    return MaskTokenCandidates(**base)
+
+
+def test_mask_token_rule_order():
+    counts = torch.zeros(512, dtype=torch.long)
+    # (1) explicit setting, (2) tokenizer mask token, (3) first unused embedding row
+    assert choose_mask_token_id(_candidates(tokenizer_mask_id=7), counts, override=9).token_id == 9
+    assert choose_mask_token_id(_candidates(tokenizer_mask_id=7), counts).token_id == 7
+    assert choose_mask_token_id(_candidates(tokenizer_len=400), counts).token_id == 400
+    # (4) lowest special token that is not reserved and never occurs in the data
+    c = _candidates(special_ids=(0, 1, 2, 5, 6, 8), reserved_ids=frozenset({0, 1, 2}))
+    choice = choose_mask_token_id(c, counts)
+    assert (choice.token_id, choice.warning) == (5, None) and "special" in choice.rule
+    counts[5] = 1  # seen in a sample (context or supervised): not a mask token
+    assert choose_mask_token_id(c, counts).token_id == 6
+    counts[6] = 4
+    assert choose_mask_token_id(c, counts).token_id == 8
+
+
+def test_mask_token_falls_back_to_pad_then_eos_with_a_warning():
+    counts = torch.ones(512, dtype=torch.long)  # every special token occurs in the data
+    choice = choose_mask_token_id(_candidates(special_ids=(5,)), counts)
+    assert choice.token_id == 3 and "pad" in choice.warning
+    choice = choose_mask_token_id(_candidates(pad_id=None), None)  # counts unknown: rule 4 is skipped
+    assert choice.token_id == 1 and "eos" in choice.warning
     with pytest.raises(BadInput):
-        choose_mask_token_id(None, 512, 512, None, None)
+        choose_mask_token_id(_candidates(pad_id=None, eos_id=None), counts)
+
+
+def test_mask_token_override_is_checked_and_warned_when_seen():
+    counts = torch.zeros(512, dtype=torch.long)
+    counts[9] = 2
+    assert "occurs 2 times" in choose_mask_token_id(_candidates(), counts, override=9).warning
+    with pytest.raises(BadInput):
+        choose_mask_token_id(_candidates(), counts, override=512)

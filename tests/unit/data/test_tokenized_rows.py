@@ -1,0 +1,62 @@
+"""Rows that carry their own token ids and loss mask (on-policy data from `generate`): read as they are."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from peagle_pipeline.data.formats import GENERATE_META, Reject, TokenizedConversation, iter_rows
+
+
+def _jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_tokenized_row_wins_over_its_text(tmp_path):
+    row = {"messages": [{"role": "user", "content": "x"}], "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}
+    (out,) = list(iter_rows([_jsonl(tmp_path / "a.jsonl", [row])]))
+    assert out == TokenizedConversation(str(tmp_path / "a.jsonl"), 0, [5, 6, 7], [False, True, True])
+
+
+@pytest.mark.parametrize(
+    ("row", "reason"),
+    [
+        ({"input_ids": [1, 2]}, "needs both"),
+        ({"input_ids": [1, 2], "loss_mask": [1]}, "differ in length"),
+        ({"input_ids": [1, -2], "loss_mask": [0, 1]}, "non-negative integers"),
+        ({"input_ids": [1, 2.5], "loss_mask": [0, 1]}, "non-negative integers"),
+        ({"input_ids": [1, 2], "loss_mask": [0, 2]}, "0/1"),
+        ({"input_ids": [1, 2], "loss_mask": [0, 0]}, "no supervised token"),
+    ],
+)
+def test_bad_tokenized_rows_are_rejected_with_a_reason(tmp_path, row, reason):
+    (out,) = list(iter_rows([_jsonl(tmp_path / "a.jsonl", [row])]))
+    assert isinstance(out, Reject) and reason in out.reason
+
+
+def test_tokenized_rows_from_parquet(tmp_path):
+    table = pa.table({"input_ids": [[1, 2, 3], [4, 5]], "loss_mask": [[0, 1, 1], [1, 1]]})
+    pq.write_table(table, tmp_path / "a.parquet")
+    out = list(iter_rows([tmp_path / "a.parquet"]))
+    assert [o.input_ids for o in out] == [[1, 2, 3], [4, 5]]
+    assert out[1].loss_mask == [True, True] and out[1].source_row == 1
+
+
+def test_generate_output_dir_is_read_in_rank_order(tmp_path):
+    d = tmp_path / "gen"
+    d.mkdir()
+    (d / GENERATE_META).write_text("{}")
+    _jsonl(d / "rows-rank00001-of-00002.jsonl", [{"input_ids": [9, 9], "loss_mask": [0, 1]}])
+    _jsonl(
+        d / "rows-rank00000-of-00002.jsonl",
+        [{"input_ids": [1, 1], "loss_mask": [0, 1]}, {"input_ids": [2, 2], "loss_mask": [0, 1]}],
+    )
+    (d / "rejects-rank00000-of-00002.jsonl").write_text('{"reason": "too long"}\n')  # not a data file
+    out = list(iter_rows([d]))
+    assert [o.input_ids[0] for o in out] == [1, 2, 9]
+    assert [o.source_row for o in out] == [0, 1, 2] and {o.source for o in out} == {str(d)}
