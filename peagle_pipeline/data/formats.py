@@ -11,6 +11,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import hashlib
+import io
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -174,7 +175,9 @@ def to_conversation(record: Any, source: str, row: int) -> Conversation | Tokeni
 def _to_tokenized(record: dict[str, Any], source: str, row: int) -> TokenizedConversation | Reject:
     ids, mask = record.get("input_ids"), record.get("loss_mask")
     if not isinstance(ids, list) or not isinstance(mask, list):
-        return Reject(source, row, "wrong schema: a tokenised row needs both 'input_ids' and 'loss_mask' lists")
+        return Reject(
+            source, row, "wrong schema: a tokenised row needs both 'input_ids' and 'loss_mask' lists"
+        )
     if len(ids) != len(mask):
         return Reject(source, row, f"input_ids ({len(ids)}) and loss_mask ({len(mask)}) differ in length")
     if not all(type(i) is int and i >= 0 for i in ids):
@@ -225,6 +228,7 @@ def _reader_for(p: Path):  # type: ignore[no-untyped-def]
         raise BadInput(f"data path not found: {p}")
     if p.is_dir():
         if (p / GENERATE_META).is_file():
+            _generated_files(p)  # checked now: an unfinished output fails before anything is written
             return _iter_generated_dir
         if (p / "dataset_dict.json").is_file() or (p / "state.json").is_file() or list(p.glob("*.arrow")):
             return _iter_hf_dir
@@ -250,11 +254,12 @@ def _reader_for(p: Path):  # type: ignore[no-untyped-def]
 # ------------------------------------------------------------------------------------------------- JSONL
 
 
-def _iter_jsonl(path: Path) -> Iterator[Row]:
-    """One row per non-blank line; `source_row` is the 0-based line index."""
+def _iter_jsonl(path: Path, length: int | None = None) -> Iterator[Row]:
+    """One row per non-blank line; `source_row` is the 0-based line index. `length`: read only that many bytes."""
     source = str(path)
     with _open_binary(path) as f:
-        for row, raw in enumerate(f):
+        lines = f if length is None else io.BytesIO(f.read(length))
+        for row, raw in enumerate(lines):
             if not raw.strip():
                 continue
             try:
@@ -270,12 +275,38 @@ def _iter_jsonl(path: Path) -> Iterator[Row]:
             yield to_conversation(record, source, row)
 
 
+def _generated_files(path: Path) -> list[tuple[Path, int]]:
+    """(rows file, committed byte length) of every rank of a `generate` output, in rank order.
+
+    Raises:
+        BadInput: a rank is missing or has not finished (its state file is the only truth about what is
+            committed, so an unfinished output would read differently later).
+    """
+    states = sorted(path.glob("state-rank*.json"))
+    if not states:
+        raise BadInput(f"generate output {path} has no committed rank yet: run `generate` to the end first")
+    files = []
+    for state_path in states:
+        state = _read_json_file(state_path)
+        world = int(state.get("world_size", 0) or 0)
+        if world != len(states):
+            raise BadInput(f"generate output {path}: {len(states)} of {world} ranks present; finish them all")
+        if not state.get("complete"):
+            raise BadInput(
+                f"generate output {path}: rank {state.get('rank')} is not complete "
+                f"({state.get('rows', 0)} rows committed); re-run the same `generate` to finish it"
+            )
+        rows = state_path.with_name(state_path.name.replace("state-", "rows-", 1)).with_suffix(".jsonl")
+        files.append((rows, int(state.get("rows_bytes", 0))))
+    return files
+
+
 def _iter_generated_dir(path: Path) -> Iterator[Row]:
-    """A `generate` output: every rank's rows file in rank order; `source_row` counts on across files."""
+    """A `generate` output: the committed rows of every rank in rank order; `source_row` counts on."""
     offset = 0
-    for file in sorted(path.glob("rows-rank*.jsonl")):
+    for file, length in _generated_files(path):
         last = -1
-        for item in _iter_jsonl(file):
+        for item in _iter_jsonl(file, length):
             last = item.source_row
             yield dataclasses.replace(item, source=str(path), source_row=offset + item.source_row)
         offset += last + 1

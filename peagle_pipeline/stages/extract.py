@@ -129,8 +129,8 @@ def render_rows(
         if isinstance(row, Reject):
             yield RowReject(index, row.source, row.source_row, row.reason)
             continue
-        try:
-            if isinstance(row, TokenizedConversation):  # on-policy rows: the generated ids are used as they are
+        try:  # on-policy rows carry their generated ids: used as they are, never re-rendered
+            if isinstance(row, TokenizedConversation):
                 rendered = renderer.check_tokens(row.input_ids, row.loss_mask)
             else:
                 rendered = renderer.render(row.messages)

@@ -47,16 +47,44 @@ def test_tokenized_rows_from_parquet(tmp_path):
     assert out[1].loss_mask == [True, True] and out[1].source_row == 1
 
 
-def test_generate_output_dir_is_read_in_rank_order(tmp_path):
+def _state(d: Path, rank: int, world: int, rows_bytes: int, complete: bool = True) -> None:
+    name = f"state-rank{rank:05d}-of-{world:05d}.json"
+    (d / name).write_text(
+        json.dumps({"rank": rank, "world_size": world, "rows_bytes": rows_bytes, "complete": complete})
+    )
+
+
+def test_generate_output_dir_reads_committed_rows_in_rank_order(tmp_path):
     d = tmp_path / "gen"
     d.mkdir()
     (d / GENERATE_META).write_text("{}")
-    _jsonl(d / "rows-rank00001-of-00002.jsonl", [{"input_ids": [9, 9], "loss_mask": [0, 1]}])
-    _jsonl(
+    r1 = _jsonl(d / "rows-rank00001-of-00002.jsonl", [{"input_ids": [9, 9], "loss_mask": [0, 1]}])
+    r0 = _jsonl(
         d / "rows-rank00000-of-00002.jsonl",
         [{"input_ids": [1, 1], "loss_mask": [0, 1]}, {"input_ids": [2, 2], "loss_mask": [0, 1]}],
     )
+    committed = r0.stat().st_size
+    with open(r0, "a") as f:  # bytes a killed run left past the committed length are not data
+        f.write('{"input_ids": [7, 7], "loss_m')
+    _state(d, 0, 2, committed)
+    _state(d, 1, 2, r1.stat().st_size)
     (d / "rejects-rank00000-of-00002.jsonl").write_text('{"reason": "too long"}\n')  # not a data file
     out = list(iter_rows([d]))
     assert [o.input_ids[0] for o in out] == [1, 2, 9]
     assert [o.source_row for o in out] == [0, 1, 2] and {o.source for o in out} == {str(d)}
+
+
+def test_unfinished_generate_output_is_refused_before_reading(tmp_path):
+    from peagle_pipeline.errors import BadInput
+
+    d = tmp_path / "gen"
+    d.mkdir()
+    (d / GENERATE_META).write_text("{}")
+    with pytest.raises(BadInput, match="no committed rank"):
+        iter_rows([d])
+    _state(d, 0, 2, 0)
+    with pytest.raises(BadInput, match="1 of 2 ranks"):
+        iter_rows([d])
+    _state(d, 1, 2, 0, complete=False)
+    with pytest.raises(BadInput, match="rank 1 is not complete"):
+        iter_rows([d])
