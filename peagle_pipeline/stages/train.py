@@ -502,41 +502,37 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
     lock, created, started = None, False, False
     sink: Any = metrics_mod.NullSink()
     try:
-        with StopOnSigint(STOP_NOTICE) as stop:
-            if dist.main:
-                check_output_path(cfg.output)
-                created = not out.exists()
-                lock = RankLock(
-                    out / LOCK_FILE,
-                    f"training run {cfg.output}",
-                    "wait for it or stop it, or choose another --output",
-                ).acquire()
-            dist.barrier()
-            resumed = prepare_output(cfg, dist.world, micro_steps)  # every rank checks before anyone writes
-            trainer = Trainer(cfg, dist, micro_steps)
-            if resumed and trainer.restore():
-                _check_extension(cfg, trainer)
-            dist.barrier()
-            if stop.requested:
-                raise KeyboardInterrupt
-            if dist.main:
-                write_run_files(cfg, dist.world, micro_steps, resumed, trainer.total_steps)
-                trainer.spec.save(cfg.output)
-            started = True
-            if dist.main:
-                sink = metrics_mod.RunSink(cfg.output, trainer.total_steps, start_step=trainer.step)
-                trainer.sink = sink
-                for line in _start_notes(cfg, trainer):
-                    sink.write(line)
+        if dist.main:
+            check_output_path(cfg.output)
+            created = not out.exists()
+            lock = RankLock(
+                out / LOCK_FILE,
+                f"training run {cfg.output}",
+                "wait for it or stop it, or choose another --output",
+            ).acquire()
+        dist.barrier()
+        resumed = prepare_output(cfg, dist.world, micro_steps)  # every rank checks before anyone writes
+        trainer = Trainer(cfg, dist, micro_steps)
+        if resumed and trainer.restore():
+            _check_extension(cfg, trainer)
+        dist.barrier()
+        if dist.main:
+            write_run_files(cfg, dist.world, micro_steps, resumed, trainer.total_steps)
+            trainer.spec.save(cfg.output)
+        started = True
+        if dist.main:
+            sink = metrics_mod.RunSink(cfg.output, trainer.total_steps, start_step=trainer.step)
+            trainer.sink = sink
+            for line in _start_notes(cfg, trainer):
+                sink.write(line)
+        with StopOnSigint(STOP_NOTICE) as stop:  # Ctrl-C from here on: finish the step, save, stop
             final = trainer.fit(should_stop=lambda: stop.requested)
-            if dist.main:
-                _finish(cfg, final, sink)
-            sink.close()
-            dist.barrier()
-            return final
-    except (
-        KeyboardInterrupt
-    ):  # a second Ctrl-C (or one before the handler was installed): stop without saving
+        if dist.main:
+            _finish(cfg, final, sink)
+        sink.close()
+        dist.barrier()
+        return final
+    except KeyboardInterrupt:  # Ctrl-C before the loop, or a second one inside it: stop without saving
         raise Interrupted(
             "interrupted: the last complete checkpoint is kept; re-run with --resume to continue"
             if started
