@@ -95,7 +95,9 @@ class RankLock:
         self.hint = hint
         self._fd: int | None = None
 
-    def acquire(self) -> RankLock:
+    def acquire(self, write_pid: bool = True) -> RankLock:
+        """Take the lock; `write_pid=False` leaves the file's content alone (call `write_pid()` later), so a
+        process that only checks and then gives up changes nothing on disk."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -109,10 +111,16 @@ class RankLock:
             raise Busy(
                 f"{self.what} is already being written by another process{holder} (lock {self.path}); {self.hint}"
             ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
+        if write_pid:
+            self.write_pid()
         return self
+
+    def write_pid(self) -> None:
+        """Record this process's id in the held lock file (named by `Busy` messages of other processes)."""
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
 
     def release(self) -> None:
         if self._fd is not None:

@@ -217,6 +217,8 @@ def export_run(
     """
     from peagle_pipeline.stages.checkpoint import CheckpointManager
 
+    if Path(output).exists() and not Path(output).is_dir():
+        raise BadInput(f"--output {output} is a file: give a directory for the export")
     spec = DraftSpec.load(run_dir)
     manager = CheckpointManager(run_dir, keep=1)
     ckpt = manager.load(manager.resolve(checkpoint), with_optimizer=False)

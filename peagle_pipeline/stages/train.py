@@ -499,17 +499,17 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
     dist = Dist.setup(cfg.device)
     configure_logging(logging.INFO if dist.main else logging.WARNING)
     out = Path(cfg.output)
-    lock, created, started = None, False, False
+    lock, created, lock_created, started = None, False, False, False
     sink: Any = metrics_mod.NullSink()
     try:
         if dist.main:
             check_output_path(cfg.output)
-            created = not out.exists()
+            created, lock_created = not out.exists(), not (out / LOCK_FILE).exists()
             lock = RankLock(
                 out / LOCK_FILE,
                 f"training run {cfg.output}",
                 "wait for it or stop it, or choose another --output",
-            ).acquire()
+            ).acquire(write_pid=False)  # a start refused by the checks below leaves the folder as it was
         dist.barrier()
         resumed = prepare_output(cfg, dist.world, micro_steps)  # every rank checks before anyone writes
         trainer = Trainer(cfg, dist, micro_steps)
@@ -517,6 +517,8 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
             _check_extension(cfg, trainer)
         dist.barrier()
         if dist.main:
+            if lock is not None:
+                lock.write_pid()
             write_run_files(cfg, dist.world, micro_steps, resumed, trainer.total_steps)
             trainer.spec.save(cfg.output)
         started = True
@@ -542,7 +544,7 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
         sink.close()
         if lock is not None:
             if not started:
-                _forget_start(out, lock, created)
+                _forget_start(out, lock, created, lock_created)
             lock.release()
         dist.teardown()
 
@@ -596,9 +598,10 @@ def _finish(cfg: TrainConfig, final: dict[str, Any], sink: Any) -> None:
         )
 
 
-def _forget_start(out: Path, lock: RankLock, created: bool) -> None:
-    """A start that failed before training leaves nothing behind: the lock file, and the folder if we made it."""
+def _forget_start(out: Path, lock: RankLock, created: bool, lock_created: bool) -> None:
+    """A start that failed before training leaves nothing behind: the lock file and the folder, if it made them."""
     with contextlib.suppress(OSError):
-        lock.path.unlink()
+        if lock_created:
+            lock.path.unlink()
         if created:
             out.rmdir()  # only when empty: whatever else is there stays

@@ -348,13 +348,13 @@ def run(
         BadInput: not an export, draft/target mismatch, bad options, vLLM refused to start.
         SpeculativeMismatch: speculative greedy output differs from plain greedy output.
     """
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
+    try:
+        import vllm  # noqa: F401  (imported below anyway; a missing or broken install is a setup problem)
+    except ImportError as err:
         raise BadInput(
-            f"vllm-check needs vLLM, which is not installed for {sys.executable}: install it (`make setup-vllm` "
+            f"vllm-check needs vLLM, which {sys.executable} cannot import ({err}): install it (`make setup-vllm` "
             "creates .venv-vllm) and run vllm-check with that environment's peagle-pipeline"
-        )
+        ) from None
     config = read_draft_config(draft_dir)
     info = read_target_info(target)
     draft_vocab = int(config.get("transformer_layer_config", {}).get("vocab_size", info.vocab_size))
