@@ -1,33 +1,76 @@
 """The `peagle-pipeline` command line: parse flags, resolve the config, call a stage. Nothing else.
 
-`main()` is the one error boundary: a `PeagleError` becomes one line on stderr and its exit code;
-set PEAGLE_DEBUG=1 to see the traceback instead. Heavy imports (torch, zarr) happen inside commands.
+`main()` is the one error boundary: a `PeagleError` becomes one line on stderr and its exit code, Ctrl-C exit 130,
+an OS error about a path (disk full, read-only, missing) its `errors.from_os_error` class; set PEAGLE_DEBUG=1 to see
+the traceback instead. Heavy imports (torch, zarr) happen inside commands, so `--help`, `--version` and `plot`
+start without torch. An option of a config field is built by `_opt(Config, "name")`: its help, default and allowed
+values (for `Literal` fields) come from config.py, the one source of truth.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
-from peagle_pipeline.config import ExtractConfig, TrainConfig, describe_fields, resolve
-from peagle_pipeline.errors import Interrupted, PeagleError
+from peagle_pipeline.config import ExtractConfig, TrainConfig, describe_fields, field_choices, resolve
+from peagle_pipeline.errors import Interrupted, PeagleError, from_os_error
 
 __all__ = ["app", "main"]
 
-app = typer.Typer(
+
+class _Command(TyperCommand):
+    """Usage lines name positional arguments plainly (`CACHE`, not typer's `{CACHE}`)."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return [
+            p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in super().collect_usage_pieces(ctx)
+        ]
+
+
+class _App(typer.Typer):
+    """Every command of the app uses `_Command` (so commands added later get plain usage lines too)."""
+
+    def command(self, *args: Any, cls: type[TyperCommand] | None = _Command, **kwargs: Any) -> Any:
+        return super().command(*args, cls=cls, **kwargs)
+
+
+app = _App(
     name="peagle-pipeline",
     help="Extract target hidden states into a Zarr cache, then train P-EAGLE drafts for vLLM from it.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: keeps "[elements, Vd]" and "[default: ...]" literally, no rich import
 )
 
-_EXTRACT_HELP = {name: help for name, help, _ in describe_fields(ExtractConfig)}
-_TRAIN_HELP = {name: help for name, help, _ in describe_fields(TrainConfig)}
+
+def _default_note(cls: type, name: str, default: Any) -> str:
+    """ " [default: ...]" for the help line of field `name` ("" when there is nothing to show)."""
+    if default in ("", []):
+        return " [required: flag or pipeline file]"
+    if default is None:
+        return ""
+    if isinstance(default, bool):
+        flag = name.replace("_", "-")
+        return f" [default: --{flag if default else 'no-' + flag}]"
+    if isinstance(default, list):
+        return f" [default: {','.join(map(str, default))}]"
+    return f" [default: {default}]"
+
+
+def _field_help(cls: type) -> dict[str, str]:
+    return {name: help + _default_note(cls, name, default) for name, help, default in describe_fields(cls)}
+
+
+_EXTRACT_HELP = _field_help(ExtractConfig)
+_TRAIN_HELP = _field_help(TrainConfig)
 
 
 def _E(name: str) -> str:
@@ -38,8 +81,38 @@ def _T(name: str) -> str:
     return _TRAIN_HELP[name]
 
 
+def _opt(cls: type, name: str) -> Any:
+    """The typer option of config field `name`: `--name` (`--name/--no-name` for bools), help with the default,
+    the allowed values as metavar for `Literal` fields. The parameter itself defaults to None ("not given")."""
+    flag = "--" + name.replace("_", "-")
+    field_type = {f.name: f.type for f in dataclasses.fields(cls)}[name]
+    decls = [f"{flag}/--no-{flag[2:]}"] if str(field_type).startswith("bool") else [flag]
+    choices = field_choices(cls, name)
+    help_text = _field_help(cls)[name]
+    return typer.Option(*decls, help=help_text, metavar="[" + "|".join(choices) + "]" if choices else None)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from peagle_pipeline import __version__
+
+        typer.echo(f"peagle-pipeline {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """Extract target hidden states into a Zarr cache, then train P-EAGLE drafts for vLLM from it."""
+
+
 ConfigOpt = Annotated[
-    Path | None, typer.Option("--config", "-c", help="Pipeline file (YAML); flags override its section.")
+    Path | None,
+    typer.Option("--config", "-c", help="Pipeline file (YAML); flags override its section.", metavar="FILE"),
 ]
 
 
@@ -51,32 +124,30 @@ def _overrides(local: dict[str, Any]) -> dict[str, Any]:
 @app.command()
 def extract(
     config: ConfigOpt = None,
-    model: Annotated[str | None, typer.Option(help=_E("model"))] = None,
-    data: Annotated[list[str] | None, typer.Option(help=_E("data"))] = None,
-    output: Annotated[str | None, typer.Option(help=_E("output"))] = None,
-    backend: Annotated[str | None, typer.Option(help=_E("backend"))] = None,
-    layers: Annotated[str | None, typer.Option(help=_E("layers"))] = None,
-    topk: Annotated[int | None, typer.Option(help=_E("topk"))] = None,
-    last_hidden: Annotated[
-        bool | None, typer.Option("--last-hidden/--no-last-hidden", help=_E("last_hidden"))
-    ] = None,
-    max_length: Annotated[int | None, typer.Option(help=_E("max_length"))] = None,
-    overlong: Annotated[str | None, typer.Option(help=_E("overlong"))] = None,
-    max_samples: Annotated[int | None, typer.Option(help=_E("max_samples"))] = None,
-    batch_tokens: Annotated[int | None, typer.Option(help=_E("batch_tokens"))] = None,
-    dtype: Annotated[str | None, typer.Option(help=_E("dtype"))] = None,
-    assistant_turns: Annotated[str | None, typer.Option(help=_E("assistant_turns"))] = None,
-    leading_assistant: Annotated[str | None, typer.Option(help=_E("leading_assistant"))] = None,
-    compress: Annotated[str | None, typer.Option(help=_E("compress"))] = None,
-    shard_tokens: Annotated[int | None, typer.Option(help=_E("shard_tokens"))] = None,
-    chunk_tokens: Annotated[int | None, typer.Option(help=_E("chunk_tokens"))] = None,
-    rank: Annotated[int | None, typer.Option(help=_E("rank"))] = None,
-    world_size: Annotated[int | None, typer.Option(help=_E("world_size"))] = None,
-    device: Annotated[str | None, typer.Option(help=_E("device"))] = None,
-    topk_chunk: Annotated[int | None, typer.Option(help=_E("topk_chunk"))] = None,
-    tensor_parallel_size: Annotated[int | None, typer.Option(help=_E("tensor_parallel_size"))] = None,
-    gpu_memory_utilization: Annotated[float | None, typer.Option(help=_E("gpu_memory_utilization"))] = None,
-    max_num_batched_tokens: Annotated[int | None, typer.Option(help=_E("max_num_batched_tokens"))] = None,
+    model: Annotated[str | None, _opt(ExtractConfig, "model")] = None,
+    data: Annotated[list[str] | None, _opt(ExtractConfig, "data")] = None,
+    output: Annotated[str | None, _opt(ExtractConfig, "output")] = None,
+    backend: Annotated[str | None, _opt(ExtractConfig, "backend")] = None,
+    layers: Annotated[str | None, _opt(ExtractConfig, "layers")] = None,
+    topk: Annotated[int | None, _opt(ExtractConfig, "topk")] = None,
+    last_hidden: Annotated[bool | None, _opt(ExtractConfig, "last_hidden")] = None,
+    max_length: Annotated[int | None, _opt(ExtractConfig, "max_length")] = None,
+    overlong: Annotated[str | None, _opt(ExtractConfig, "overlong")] = None,
+    max_samples: Annotated[int | None, _opt(ExtractConfig, "max_samples")] = None,
+    batch_tokens: Annotated[int | None, _opt(ExtractConfig, "batch_tokens")] = None,
+    dtype: Annotated[str | None, _opt(ExtractConfig, "dtype")] = None,
+    assistant_turns: Annotated[str | None, _opt(ExtractConfig, "assistant_turns")] = None,
+    leading_assistant: Annotated[str | None, _opt(ExtractConfig, "leading_assistant")] = None,
+    compress: Annotated[str | None, _opt(ExtractConfig, "compress")] = None,
+    shard_tokens: Annotated[int | None, _opt(ExtractConfig, "shard_tokens")] = None,
+    chunk_tokens: Annotated[int | None, _opt(ExtractConfig, "chunk_tokens")] = None,
+    rank: Annotated[int | None, _opt(ExtractConfig, "rank")] = None,
+    world_size: Annotated[int | None, _opt(ExtractConfig, "world_size")] = None,
+    device: Annotated[str | None, _opt(ExtractConfig, "device")] = None,
+    topk_chunk: Annotated[int | None, _opt(ExtractConfig, "topk_chunk")] = None,
+    tensor_parallel_size: Annotated[int | None, _opt(ExtractConfig, "tensor_parallel_size")] = None,
+    gpu_memory_utilization: Annotated[float | None, _opt(ExtractConfig, "gpu_memory_utilization")] = None,
+    max_num_batched_tokens: Annotated[int | None, _opt(ExtractConfig, "max_num_batched_tokens")] = None,
 ) -> None:
     """Run the target model once over chat data and write (or resume) a cache."""
     cfg = resolve(ExtractConfig, config, _overrides(locals()))
@@ -90,49 +161,47 @@ def extract(
 @app.command()
 def train(
     config: ConfigOpt = None,
-    cache: Annotated[str | None, typer.Option(help=_T("cache"))] = None,
-    output: Annotated[str | None, typer.Option(help=_T("output"))] = None,
-    draft_layers: Annotated[int | None, typer.Option(help=_T("draft_layers"))] = None,
-    depths: Annotated[int | None, typer.Option(help=_T("depths"))] = None,
-    draft_vocab_size: Annotated[int | None, typer.Option(help=_T("draft_vocab_size"))] = None,
-    tokens_per_step: Annotated[int | None, typer.Option(help=_T("tokens_per_step"))] = None,
-    epochs: Annotated[int | None, typer.Option(help=_T("epochs"))] = None,
-    steps: Annotated[int | None, typer.Option(help=_T("steps"))] = None,
-    lr: Annotated[float | None, typer.Option(help=_T("lr"))] = None,
-    warmup: Annotated[int | None, typer.Option(help=_T("warmup"))] = None,
-    schedule: Annotated[str | None, typer.Option(help=_T("schedule"))] = None,
-    weight_decay: Annotated[float | None, typer.Option(help=_T("weight_decay"))] = None,
-    grad_clip: Annotated[float | None, typer.Option(help=_T("grad_clip"))] = None,
-    down_sample_ratio: Annotated[float | None, typer.Option(help=_T("down_sample_ratio"))] = None,
-    down_sample_ratio_min: Annotated[float | None, typer.Option(help=_T("down_sample_ratio_min"))] = None,
-    max_anchors: Annotated[int | None, typer.Option(help=_T("max_anchors"))] = None,
-    sequence_partitions: Annotated[int | None, typer.Option(help=_T("sequence_partitions"))] = None,
+    cache: Annotated[str | None, _opt(TrainConfig, "cache")] = None,
+    output: Annotated[str | None, _opt(TrainConfig, "output")] = None,
+    draft_layers: Annotated[int | None, _opt(TrainConfig, "draft_layers")] = None,
+    depths: Annotated[int | None, _opt(TrainConfig, "depths")] = None,
+    draft_vocab_size: Annotated[int | None, _opt(TrainConfig, "draft_vocab_size")] = None,
+    tokens_per_step: Annotated[int | None, _opt(TrainConfig, "tokens_per_step")] = None,
+    epochs: Annotated[int | None, _opt(TrainConfig, "epochs")] = None,
+    steps: Annotated[int | None, _opt(TrainConfig, "steps")] = None,
+    lr: Annotated[float | None, _opt(TrainConfig, "lr")] = None,
+    warmup: Annotated[int | None, _opt(TrainConfig, "warmup")] = None,
+    schedule: Annotated[str | None, _opt(TrainConfig, "schedule")] = None,
+    weight_decay: Annotated[float | None, _opt(TrainConfig, "weight_decay")] = None,
+    grad_clip: Annotated[float | None, _opt(TrainConfig, "grad_clip")] = None,
+    down_sample_ratio: Annotated[float | None, _opt(TrainConfig, "down_sample_ratio")] = None,
+    down_sample_ratio_min: Annotated[float | None, _opt(TrainConfig, "down_sample_ratio_min")] = None,
+    max_anchors: Annotated[int | None, _opt(TrainConfig, "max_anchors")] = None,
+    sequence_partitions: Annotated[int | None, _opt(TrainConfig, "sequence_partitions")] = None,
     grad_checkpointing: Annotated[
         bool | None,
-        typer.Option("--grad-checkpointing/--no-grad-checkpointing", help=_T("grad_checkpointing")),
+        _opt(TrainConfig, "grad_checkpointing"),
     ] = None,
-    target: Annotated[str | None, typer.Option(help=_T("target"))] = None,
-    eval_samples: Annotated[int | None, typer.Option(help=_T("eval_samples"))] = None,
-    eval_every: Annotated[int | None, typer.Option(help=_T("eval_every"))] = None,
-    seed: Annotated[int | None, typer.Option(help=_T("seed"))] = None,
-    save_every: Annotated[int | None, typer.Option(help=_T("save_every"))] = None,
-    keep_checkpoints: Annotated[int | None, typer.Option(help=_T("keep_checkpoints"))] = None,
-    precision: Annotated[str | None, typer.Option(help=_T("precision"))] = None,
-    device: Annotated[str | None, typer.Option(help=_T("device"))] = None,
-    resume: Annotated[bool | None, typer.Option("--resume/--no-resume", help=_T("resume"))] = None,
-    num_workers: Annotated[int | None, typer.Option(help=_T("num_workers"))] = None,
-    loss_chunk: Annotated[int | None, typer.Option(help=_T("loss_chunk"))] = None,
+    target: Annotated[str | None, _opt(TrainConfig, "target")] = None,
+    eval_samples: Annotated[int | None, _opt(TrainConfig, "eval_samples")] = None,
+    eval_every: Annotated[int | None, _opt(TrainConfig, "eval_every")] = None,
+    seed: Annotated[int | None, _opt(TrainConfig, "seed")] = None,
+    save_every: Annotated[int | None, _opt(TrainConfig, "save_every")] = None,
+    keep_checkpoints: Annotated[int | None, _opt(TrainConfig, "keep_checkpoints")] = None,
+    precision: Annotated[str | None, _opt(TrainConfig, "precision")] = None,
+    device: Annotated[str | None, _opt(TrainConfig, "device")] = None,
+    resume: Annotated[bool | None, _opt(TrainConfig, "resume")] = None,
+    num_workers: Annotated[int | None, _opt(TrainConfig, "num_workers")] = None,
+    loss_chunk: Annotated[int | None, _opt(TrainConfig, "loss_chunk")] = None,
     norm_before_residual: Annotated[
         bool | None,
-        typer.Option("--norm-before-residual/--no-norm-before-residual", help=_T("norm_before_residual")),
+        _opt(TrainConfig, "norm_before_residual"),
     ] = None,
-    mask_token_id: Annotated[int | None, typer.Option(help=_T("mask_token_id"))] = None,
-    skip_corrupt: Annotated[
-        bool | None, typer.Option("--skip-corrupt/--no-skip-corrupt", help=_T("skip_corrupt"))
-    ] = None,
-    max_bad_steps: Annotated[int | None, typer.Option(help=_T("max_bad_steps"))] = None,
-    log_every: Annotated[int | None, typer.Option(help=_T("log_every"))] = None,
-    export: Annotated[bool | None, typer.Option("--export/--no-export", help=_T("export"))] = None,
+    mask_token_id: Annotated[int | None, _opt(TrainConfig, "mask_token_id")] = None,
+    skip_corrupt: Annotated[bool | None, _opt(TrainConfig, "skip_corrupt")] = None,
+    max_bad_steps: Annotated[int | None, _opt(TrainConfig, "max_bad_steps")] = None,
+    log_every: Annotated[int | None, _opt(TrainConfig, "log_every")] = None,
+    export: Annotated[bool | None, _opt(TrainConfig, "export")] = None,
 ) -> None:
     """Train a P-EAGLE draft from a cache (never loads the target model)."""
     cfg = resolve(TrainConfig, config, _overrides(locals()))
@@ -143,7 +212,7 @@ def train(
 
 @app.command()
 def inspect(
-    cache: Annotated[str, typer.Argument(help="Cache directory.")],
+    cache: Annotated[str, typer.Argument(metavar="CACHE", help="Cache directory.")],
     sample: Annotated[int | None, typer.Option(help="Show this sample's tokens as a table.")] = None,
     rows: Annotated[int, typer.Option(help="Rows of the --sample table to show (0 = all).")] = 60,
 ) -> None:
@@ -155,7 +224,7 @@ def inspect(
 
 
 @app.command()
-def verify(cache: Annotated[str, typer.Argument(help="Cache directory.")]) -> None:
+def verify(cache: Annotated[str, typer.Argument(metavar="CACHE", help="Cache directory.")]) -> None:
     """Read every store back and report any inconsistency by store and sample (exit 4 if any)."""
     from peagle_pipeline.cache.reader import open_cache
     from peagle_pipeline.errors import CorruptCache
@@ -170,9 +239,13 @@ def verify(cache: Annotated[str, typer.Argument(help="Cache directory.")]) -> No
 
 @app.command()
 def export(
-    run_dir: Annotated[str, typer.Argument(help="Training run directory.")],
-    output: Annotated[str, typer.Option(help="Export directory (speculators P-EAGLE format).")],
-    checkpoint: Annotated[str, typer.Option(help="latest, best, or step-N.")] = "best",
+    run_dir: Annotated[str, typer.Argument(metavar="RUN", help="Training run directory.")],
+    output: Annotated[
+        str, typer.Option(metavar="DIR", help="Export directory (speculators P-EAGLE format).")
+    ],
+    checkpoint: Annotated[
+        str, typer.Option(metavar="[best|latest|step-N]", help="Which checkpoint to export.")
+    ] = "best",
 ) -> None:
     """Export a trained draft in the speculators P-EAGLE format that vLLM loads."""
     from peagle_pipeline.stages import export as stage
@@ -182,7 +255,7 @@ def export(
 
 
 @app.command()
-def plot(run_dir: Annotated[str, typer.Argument(help="Training run directory.")]) -> None:
+def plot(run_dir: Annotated[str, typer.Argument(metavar="RUN", help="Training run directory.")]) -> None:
     """Write PNG curves (loss, per-depth agreement, acceptance length) from metrics.jsonl."""
     from peagle_pipeline.stages import metrics
 
@@ -192,8 +265,8 @@ def plot(run_dir: Annotated[str, typer.Argument(help="Training run directory.")]
 
 @app.command("vllm-check")
 def vllm_check(
-    draft_dir: Annotated[str, typer.Argument(help="Exported draft directory.")],
-    target: Annotated[str, typer.Option(help="Target model directory.")],
+    draft_dir: Annotated[str, typer.Argument(metavar="DRAFT", help="Exported draft directory.")],
+    target: Annotated[str, typer.Option(metavar="MODEL", help="Target model directory.")],
     prompts: Annotated[
         str | None,
         typer.Option(
@@ -226,32 +299,40 @@ def vllm_check(
     )
 
 
+_INTERRUPTED = "interrupted: committed work is kept; re-run the same command to resume"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns (and exits with) the process exit code."""
     debug = os.environ.get("PEAGLE_DEBUG") == "1"
     try:
-        app(args=argv, standalone_mode=False)
-        code = 0
+        # standalone_mode=False: typer returns the code of an Exit (and 130 for a Ctrl-C it caught) instead of
+        # exiting, and lets PeagleError and click's usage errors through to the handlers below.
+        returned = app(args=argv, prog_name="peagle-pipeline", standalone_mode=False)
+        code = returned if isinstance(returned, int) else 0
+        if code == Interrupted.exit_code:
+            code = _report(Interrupted(_INTERRUPTED))
     except PeagleError as err:
         if debug:
             raise
-        print(f"error: {err}", file=sys.stderr)
-        code = err.exit_code
+        code = _report(err)
     except KeyboardInterrupt:
         if debug:
             raise
-        print(
-            f"error: {Interrupted('interrupted: committed work is kept; re-run the same command to resume')}",
-            file=sys.stderr,
-        )
-        code = Interrupted.exit_code
+        code = _report(Interrupted(_INTERRUPTED))
+    except (
+        OSError
+    ) as err:  # a path that cannot be used: disk full, read-only, missing, a file for a directory
+        mapped = from_os_error(err)
+        if debug or mapped is None:
+            raise
+        code = _report(mapped)
     except Exception as err:  # typer vendors click: match its usage errors by shape, not by import
         if debug or not (hasattr(err, "show") and hasattr(err, "exit_code")):
             if type(err).__name__ == "Exit":
                 code = int(getattr(err, "exit_code", 0))
             elif type(err).__name__ == "Abort":
-                print("error: interrupted", file=sys.stderr)
-                code = Interrupted.exit_code
+                code = _report(Interrupted(_INTERRUPTED))
             else:
                 raise
         else:
@@ -260,6 +341,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         sys.exit(code)
     return code
+
+
+def _report(err: PeagleError) -> int:
+    """Print the one error line; returns the exit code. After Ctrl-C, asyncio's complaints about the tasks it
+    abandoned (Zarr's I/O) would follow at exit: silence them, the line above says what happened."""
+    print(f"error: {err}", file=sys.stderr)
+    if isinstance(err, Interrupted):
+        logging.getLogger("asyncio").disabled = True
+    return err.exit_code
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,7 +19,15 @@ from typing import Any, Literal, TypeVar
 
 from peagle_pipeline.errors import BadConfig
 
-__all__ = ["ExtractConfig", "TrainConfig", "resolve", "load_section", "to_dict", "describe_fields"]
+__all__ = [
+    "ExtractConfig",
+    "TrainConfig",
+    "resolve",
+    "load_section",
+    "to_dict",
+    "describe_fields",
+    "field_choices",
+]
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -76,6 +86,8 @@ class ExtractConfig:
     max_num_batched_tokens: int | None = _f(None, "vLLM scheduler token budget per step.")
 
     def __post_init__(self) -> None:
+        _finite(self)
+        _device(self.device)
         _require(self.model, "model", "--model")
         _require(self.data, "data", "--data")
         _require(self.output, "output", "--output")
@@ -160,6 +172,8 @@ class TrainConfig:
     export: bool = _f(True, "Export the speculators P-EAGLE checkpoint at the end of training.")
 
     def __post_init__(self) -> None:
+        _finite(self)
+        _device(self.device)
         _require(self.cache, "cache", "--cache")
         _require(self.output, "output", "--output")
         _positive(
@@ -186,13 +200,30 @@ class TrainConfig:
             raise BadConfig(f"lr must be positive, got {self.lr}")
         if not 0.0 < self.down_sample_ratio <= 1.0 or not 0.0 <= self.down_sample_ratio_min <= 1.0:
             raise BadConfig("down_sample_ratio must be in (0, 1] and down_sample_ratio_min in [0, 1]")
-        if self.warmup < 0 or self.eval_samples < 0 or self.num_workers < 0 or self.grad_clip < 0:
-            raise BadConfig("warmup, eval_samples, num_workers and grad_clip must be >= 0")
+        for name in ("warmup", "eval_samples", "num_workers", "grad_clip", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise BadConfig(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 def _require(value: Any, name: str, flag: str) -> None:
     if not value:
         raise BadConfig(f"missing required setting {name!r}: give {flag} or set {name} in the pipeline file")
+
+
+def _finite(cfg: Any) -> None:
+    """Every float setting must be a finite number (nan and inf pass `x > 0`-style range checks)."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise BadConfig(f"{f.name} must be a finite number, got {value}")
+
+
+_DEVICE = re.compile(r"^(auto|cpu|mps|(cuda|xpu)(:\d+)?)$")
+
+
+def _device(device: str) -> None:
+    if not _DEVICE.match(device):
+        raise BadConfig(f"device must be auto, cpu, cuda or cuda:N (also mps, xpu, xpu:N); got {device!r}")
 
 
 def _positive(cfg: Any, *names: str) -> None:
@@ -215,6 +246,8 @@ def load_section(yaml_path: str | Path, section: str) -> dict[str, Any]:
         doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except FileNotFoundError:
         raise BadConfig(f"pipeline file not found: {path}") from None
+    except IsADirectoryError:
+        raise BadConfig(f"pipeline file {path} is a directory: give the YAML file itself (-c FILE)") from None
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         line = getattr(getattr(err, "problem_mark", None), "line", None)
         where = f" (line {line + 1})" if line is not None else ""
@@ -309,6 +342,14 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
 def to_dict(cfg: ExtractConfig | TrainConfig) -> dict[str, Any]:
     """The resolved config as a plain dict (written beside outputs, compared on resume)."""
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def field_choices(cls: type, name: str) -> tuple[Any, ...]:
+    """The allowed values of a `Literal[...]` field (also inside `X | None`); () for any other type."""
+    hint = typing.get_type_hints(cls)[name]
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
 
 
 def describe_fields(cls: type) -> list[tuple[str, str, Any]]:

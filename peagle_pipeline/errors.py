@@ -6,7 +6,10 @@ else raises. Never raise these for programming errors (those stay ordinary excep
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
+    "from_os_error",
     "PeagleError",
     "BadInput",
     "BadConfig",
@@ -99,3 +102,29 @@ class Interrupted(PeagleError):
     """Ctrl-C: committed work is kept; re-run the same command to resume."""
 
     exit_code = 130
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+_DENIED = (errno.EACCES, errno.EPERM)
+_BAD_PATH = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP)
+
+
+def from_os_error(err: OSError, what: str | None = None) -> PeagleError | None:
+    """The user-facing error of an OS error about a path (`what`, else the error's own file name), or None.
+
+    Disk full (ENOSPC, EFBIG from a file-size limit, EDQUOT) -> OutOfSpace; permission denied or a read-only
+    file system -> BadInput; a missing path, a file where a directory is needed or the reverse -> BadInput.
+    Anything else is not a user mistake and stays an ordinary exception (None).
+    """
+    path = what or err.filename or "a file"
+    if err.errno in _NO_SPACE:
+        return OutOfSpace(
+            f"no space left while writing {path}: free some space and re-run the same command to resume"
+        )
+    if err.errno == errno.EROFS:
+        return BadInput(f"cannot write to {path}: read-only file system")
+    if err.errno in _DENIED:
+        return BadInput(f"permission denied: {path} (check its owner and mode)")
+    if err.errno in _BAD_PATH:
+        return BadInput(f"{path}: {(err.strerror or 'bad path').lower()}")
+    return None

@@ -5,6 +5,9 @@ Usage: python scripts/gen_docs.py [--check]   (--check exits 1 when the committe
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import sys
 from pathlib import Path
 
@@ -58,7 +61,8 @@ def cli_md() -> str:
 
 Every command prints a one-line `error: ...` and exits non-zero on a user mistake (set `PEAGLE_DEBUG=1` for the
 traceback). Exit codes: 1 generic, 2 bad input or settings, 3 incompatible or incomplete cache, 4 corrupt data,
-5 resume with other settings, 6 output directory holds something else, 7 another process holds the rank lock,
+5 resume with other settings, 6 output directory holds something else, 7 another process holds the lock of that
+extraction rank or training run,
 8 repeated non-finite loss, 9 disk full, 10 a target runtime returned other tokens or shapes than sent, 11 speculative
 greedy output differs from plain greedy output (`vllm-check`), 130 interrupted.
 
@@ -73,7 +77,30 @@ greedy output differs from plain greedy output (`vllm-check`), 130 interrupted.
 | `peagle-pipeline vllm-check DRAFT --target MODEL` | load target + draft in vLLM, check greedy equality, report vLLM's acceptance |
 
 Rank and world size for `extract` also come from `RANK`/`WORLD_SIZE` (torchrun) or `SLURM_PROCID`/`SLURM_NTASKS`.
-"""
+`peagle-pipeline --version` prints the version.
+
+## Every command's `--help`
+
+Each option of a config field shows its default and, for a choice, the allowed values; `[required: flag or
+pipeline file]` marks a setting that has no default.
+""" + "".join(f"\n### `{name}`\n\n```\n{_help(name)}```\n" for name in _commands())
+
+
+def _commands() -> list[str]:
+    from peagle_pipeline.cli import app
+
+    return [c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands]  # type: ignore[union-attr]
+
+
+def _help(command: str) -> str:
+    """`peagle-pipeline COMMAND --help` at a fixed width (the generated file must not depend on the terminal)."""
+    from peagle_pipeline.cli import main
+
+    os.environ["COLUMNS"] = "110"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main([command, "--help"])
+    return out.getvalue()
 
 
 def main() -> int:

@@ -327,7 +327,7 @@ def _check_table(store: str, manifest: dict[str, Any], table: str, blob: bytes) 
 def _read_json(root: StoreRoot, rel: str) -> dict[str, Any] | None:
     try:
         data = json.loads(root.read_bytes(rel))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # NotADirectory: the "cache" path is a file
         return None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise CorruptCache(f"{root.url}/{rel} is not valid JSON; the cache is damaged") from None

@@ -45,6 +45,8 @@ __all__ = [
     "Checkpoint",
     "CheckpointManager",
     "step_dir_name",
+    "save_tensors",
+    "save_torch",
 ]
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -91,6 +93,53 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class _Recorder:
+    """A file wrapper that remembers the OSError of a failed write (torch.save reports it as a bare
+    RuntimeError, losing the errno that says "disk full")."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return int(self.f.write(data))
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_torch(obj: Any, path: Path) -> None:
+    """torch.save to `path`, fsynced; a failed write raises its OSError (ENOSPC, EFBIG, ...), not RuntimeError."""
+    with open(path, "wb") as f:
+        rec = _Recorder(f)
+        try:
+            torch.save(obj, rec)
+        except RuntimeError:
+            if rec.error is not None:
+                raise rec.error from None
+            raise
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_tensors(
+    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+) -> None:
+    """safetensors save_file to `path`, fsynced; an I/O failure raises OSError with its errno (the Rust writer
+    reports it as SafetensorError text "... (os error 28)")."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except Exception as err:  # SafetensorError is not importable as a public name
+        code = re.search(r"os error (\d+)", str(err))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
+    _fsync_file(path)
 
 
 def _test_pause() -> None:
@@ -179,16 +228,15 @@ class CheckpointManager:
                 shutil.rmtree(tmp)
             tmp.mkdir()
             weights = {k: v.detach().to("cpu").contiguous() for k, v in model.items()}
-            save_file(weights, str(tmp / MODEL_FILE))
-            _fsync_file(tmp / MODEL_FILE)
+            save_tensors(weights, tmp / MODEL_FILE)
             _test_pause()
-            torch.save(optimizer, tmp / OPTIMIZER_FILE)
-            _fsync_file(tmp / OPTIMIZER_FILE)
+            save_torch(optimizer, tmp / OPTIMIZER_FILE)
             _test_pause()
-            torch.save(state, tmp / STATE_FILE)
-            _fsync_file(tmp / STATE_FILE)
-            (tmp / META_FILE).write_text(json.dumps({"step": step, "time": time.time(), **meta}, indent=2))
-            _fsync_file(tmp / META_FILE)
+            save_torch(state, tmp / STATE_FILE)
+            with open(tmp / META_FILE, "w") as f:
+                f.write(json.dumps({"step": step, "time": time.time(), **meta}, indent=2))
+                f.flush()
+                os.fsync(f.fileno())
             fsync_dir(tmp)
             if final.exists():  # same step written twice: move the old one aside first, then drop it
                 old = self.root / (step_dir_name(step) + ".old")
@@ -203,7 +251,11 @@ class CheckpointManager:
             if best:
                 atomic_write_text(self.root / BEST, final.name + "\n")
         except OSError as err:
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves no half checkpoint behind
             raise_if_no_space(err, str(final))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         self.prune()
         return final
 
@@ -223,22 +275,32 @@ class CheckpointManager:
         """Read one complete checkpoint directory onto the CPU.
 
         Raises:
-            CorruptCache: a file of the checkpoint cannot be read.
+            CorruptCache: a file of the checkpoint cannot be read (names the file and the older checkpoints).
         """
+        name = META_FILE
         try:
             meta = json.loads((path / META_FILE).read_text())
+            step = int(meta["step"])
+            name = MODEL_FILE
             model = load_file(str(path / MODEL_FILE))
+            name = STATE_FILE
             state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+            name = OPTIMIZER_FILE
             optim = (
                 torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
                 if with_optimizer
                 else None
             )
-        except (OSError, ValueError, RuntimeError) as err:
-            raise CorruptCache(f"checkpoint {path} cannot be read ({type(err).__name__}: {err})") from None
-        return Checkpoint(
-            step=int(meta["step"]), model=model, optimizer=optim, state=state, meta=meta, path=path
-        )
+        except Exception as err:  # safetensors, pickle, zip, json, key errors: all mean a damaged file
+            why = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+            older = [s for s in self.complete_steps() if step_dir_name(s) != path.name]
+            hint = (
+                f"; rename it to {path.name}.bad to use {step_dir_name(older[-1])}"
+                if older
+                else "; no other complete checkpoint"
+            )
+            raise CorruptCache(f"checkpoint {path}/{name} cannot be read ({why}){hint}") from None
+        return Checkpoint(step=step, model=model, optimizer=optim, state=state, meta=meta, path=path)
 
     def load_latest(self, with_optimizer: bool = True) -> Checkpoint | None:
         """The highest complete checkpoint, or None when there is none."""

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from peagle_pipeline.errors import BadInput, OutputExists
+from peagle_pipeline.errors import BadInput, CorruptCache, NumericalFault, OutputExists
 from peagle_pipeline.runtime import atomic_write_json, fsync_dir, raise_if_no_space
 
 if TYPE_CHECKING:
@@ -68,10 +68,18 @@ class DraftSpec:
 
     @classmethod
     def load(cls, run_dir: str | os.PathLike[str]) -> DraftSpec:
+        """Raises BadInput (no draft.json: not a run) or CorruptCache (a draft.json that cannot be read)."""
         path = Path(run_dir) / DRAFT_SPEC
         if not path.is_file():
             raise BadInput(f"{run_dir} is not a training run (no {DRAFT_SPEC})")
-        return cls(**json.loads(path.read_text()))
+        try:
+            spec = cls(**json.loads(path.read_text()))
+            spec.vocab_size, spec.hidden_size  # noqa: B018 (the target facts must be there too)
+        except (ValueError, TypeError, KeyError) as err:
+            raise CorruptCache(
+                f"{path} is damaged ({type(err).__name__}); `train --resume` on this run writes it again"
+            ) from None
+        return spec
 
 
 def export_config(spec: DraftSpec) -> dict[str, Any]:
@@ -125,6 +133,12 @@ def export_config(spec: DraftSpec) -> dict[str, Any]:
 def export_weights(spec: DraftSpec, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The draft state dict in export form: floats to bf16; d2t int64 / t2d bool only when Vd < V."""
     out: dict[str, torch.Tensor] = {}
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+    if bad:
+        raise NumericalFault(
+            f"the draft's {', '.join(sorted(bad)[:3])} hold non-finite values: not exported (the run diverged; "
+            "export an earlier checkpoint with --checkpoint step-N, or retrain with a lower lr)"
+        )
     for key, value in state.items():
         if key in ("d2t", "t2d"):
             continue
@@ -146,9 +160,17 @@ def write_export(output: str | os.PathLike[str], spec: DraftSpec, state: dict[st
     An existing export in `output` is replaced; anything else there is refused.
 
     Raises:
+        BadInput: `output` is a file.
         OutputExists: `output` exists and is not a previous P-EAGLE export.
+        NumericalFault: a weight holds NaN or inf.
+        OutOfSpace: the disk filled up (nothing is left behind).
     """
+    from peagle_pipeline.stages.checkpoint import save_tensors
+
     out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"--output {out} is a file: give a directory for the export")
+    weights = export_weights(spec, state)
     if out.exists() and any(out.iterdir()):
         prev = out / CONFIG_FILE
         try:
@@ -162,12 +184,11 @@ def write_export(output: str | os.PathLike[str], spec: DraftSpec, state: dict[st
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        save_file(export_weights(spec, state), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(json.dumps(export_config(spec), indent=2) + "\n")
-        for name in (WEIGHTS_FILE, CONFIG_FILE):
-            fd = os.open(tmp / name, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+        save_tensors(weights, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+        with open(tmp / CONFIG_FILE, "w") as f:
+            f.write(json.dumps(export_config(spec), indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         fsync_dir(tmp)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
@@ -180,6 +201,9 @@ def write_export(output: str | os.PathLike[str], spec: DraftSpec, state: dict[st
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
         raise_if_no_space(err, str(out))
+    except BaseException:  # Ctrl-C included: no half-written temp folder is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 
@@ -193,6 +217,8 @@ def export_run(
     """
     from peagle_pipeline.stages.checkpoint import CheckpointManager
 
+    if Path(output).exists() and not Path(output).is_dir():
+        raise BadInput(f"--output {output} is a file: give a directory for the export")
     spec = DraftSpec.load(run_dir)
     manager = CheckpointManager(run_dir, keep=1)
     ckpt = manager.load(manager.resolve(checkpoint), with_optimizer=False)

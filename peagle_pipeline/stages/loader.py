@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,7 @@ __all__ = [
     "PackedBatch",
     "mix_seed",
     "split_samples",
+    "truncation",
     "pack_rows",
     "pack_epoch",
     "shift_sample",
@@ -141,6 +143,18 @@ def split_samples(samples: Any, eval_samples: int, seed: int) -> DataSplit:
         eval_lengths=lengths[held],
         skipped_unsupervised=int((~usable).sum()),
     )
+
+
+def truncation(split: DataSplit, budget: int) -> tuple[int, int, int, int]:
+    """What packing into rows of `budget` tokens cuts from the training samples.
+
+    Returns (samples cut, shifted tokens dropped, shifted tokens in all, longest sample's shifted tokens).
+    Example: budget 10, lengths [4, 12, 15] -> (2, 7, 31, 15).
+    """
+    lengths = split.train_lengths
+    over = lengths[lengths > budget]
+    longest = int(lengths.max()) if len(lengths) else 0
+    return int(len(over)), int((over - budget).sum()), int(lengths.sum()), longest
 
 
 def pack_rows(ids: np.ndarray, lengths: np.ndarray, budget: int) -> list[RowPlan]:
@@ -352,6 +366,7 @@ class TrainLoader:
             num_workers=self.num_workers,
             collate_fn=_identity,
             prefetch_factor=4 if self.num_workers else None,
+            worker_init_fn=_ignore_sigint if self.num_workers else None,
         )
         it = iter(loader)
         for epoch, step in self.steps_from(cursor):
@@ -366,3 +381,8 @@ class TrainLoader:
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def _ignore_sigint(worker_id: int) -> None:
+    """Workers leave Ctrl-C to the training process, which stops at a step boundary and ends them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

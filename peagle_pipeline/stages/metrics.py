@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,12 +27,14 @@ __all__ = [
     "NullSink",
     "RunSink",
     "read_metrics",
+    "json_safe",
     "plot",
 ]
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
 PLOTS_DIR = "plots"
+LINE_EVERY_S = 10.0  # plain progress lines (no terminal): at most one train line per this many seconds
 
 
 @dataclass
@@ -56,25 +59,27 @@ class StepWindow:
         self.wait, self.elapsed, self.grad_norm = 0.0, 0.0, 0.0
 
     def add(self, s: StepStats, wait: float, elapsed: float) -> None:
+        """Count one step; a skipped step (no update) adds its time and tokens but no loss or agreement."""
         self.steps += 1
         self.skipped += int(s.skipped)
-        if math.isfinite(s.loss_sum):
+        if not s.skipped and math.isfinite(s.loss_sum):
             self.loss += s.loss_sum
             self.count += s.count
+            self.correct = [
+                a + b for a, b in zip(self.correct, s.correct or [0] * len(self.correct), strict=True)
+            ]
+            self.total = [a + b for a, b in zip(self.total, s.total or [0] * len(self.total), strict=True)]
         self.tokens += s.tokens
-        self.correct = [
-            a + b for a, b in zip(self.correct, s.correct or [0] * len(self.correct), strict=True)
-        ]
-        self.total = [a + b for a, b in zip(self.total, s.total or [0] * len(self.total), strict=True)]
         self.wait += wait
         self.elapsed += elapsed
         self.grad_norm = s.grad_norm
 
     def record(self, step: int, lr: float, skipped_corrupt: int) -> dict[str, Any]:
+        """The window as one `train` record; `loss` is None when every step of it was skipped."""
         return {
             "step": step,
             "kind": "train",
-            "loss": self.loss / max(self.count, 1),
+            "loss": self.loss / self.count if self.count else None,
             "lr": lr,
             "grad_norm": self.grad_norm,
             "tokens_per_s": self.tokens / max(self.elapsed, 1e-9),
@@ -115,8 +120,28 @@ class NullSink:
         pass
 
 
+def json_safe(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with every non-finite float (also inside lists) as None and their keys listed under `nonfinite`,
+    so metrics.jsonl stays strict JSON (`jq`, pandas) where json.dumps would write NaN or Infinity."""
+    bad: list[str] = []
+
+    def clean(key: str, value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            bad.append(key)
+            return None
+        if isinstance(value, list):
+            return [clean(key, v) for v in value]
+        return value
+
+    out = {k: clean(k, v) for k, v in record.items()}
+    if bad:
+        out["nonfinite"] = sorted(set(bad))
+    return out
+
+
 class RunSink:
-    """metrics.jsonl (append, line-buffered, fsync on close) + TensorBoard + tqdm progress bar.
+    """metrics.jsonl (append, line-buffered, fsync on close) + TensorBoard + progress: a tqdm bar on a terminal,
+    else (SLURM, nohup, `| tee`) plain lines on stderr, one per eval and at most one per LINE_EVERY_S of training.
 
     On resume, records with step > `start_step` left by the killed run are dropped from metrics.jsonl first, so
     the file reads as one uninterrupted run.
@@ -153,9 +178,15 @@ class RunSink:
                 disable=None,
                 mininterval=1.0,
             )
+        self._lines = progress_bar and (self._bar is None or self._bar.disable)
+        self._total, self._start_step = total_steps, start_step
+        self._t0 = self._last_line = time.monotonic()
+        self._printed = False
 
     def log(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+        if self._lines:
+            self._print_line(record)
         if self._tb is not None:
             step, kind = int(record["step"]), record.get("kind", "train")
             for key, value in record.items():
@@ -167,6 +198,34 @@ class RunSink:
                     for d, v in enumerate(value):
                         if isinstance(v, (int, float)) and math.isfinite(v):
                             self._tb.add_scalar(f"{kind}/{key}/depth{d}", v, step)
+
+    def _print_line(self, r: dict[str, Any]) -> None:
+        """One plain progress line for a record (no terminal: the bar is off)."""
+        step, now = int(r["step"]), time.monotonic()
+
+        def num(x: Any, spec: str) -> str:
+            return "-" if x is None or not math.isfinite(x) else format(x, spec)
+
+        if r.get("kind") == "eval":
+            agree = " ".join(num(a, ".2f") for a in r.get("agreement", []))
+            line = (
+                f"eval at step {step}: loss {num(r.get('loss'), '.4f')}, acceptance length "
+                f"{num(r.get('acceptance'), '.3f')}, agreement per depth [{agree}]"
+            )
+        elif self._printed and step < self._total and now - self._last_line < LINE_EVERY_S:
+            return
+        else:
+            done = step - self._start_step
+            elapsed = now - self._t0
+            eta = elapsed / done * (self._total - step) if done > 0 else 0.0
+            skipped = f", {r['skipped_steps']} step(s) skipped" if r.get("skipped_steps") else ""
+            line = (
+                f"step {step}/{self._total} ({100 * step / max(self._total, 1):.0f}%): loss "
+                f"{num(r.get('loss'), '.4f')}, lr {num(r.get('lr'), '.3g')}, "
+                f"{num(r.get('tokens_per_s'), '.0f')} tok/s, elapsed {_hms(elapsed)}, eta {_hms(eta)}{skipped}"
+            )
+            self._last_line, self._printed = now, True
+        self.write(line)
 
     def progress(self, steps: int, postfix: dict[str, Any]) -> None:
         if self._bar is not None:
@@ -192,6 +251,11 @@ class RunSink:
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
+
+
+def _hms(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -231,11 +295,15 @@ def plot(run_dir: str | os.PathLike[str]) -> list[Path]:
     written = []
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    ax.plot(
-        [r["step"] for r in train if "loss" in r], [r["loss"] for r in train if "loss" in r], label="train"
-    )
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="held-out")
+    trained = [r for r in train if r.get("loss") is not None]  # None: every step of the window was skipped
+    ax.plot([r["step"] for r in trained], [r["loss"] for r in trained], label="train")
+    for i, step in enumerate(
+        r["step"] for r in train if r.get("skipped_steps")
+    ):  # no update: not a loss of 0
+        ax.axvline(step, color="tab:red", alpha=0.3, lw=0.8, label=None if i else "window with skipped steps")
+    scored = [r for r in evals if r.get("loss") is not None]
+    if scored:
+        ax.plot([r["step"] for r in scored], [r["loss"] for r in scored], "o-", label="held-out")
     ax.set(xlabel="optimizer step", ylabel="KL(target || draft) per element", title="Loss")
     ax.grid(alpha=0.3)
     ax.legend()

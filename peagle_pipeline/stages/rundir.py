@@ -1,18 +1,24 @@
 """The training run directory: what a run records about itself, and the checks before (re)starting one.
 
-`train.yaml` (resolved settings, what --resume compares), `run.json` (world size, argv, versions per start).
+`train.yaml` (resolved settings, what --resume compares), `run.json` (world size, the cache's real path and
+identity, argv, versions and total steps per start). A run *has trained* once it holds a complete checkpoint or a
+train record in metrics.jsonl; a folder whose run never trained (its start failed, or it was stopped before its
+first step) does not block the next start, with or without --resume.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 import platform
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-import torch
-
+from peagle_pipeline.cache import layout
 from peagle_pipeline.config import TrainConfig, to_dict
 from peagle_pipeline.errors import BadInput, OutputExists, ResumeMismatch
 from peagle_pipeline.runtime import atomic_write_json, atomic_write_text
@@ -22,7 +28,11 @@ __all__ = [
     "RUN_JSON",
     "EXPORT_DIR",
     "LOCK_FILE",
-    "RESUME_IGNORED",
+    "RESUME_FREE",
+    "EXTENDABLE",
+    "cache_identity",
+    "check_output_path",
+    "has_trained",
     "prepare_output",
     "write_run_files",
 ]
@@ -31,65 +41,156 @@ TRAIN_YAML = "train.yaml"
 RUN_JSON = "run.json"
 EXPORT_DIR = "export"
 LOCK_FILE = "train.lock"
-# Settings a resume may change: they do not alter the trained weights.
-RESUME_IGNORED = frozenset({"resume", "num_workers", "log_every", "export"})
+METRICS_FILE = "metrics.jsonl"  # (metrics.METRICS_FILE; spelled here to keep this module free of the sinks)
+CHECKPOINTS_DIR = "checkpoints"
+# Settings a resume may change: they do not alter the weights trained so far (where the run lives, how often it
+# logs, evaluates and saves, how many checkpoints it keeps, the device, the reader processes).
+RESUME_FREE = frozenset(
+    {
+        "resume",
+        "output",
+        "num_workers",
+        "log_every",
+        "export",
+        "device",
+        "keep_checkpoints",
+        "save_every",
+        "eval_every",
+        "max_bad_steps",
+    }
+)
+# Settings a resume may change to extend (or shorten) the run: the schedule is recomputed for the new total.
+EXTENDABLE = frozenset({"steps", "epochs"})
+
+log = logging.getLogger(__name__)
+
+
+def cache_identity(cache: str) -> str | None:
+    """sha256 of the cache's cache.json (written once when the cache is created): same bytes, same cache.
+
+    None when it cannot be read locally (an object-store URL, or no cache there).
+    """
+    try:
+        return hashlib.sha256((Path(cache) / layout.CACHE_META).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def check_output_path(output: str) -> None:
+    """Raises BadInput when --output names an existing file (a run directory is needed)."""
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"--output {out} is a file: give a directory for the run")
+
+
+def has_trained(out: Path) -> bool:
+    """True once the run in `out` completed a step: a complete checkpoint, or a train record in metrics.jsonl."""
+    ckpts = out / CHECKPOINTS_DIR
+    if ckpts.is_dir() and any(
+        p.is_dir() and p.name.startswith("step-") and not p.suffix for p in ckpts.iterdir()
+    ):
+        return True
+    metrics = out / METRICS_FILE
+    return metrics.is_file() and '"kind": "train"' in metrics.read_text(encoding="utf-8", errors="replace")
 
 
 def prepare_output(cfg: TrainConfig, world: int, micro_steps: int) -> bool:
     """Check the run directory against the request; True when a previous run is continued.
 
     Raises:
-        OutputExists: a non-empty output without --resume.
+        OutputExists: a run that trained, without --resume; or a non-empty folder that holds no run.
         BadInput: --resume but no run there.
-        ResumeMismatch: --resume with settings other than the run's train.yaml (names them).
+        ResumeMismatch: --resume with settings other than the run's train.yaml (names them), or another cache.
     """
     import yaml
 
     out = Path(cfg.output)
+    check_output_path(cfg.output)
     has_run = (out / TRAIN_YAML).is_file()
+    trained = has_run and has_trained(out)
+    if has_run and not trained:  # an earlier start failed or stopped before its first step: start again
+        log.info("%s holds a run that never trained; starting it again with these settings", out)
+        return False
     if not cfg.resume:
-        if has_run:
+        if trained:
             raise OutputExists(
                 f"{out} already holds a training run: add --resume to continue it, or choose another --output"
             )
-        if out.exists() and any(out.iterdir()):
+        if out.exists() and any(p.name != LOCK_FILE for p in out.iterdir()):
             raise OutputExists(f"{out} is not empty and holds no training run: choose another --output")
         return False
     if not has_run:
         raise BadInput(f"nothing to resume in {out} (no {TRAIN_YAML}): drop --resume to start a new run")
     saved = (yaml.safe_load((out / TRAIN_YAML).read_text()) or {}).get("train", {})
     now = to_dict(cfg)
-    run_facts = json.loads((out / RUN_JSON).read_text()) if (out / RUN_JSON).is_file() else {}
-    saved.update(
-        world_size=run_facts.get("world_size", world), micro_steps=run_facts.get("micro_steps", micro_steps)
-    )
+    facts = _read_run_json(out)
+    saved.update(world_size=facts.get("world_size", world), micro_steps=facts.get("micro_steps", micro_steps))
     now.update(world_size=world, micro_steps=micro_steps)
-    diff = sorted(k for k in set(saved) | set(now) if k not in RESUME_IGNORED and saved.get(k) != now.get(k))
+    free = RESUME_FREE | EXTENDABLE | {"cache"}
+    diff = sorted(k for k in set(saved) | set(now) if k not in free and saved.get(k) != now.get(k))
     if diff:
         detail = ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in diff)
         raise ResumeMismatch(f"cannot resume {out}: settings differ from its {TRAIN_YAML}: {detail}")
+    _check_same_cache(out, str(saved.get("cache", "")), cfg.cache, facts)
     return True
 
 
-def write_run_files(cfg: TrainConfig, world: int, micro_steps: int, resumed: bool) -> None:
-    """Write train.yaml (new runs only) and append this start to run.json (argv, versions)."""
+def _read_run_json(out: Path) -> dict[str, Any]:
+    try:
+        facts = json.loads((out / RUN_JSON).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError):
+        raise BadInput(f"{out / RUN_JSON} is damaged (not JSON): restore it or start a new run") from None
+    return facts if isinstance(facts, dict) else {}
+
+
+def _check_same_cache(out: Path, saved: str, now: str, facts: dict[str, Any]) -> None:
+    """The resumed run must read the cache it started on: same real path, or the same cache.json bytes (a moved
+    or copied cache). A cache re-extracted in place (other cache.json) is refused even under the same path."""
+    saved_real = facts.get("cache_realpath") or os.path.realpath(saved)
+    saved_id, now_id = facts.get("cache_identity"), cache_identity(now)
+    same_path = os.path.realpath(now) == saved_real
+    if saved_id is not None and now_id is not None:
+        same = saved_id == now_id
+    else:  # a run from before identities were recorded, or a cache that cannot be read here
+        same = same_path
+    if not same:
+        why = "another cache (its cache.json differs)" if same_path else "another cache"
+        raise ResumeMismatch(f"cannot resume {out}: cache ({saved!r} -> {now!r}) is {why}")
+    if not same_path:
+        log.info("cache %s moved to %s (same cache.json); resuming on it", saved, now)
+
+
+def write_run_files(cfg: TrainConfig, world: int, micro_steps: int, resumed: bool, total_steps: int) -> None:
+    """Write train.yaml (the current settings) and append this start to run.json (argv, versions, total steps)."""
+    import torch
     import transformers
     import yaml
 
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
-    if not resumed:
-        head = "# Resolved settings of this run (compared by --resume). Use it as a pipeline file: -c train.yaml\n"
-        atomic_write_text(out / TRAIN_YAML, head + yaml.safe_dump({"train": to_dict(cfg)}, sort_keys=False))
-    facts = json.loads((out / RUN_JSON).read_text()) if (out / RUN_JSON).is_file() else {"starts": []}
+    head = (
+        "# Resolved settings of this run (compared by --resume). Use it as a pipeline file: -c train.yaml\n"
+    )
+    settings = {**to_dict(cfg), "resume": False}
+    atomic_write_text(out / TRAIN_YAML, head + yaml.safe_dump({"train": settings}, sort_keys=False))
+    facts = _read_run_json(out) if resumed else {}
+    facts.setdefault("starts", [])
     from peagle_pipeline import __version__
 
-    facts.update(world_size=world, micro_steps=micro_steps)
+    facts.update(
+        world_size=world,
+        micro_steps=micro_steps,
+        cache_realpath=os.path.realpath(cfg.cache),
+        cache_identity=cache_identity(cfg.cache),
+    )
     facts["starts"].append(
         {
             "argv": sys.argv,
             "time": time.time(),
             "resumed": resumed,
+            "total_steps": total_steps,
             "versions": {
                 "peagle_pipeline": __version__,
                 "torch": torch.__version__,

@@ -29,11 +29,14 @@ import torch
 from peagle_pipeline.config import TrainConfig
 from peagle_pipeline.core import cod, loss, mask, partition
 from peagle_pipeline.errors import (
+    BadConfig,
     BadInput,
     CorruptCache,
+    Interrupted,
     NumericalFault,
+    ResumeMismatch,
 )
-from peagle_pipeline.runtime import RankLock
+from peagle_pipeline.runtime import RankLock, StopOnSigint, configure_logging
 from peagle_pipeline.stages import metrics as metrics_mod
 from peagle_pipeline.stages.checkpoint import CheckpointManager
 from peagle_pipeline.stages.distributed import Dist
@@ -47,12 +50,14 @@ from peagle_pipeline.stages.loader import (
     pack_rows,
     read_packed,
     split_samples,
+    truncation,
 )
 from peagle_pipeline.stages.metrics import StepStats, StepWindow
 from peagle_pipeline.stages.optim import build_optimizer, lr_at
 from peagle_pipeline.stages.rundir import (
     EXPORT_DIR,
     LOCK_FILE,
+    check_output_path,
     prepare_output,
     write_run_files,
 )
@@ -96,6 +101,7 @@ class Trainer:
             max_anchors=cfg.max_anchors,
         )
         self.split = split_samples(self.cache.samples, cfg.eval_samples, cfg.seed)
+        _check_truncation(self.split, cfg.tokens_per_step)
         self.loader = TrainLoader(
             self.cache,
             self.split,
@@ -114,6 +120,9 @@ class Trainer:
         self.step, self.cursor, self.bad_steps = 0, Cursor(), 0
         self.best: float | None = None
         self.skipped_corrupt = 0
+        self.saved_total: int | None = (
+            None  # total_steps of the checkpoint restored (None: fresh or older run)
+        )
         self.autocast = dict(
             device_type=dist.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"
         )
@@ -132,6 +141,7 @@ class Trainer:
             "skipped_corrupt": self.skipped_corrupt,
             "torch_rng": torch.get_rng_state(),
             "seed": self.cfg.seed,
+            "total_steps": self.total_steps,
         }
 
     def restore(self) -> bool:
@@ -149,9 +159,23 @@ class Trainer:
             int(s["skipped_corrupt"]),
         )
         torch.set_rng_state(s["torch_rng"])
+        self.saved_total = int(s["total_steps"]) if "total_steps" in s else None
         return True
 
     def save(self, best: bool = False, metrics: dict[str, Any] | None = None) -> None:
+        """Checkpoint the current step (rank 0 writes).
+
+        Raises:
+            NumericalFault: the weights are no longer finite (such a checkpoint would only poison a resume).
+        """
+        bad = [
+            k for k, v in self.model.state_dict().items() if v.is_floating_point() and not v.isfinite().all()
+        ]
+        if bad:
+            raise NumericalFault(
+                f"weights became non-finite by step {self.step} ({', '.join(bad[:3])}): not saved; the learning "
+                "rate is likely too high (resume from the last checkpoint with a lower one in a new run)"
+            )
         if self.dist.main:
             self.ckpt.save(
                 self.step,
@@ -356,17 +380,33 @@ class Trainer:
             ],
             "acceptance": acc_sum / acc_n if acc_n else None,
             "eval_elements": count,
+            "eval_samples": len(self.split.eval_ids),
         }
 
     # ---- the loop ------------------------------------------------------------------------------------------
-    def fit(self) -> dict[str, Any]:
-        """Run steps until `total_steps`; eval, save and log on their cadences. Returns the final eval record."""
+    def fit(self, should_stop: Any = None) -> dict[str, Any]:
+        """Run steps until `total_steps`; eval, save and log on their cadences. Returns the final eval record.
+
+        `should_stop()` is asked before every step (Ctrl-C): when true on any rank, the current step is saved
+        and `Interrupted` is raised.
+
+        Raises:
+            Interrupted: a stop was requested (after the checkpoint is written).
+        """
         cfg, K = self.cfg, self.cfg.depths
         window = StepWindow(K)
         stream = self.loader.iterate(self.cursor)
         last_eval: dict[str, Any] | None = None
         saved_at = self.step
         while self.step < self.total_steps:
+            if should_stop is not None and self._stop_requested(should_stop()):
+                if saved_at != self.step:
+                    self.save()
+                raise Interrupted(
+                    f"interrupted at step {self.step} of {self.total_steps}: "
+                    + (f"checkpoint step-{self.step} saved" if self.step else "nothing trained yet")
+                    + "; re-run with --resume to continue"
+                )
             t0 = time.perf_counter()
             cursor, micro = next(stream)
             t_data = time.perf_counter() - t0
@@ -385,7 +425,7 @@ class Trainer:
                 self.sink.progress(
                     0,
                     {
-                        "loss": f"{record['loss']:.3f}",
+                        "loss": _fmt(record["loss"], 3),
                         "agree0": _fmt(record["agreement"][0]),
                         "tok/s": f"{record['tokens_per_s']:.0f}",
                     },
@@ -409,60 +449,159 @@ class Trainer:
                 saved_at = self.step
         return last_eval or {}
 
+    def _stop_requested(self, local: bool) -> bool:
+        """True when any rank was asked to stop (one tiny all-reduce per step under DDP)."""
+        if self.dist.world == 1:
+            return local
+        return float(self.dist.all_sum(torch.tensor([1.0 if local else 0.0]))[0]) > 0
 
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _check_truncation(split: Any, budget: int) -> None:
+    """Samples longer than tokens_per_step are cut to their first `budget` tokens: say so, and refuse a budget
+    that would drop half or more of the training tokens (`--tokens-per-step 1` trains on one token per sample).
+
+    Raises:
+        BadConfig: half or more of the training tokens would be dropped.
+    """
+    cut, dropped, total, longest = truncation(split, budget)
+    if not cut:
+        return
+    share = dropped / max(total, 1)
+    what = (
+        f"tokens_per_step {budget} is shorter than {cut} of {len(split.train_ids)} training samples (longest "
+        f"{longest} shifted tokens): {share:.0%} of the training tokens would never be trained on"
+    )
+    if share >= 0.5:
+        raise BadConfig(
+            f"{what}; use --tokens-per-step {longest} or more (--sequence-partitions cuts memory)"
+        )
+    log.warning("%s; use --tokens-per-step %d or more to train on whole samples", what, longest)
 
 
 # ----------------------------------------------------------------------------------------------------- entry
+STOP_NOTICE = "Ctrl-C: stopping after this step and saving a checkpoint (press Ctrl-C again to stop at once)"
+
+
 def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
     """Train (or resume) a run; returns the final held-out metrics. `micro_steps` = packed rows per rank per step.
+
+    Order: lock the run folder, check it, build every component (cache, draft, data plan: all the checks), and
+    only then write train.yaml/run.json/draft.json, so a start that fails leaves nothing that blocks a retry.
+    Ctrl-C stops at the next step boundary with a checkpoint (`Interrupted`, exit 130).
 
     Raises:
         PeagleError subclasses for every user mistake (see `prepare_output`, `build_draft`, the cache reader).
     """
     dist = Dist.setup(cfg.device)
-    lock = None
+    configure_logging(logging.INFO if dist.main else logging.WARNING)
+    out = Path(cfg.output)
+    lock, created, lock_created, started = None, False, False, False
     sink: Any = metrics_mod.NullSink()
     try:
+        if dist.main:
+            check_output_path(cfg.output)
+            created, lock_created = not out.exists(), not (out / LOCK_FILE).exists()
+            lock = RankLock(
+                out / LOCK_FILE,
+                f"training run {cfg.output}",
+                "wait for it or stop it, or choose another --output",
+            ).acquire(write_pid=False)  # a start refused by the checks below leaves the folder as it was
+        dist.barrier()
         resumed = prepare_output(cfg, dist.world, micro_steps)  # every rank checks before anyone writes
-        dist.barrier()
-        if dist.main:
-            lock = RankLock(Path(cfg.output) / LOCK_FILE, f"training run {cfg.output}").acquire()
-            write_run_files(cfg, dist.world, micro_steps, resumed)
-        dist.barrier()
         trainer = Trainer(cfg, dist, micro_steps)
-        if dist.main:
-            trainer.spec.save(cfg.output)
         if resumed and trainer.restore():
-            log.info("resumed %s at step %d", cfg.output, trainer.step)
+            _check_extension(cfg, trainer)
+        dist.barrier()
+        if dist.main:
+            if lock is not None:
+                lock.write_pid()
+            write_run_files(cfg, dist.world, micro_steps, resumed, trainer.total_steps)
+            trainer.spec.save(cfg.output)
+        started = True
         if dist.main:
             sink = metrics_mod.RunSink(cfg.output, trainer.total_steps, start_step=trainer.step)
             trainer.sink = sink
-            if trainer.split.skipped_unsupervised:
-                sink.write(
-                    f"skipped {trainer.split.skipped_unsupervised} sample(s) without supervised tokens"
-                )
-        final = trainer.fit()
+            for line in _start_notes(cfg, trainer):
+                sink.write(line)
+        with StopOnSigint(STOP_NOTICE) as stop:  # Ctrl-C from here on: finish the step, save, stop
+            final = trainer.fit(should_stop=lambda: stop.requested)
         if dist.main:
-            with contextlib.suppress(BadInput):
-                metrics_mod.plot(cfg.output)
-            if cfg.export:
-                sink.write(
-                    f"exported draft to {export_run(cfg.output, Path(cfg.output) / EXPORT_DIR, 'best')}"
-                )
-            if final:
-                acc = final.get("acceptance")
-                sink.write(
-                    f"held-out: loss {final['loss']:.4f}, acceptance length "
-                    f"{'-' if acc is None else f'{acc:.3f}'}, agreement per depth "
-                    f"{[_fmt(a) for a in final['agreement']]}"
-                )
+            _finish(cfg, final, sink)
         sink.close()
         dist.barrier()
         return final
+    except KeyboardInterrupt:  # Ctrl-C before the loop, or a second one inside it: stop without saving
+        raise Interrupted(
+            "interrupted: the last complete checkpoint is kept; re-run with --resume to continue"
+            if started
+            else "interrupted before training started; re-run the same command to start"
+        ) from None
     finally:
         sink.close()
         if lock is not None:
+            if not started:
+                _forget_start(out, lock, created, lock_created)
             lock.release()
         dist.teardown()
+
+
+def _check_extension(cfg: TrainConfig, trainer: Trainer) -> None:
+    """A resume may change `steps`/`epochs` (the schedule is recomputed for the new total), never below the
+    step the run has reached."""
+    if trainer.total_steps < trainer.step:
+        raise ResumeMismatch(
+            f"cannot resume {cfg.output}: it is at step {trainer.step}, beyond the {trainer.total_steps} steps "
+            "asked; give --steps of at least that"
+        )
+
+
+def _start_notes(cfg: TrainConfig, trainer: Trainer) -> list[str]:
+    """Lines for the user at the start: resume point and schedule, what the data split left out."""
+    notes = []
+    split = trainer.split
+    if trainer.step:
+        notes.append(f"resumed {cfg.output} at step {trainer.step} of {trainer.total_steps}")
+    if trainer.step and trainer.saved_total not in (None, trainer.total_steps):
+        lr_then = lr_at(trainer.step, cfg.lr, cfg.warmup, trainer.saved_total, cfg.schedule)
+        lr_now = lr_at(trainer.step, cfg.lr, cfg.warmup, trainer.total_steps, cfg.schedule)
+        notes.append(
+            f"run length changed from {trainer.saved_total} to {trainer.total_steps} steps: the {cfg.schedule} "
+            f"schedule is recomputed for {trainer.total_steps} steps from step {trainer.step} "
+            f"(lr {lr_then:.3g} -> {lr_now:.3g}; warm-up is not repeated)"
+        )
+    if split.skipped_unsupervised:
+        notes.append(f"skipped {split.skipped_unsupervised} sample(s) without supervised tokens")
+    if len(split.eval_ids) < cfg.eval_samples:
+        notes.append(
+            f"eval_samples {cfg.eval_samples} capped at {len(split.eval_ids)}: at most half of the "
+            f"{len(split.eval_ids) + len(split.train_ids)} usable samples are held out"
+        )
+    return notes
+
+
+def _finish(cfg: TrainConfig, final: dict[str, Any], sink: Any) -> None:
+    """Plots, the export and the held-out summary at the end of a run (rank 0)."""
+    with contextlib.suppress(BadInput):
+        metrics_mod.plot(cfg.output)
+    if cfg.export:
+        sink.write(f"exported draft to {export_run(cfg.output, Path(cfg.output) / EXPORT_DIR, 'best')}")
+    if final:
+        acc = final.get("acceptance")
+        sink.write(
+            f"held-out: loss {final['loss']:.4f}, acceptance length "
+            f"{'-' if acc is None else f'{acc:.3f}'}, agreement per depth "
+            f"{[_fmt(a) for a in final['agreement']]}"
+        )
+
+
+def _forget_start(out: Path, lock: RankLock, created: bool, lock_created: bool) -> None:
+    """A start that failed before training leaves nothing behind: the lock file and the folder, if it made them."""
+    with contextlib.suppress(OSError):
+        if lock_created:
+            lock.path.unlink()
+        if created:
+            out.rmdir()  # only when empty: whatever else is there stays

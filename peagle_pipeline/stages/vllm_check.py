@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -347,6 +348,13 @@ def run(
         BadInput: not an export, draft/target mismatch, bad options, vLLM refused to start.
         SpeculativeMismatch: speculative greedy output differs from plain greedy output.
     """
+    try:
+        import vllm  # noqa: F401  (imported below anyway; a missing or broken install is a setup problem)
+    except ImportError as err:
+        raise BadInput(
+            f"vllm-check needs vLLM, which {sys.executable} cannot import ({err}): install it (`make setup-vllm` "
+            "creates .venv-vllm) and run vllm-check with that environment's peagle-pipeline"
+        ) from None
     config = read_draft_config(draft_dir)
     info = read_target_info(target)
     draft_vocab = int(config.get("transformer_layer_config", {}).get("vocab_size", info.vocab_size))

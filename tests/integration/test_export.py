@@ -170,3 +170,27 @@ def test_export_cli_replaces_a_previous_export(run_dir: Path, tmp_path: Path, ca
     assert f"exported to {out}" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert main(["export", str(tmp_path / "nope"), "--output", str(tmp_path / "x")]) == 2
+
+
+def test_non_finite_weights_are_never_exported_or_saved(
+    run_dir: Path, tiny_cache: Path, tmp_path: Path
+) -> None:
+    """A diverged draft (the old `--lr inf` run exported NaN embed_tokens with exit 0) stops with exit 8."""
+    from peagle_pipeline.errors import NumericalFault
+    from peagle_pipeline.stages.distributed import Dist
+
+    spec = export.DraftSpec.load(run_dir)
+    state = CheckpointManager(run_dir, keep=1).load_latest(with_optimizer=False).model
+    state = {k: v.clone() for k, v in state.items()}
+    state["embed_tokens.weight"][3, 1] = float("nan")
+    out = tmp_path / "exp"
+    with pytest.raises(NumericalFault, match="embed_tokens.weight hold non-finite values"):
+        export.write_export(out, spec, state)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+    trainer = train.Trainer(_cfg(tiny_cache, tmp_path / "run"), Dist())
+    with torch.no_grad():
+        trainer.model.fc.weight[0, 0] = float("inf")
+    with pytest.raises(NumericalFault, match=r"weights became non-finite by step 0 \(fc.weight\)"):
+        trainer.save()
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -83,3 +83,70 @@ def test_debug_env_shows_traceback(tmp_path, debug, cli_env):
     )
     assert out.returncode != 0
     assert ("Traceback" in out.stderr) == (debug == "1")
+
+
+def _help(*args: str, capsys) -> str:
+    assert cli.main([*args, "--help"]) == 0
+    return capsys.readouterr().out
+
+
+def test_help_shows_defaults_choices_and_brackets(capsys):
+    out = " ".join(_help("train", capsys=capsys).split())  # unwrap the help columns
+    assert "--schedule [cosine|linear|constant]" in out
+    assert "--precision [bf16|fp32]" in out and "--target [topk|exact]" in out
+    assert "Learning-rate decay after warm-up. [default: cosine]" in out
+    assert "[default: 0.0006]" in out and "[default: 8]" in out  # lr, depths
+    assert "[default: --export]" in out and "[default: --no-resume]" in out
+    assert "bounds [elements, Vd] memory" in out  # rich markup ate the brackets before
+    assert "<bool>" not in out and "--help <" not in out
+    assert "--cache <str> Cache directory" in out and "[required: flag or pipeline file]" in out
+    extract = " ".join(_help("extract", capsys=capsys).split())
+    assert "--backend [hf|vllm]" in extract and "--overlong [truncate|skip]" in extract
+
+
+def test_help_names_positional_arguments_plainly(capsys):
+    for command, name in (("inspect", "CACHE"), ("verify", "CACHE"), ("export", "RUN"), ("plot", "RUN")):
+        out = _help(command, capsys=capsys)
+        usage = out.splitlines()[0]
+        assert usage.startswith(f"Usage: peagle-pipeline {command} [OPTIONS]") and usage.endswith(name), usage
+        assert "{" not in usage
+
+
+def test_version(capsys):
+    from peagle_pipeline import __version__
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"peagle-pipeline {__version__}"
+
+
+def test_ctrl_c_inside_a_command_is_exit_130_with_a_message(monkeypatch, capsys, tmp_path):
+    """typer turns KeyboardInterrupt into a returned 130 under standalone_mode=False; main used to drop it (0)."""
+    import peagle_pipeline.stages.metrics as metrics
+
+    def interrupted(run_dir):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(metrics, "plot", interrupted)
+    assert cli.main(["plot", str(tmp_path)]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: interrupted"), err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["--version"], ["train", "--help"], ["plot", "{run}"]],
+    ids=["help", "version", "train-help", "plot"],
+)
+def test_light_commands_do_not_import_torch(argv, tmp_path):
+    """Start-up cost: torch (about 1.3 s warm, many seconds cold) is imported only by commands that need it."""
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "kind": "train", "loss": 2.0, "agreement": [0.5]}\n'
+        '{"step": 1, "kind": "eval", "loss": 2.1, "agreement": [0.4], "acceptance": 1.2}\n'
+    )
+    args = [a.replace("{run}", str(tmp_path)) for a in argv]
+    code = (
+        "import sys; from peagle_pipeline import cli; rc = cli.main(sys.argv[1:]); "
+        "print('RC', rc, 'torch' in sys.modules, 'rich' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "RC 0 False False", out.stdout + out.stderr

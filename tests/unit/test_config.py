@@ -96,3 +96,46 @@ def test_generated_docs_are_current():
         [sys.executable, "scripts/gen_docs.py", "--check"], cwd=root, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stdout
+
+
+BASE_TRAIN = {"cache": "c", "output": "o"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ({"lr": float("inf")}, "lr must be a finite number, got inf"),
+        ({"lr": "nan"}, "lr must be a finite number, got nan"),
+        ({"grad_clip": float("nan")}, "grad_clip must be a finite number"),
+        ({"weight_decay": -5}, "weight_decay must be >= 0, got -5.0"),
+        ({"weight_decay": "inf"}, "weight_decay must be a finite number"),
+        ({"down_sample_ratio": float("nan")}, "down_sample_ratio must be a finite number"),
+        ({"device": "banana"}, "device must be auto, cpu, cuda or cuda:N"),
+    ],
+)
+def test_float_and_device_settings_are_checked_at_parse_time(overrides, needle):
+    """nan/inf slip through `x > 0` range checks; they (and a device torch cannot parse) are refused here."""
+    with pytest.raises(BadConfig) as info:
+        resolve(TrainConfig, None, {**BASE_TRAIN, **overrides})
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_extract_float_and_device_settings_are_checked():
+    with pytest.raises(BadConfig, match="gpu_memory_utilization must be a finite number"):
+        resolve(ExtractConfig, None, {**BASE_EXTRACT, "gpu_memory_utilization": float("nan")})
+    with pytest.raises(BadConfig, match="device must be"):
+        resolve(ExtractConfig, None, {**BASE_EXTRACT, "device": "gpu0"})
+    assert resolve(ExtractConfig, None, {**BASE_EXTRACT, "device": "cuda:1"}).device == "cuda:1"
+
+
+def test_pipeline_file_that_is_a_directory(tmp_path):
+    with pytest.raises(BadConfig, match="is a directory"):
+        resolve(TrainConfig, tmp_path, BASE_TRAIN)
+
+
+def test_field_choices_come_from_literal_types():
+    from peagle_pipeline.config import field_choices
+
+    assert field_choices(TrainConfig, "schedule") == ("cosine", "linear", "constant")
+    assert field_choices(ExtractConfig, "backend") == ("hf", "vllm")
+    assert field_choices(TrainConfig, "lr") == ()

@@ -17,6 +17,7 @@ from peagle_pipeline.stages.loader import (
     read_packed,
     shift_sample,
     split_samples,
+    truncation,
 )
 
 
@@ -35,6 +36,13 @@ def test_pack_rows_greedy_with_truncation() -> None:
     rows = pack_rows(np.array([7, 8, 9, 10]), np.array([4, 5, 3, 12]), budget=10)
     assert [(r.sample_ids, r.lengths) for r in rows] == [((7, 8), (4, 5)), ((9,), (3,)), ((10,), (10,))]
     assert all(r.tokens <= 10 for r in rows)
+
+
+def test_truncation_counts_what_the_budget_cuts() -> None:
+    """tokens_per_step below a sample's length cuts it (pack_rows above); the trainer reports or refuses this."""
+    split = split_samples(table([5, 13, 16, 2]), 0, seed=0)  # shifted lengths 4, 12, 15, 1
+    assert truncation(split, 10) == (2, 7, 32, 15)
+    assert truncation(split, 15) == (0, 0, 32, 15)
 
 
 def test_split_skips_unsupervised_and_is_fixed_by_seed() -> None:

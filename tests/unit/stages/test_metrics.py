@@ -50,3 +50,63 @@ def test_plot_writes_three_pngs(tmp_path) -> None:
 def test_plot_without_metrics(tmp_path) -> None:
     with pytest.raises(BadInput, match="train first"):
         metrics.plot(tmp_path)
+
+
+def test_non_finite_values_are_strict_json(tmp_path) -> None:
+    """json.dumps writes NaN/Infinity, which jq and strict parsers refuse: they become null plus a flag."""
+    import json
+
+    sink = metrics.RunSink(tmp_path, total_steps=2, progress_bar=False, tensorboard=False)
+    sink.log(
+        {
+            "step": 1,
+            "kind": "train",
+            "loss": float("nan"),
+            "grad_norm": float("inf"),
+            "agreement": [0.5, float("-inf")],
+        }
+    )
+    sink.close()
+
+    def refuse(constant: str) -> None:
+        raise ValueError(constant)
+
+    line = (tmp_path / "metrics.jsonl").read_text().strip()
+    rec = json.loads(line, parse_constant=refuse)
+    assert rec["loss"] is None and rec["grad_norm"] is None and rec["agreement"] == [0.5, None]
+    assert rec["nonfinite"] == ["agreement", "grad_norm", "loss"]
+
+
+def test_skipped_steps_are_not_a_loss_of_zero() -> None:
+    window = metrics.StepWindow(2)
+    for _ in range(3):  # no update happened: the loss is unknown, not 0.0
+        window.add(
+            metrics.StepStats(loss_sum=float("nan"), count=40, correct=[1, 1], total=[4, 4], skipped=True),
+            0.0,
+            0.1,
+        )
+    rec = window.record(3, 1e-3, 0)
+    assert rec["loss"] is None and rec["skipped_steps"] == 3 and rec["agreement"] == [None, None]
+    window.add(metrics.StepStats(loss_sum=8.0, count=4, correct=[2, 1], total=[4, 4]), 0.0, 0.1)
+    rec = window.record(4, 1e-3, 0)
+    assert rec["loss"] == 2.0 and rec["skipped_steps"] == 3 and rec["agreement"] == [0.5, 0.25]
+
+
+def test_plot_skips_windows_without_a_loss(tmp_path) -> None:
+    sink = metrics.RunSink(tmp_path, total_steps=3, progress_bar=False, tensorboard=False)
+    sink.log({"step": 1, "kind": "train", "loss": 2.0, "agreement": [0.5]})
+    sink.log({"step": 2, "kind": "train", "loss": None, "skipped_steps": 1, "agreement": [None]})
+    sink.close()
+    assert [p.name for p in metrics.plot(tmp_path)] == ["loss.png", "agreement.png", "acceptance.png"]
+
+
+def test_plain_progress_lines_when_there_is_no_terminal(tmp_path, capsys) -> None:
+    sink = metrics.RunSink(tmp_path, total_steps=3, tensorboard=False)  # stderr is captured: not a terminal
+    for step in (1, 2, 3):
+        sink.log({"step": step, "kind": "train", "loss": 1.5, "lr": 1e-3, "tokens_per_s": 100.0})
+    sink.log({"step": 3, "kind": "eval", "loss": 1.4, "acceptance": 1.25, "agreement": [0.5, None]})
+    sink.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("step 1/3 (33%): loss 1.5000, lr 0.001, 100 tok/s")
+    assert lines[1].startswith("step 3/3 (100%)")  # step 2 came within LINE_EVERY_S of step 1
+    assert lines[2] == "eval at step 3: loss 1.4000, acceptance length 1.250, agreement per depth [0.50 -]"

@@ -1,0 +1,166 @@
+"""Ctrl-C and a second start on a live run, with real `peagle-pipeline` subprocesses (issue 15, items 1 and 15).
+
+SIGINT goes to the whole process group, as a terminal sends it (the DataLoader worker gets it too). Training must
+stop at a step boundary, save that step, exit 130 with one error line, and `--resume` must then finish with the
+weights of an uninterrupted run. Before training starts, Ctrl-C leaves nothing that blocks the next start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from cli_argv import PEAGLE, small_train_flags
+from safetensors.torch import load_file
+
+from peagle_pipeline.stages import metrics
+
+pytestmark = [pytest.mark.crash, pytest.mark.slow]
+
+STEPS = 120
+FLAGS = small_train_flags(
+    depths=4, tokens_per_step=256, steps=STEPS, eval_every=100, save_every=1000, num_workers=1, eval_samples=4
+)
+
+
+def _cmd(cache: Path, out: Path, *extra: str) -> list[str]:
+    return [*PEAGLE, "train", "--cache", str(cache), "--output", str(out), *FLAGS, *extra]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PEAGLE_DEBUG", None)
+    return env
+
+
+def _start(cmd: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def _wait_for(proc: subprocess.Popen[str], ready, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, f"ended early ({proc.returncode}): {proc.stderr.read()[-2000:]}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _last_step(out: Path) -> int:
+    steps = [r["step"] for r in metrics.read_metrics(out) if r.get("kind") == "train"]
+    return steps[-1] if steps else 0
+
+
+def _ctrl_c(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the trainer and its DataLoader worker
+    stdout, stderr = proc.communicate(timeout=120)
+    return stdout, stderr
+
+
+def _hold_fifo(proc: subprocess.Popen[str], fifo: Path) -> int:
+    """Wait until `proc` opens the FIFO for reading, then hold its write end open (never writing): the process
+    stays blocked in read() inside the command. Returns the write end's fd (close it after)."""
+    fd: list[int] = []
+
+    def opened() -> bool:
+        try:
+            fd.append(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO while no reader has it open
+        except OSError:
+            return False
+        return True
+
+    _wait_for(proc, opened)
+    time.sleep(0.2)
+    return fd[0]
+
+
+def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "checkpoints" / f"step-{step:08d}" / "model.safetensors"))
+
+
+def test_ctrl_c_saves_the_step_and_resume_finishes_exactly(tiny_cache: Path, tmp_path: Path) -> None:
+    reference = tmp_path / "reference"
+    done = subprocess.run(
+        _cmd(tiny_cache, reference), env=_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    out = tmp_path / "run"
+    proc = _start(_cmd(tiny_cache, out))
+    _wait_for(proc, lambda: _last_step(out) >= 10)
+    _, stderr = _ctrl_c(proc)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr and sum(line.startswith("error:") for line in lines) == 1
+    assert lines[-1].startswith("error: interrupted at step "), lines[-1]
+    stopped = int(lines[-1].split("interrupted at step ")[1].split()[0])
+    assert (
+        10 <= stopped < STEPS and f"checkpoint step-{stopped} saved" in lines[-1] and "--resume" in lines[-1]
+    )
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{stopped:08d}"
+    assert not list((out / "checkpoints").glob("*.tmp"))
+
+    again = subprocess.run(
+        _cmd(tiny_cache, out, "--resume"), env=_env(), capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"resumed {out} at step {stopped} of {STEPS}" in again.stderr
+    ref, got = _weights(reference, STEPS), _weights(out, STEPS)
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_ctrl_c_before_training_leaves_nothing(tiny_cache: Path, tmp_path: Path) -> None:
+    """The cache's cache.json is a FIFO: the start blocks reading it, inside the trainer's set-up."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    os.mkfifo(cache / "cache.json")
+    out = tmp_path / "run"
+    proc = _start(_cmd(cache, out))
+    writer = _hold_fifo(proc, cache / "cache.json")
+    _, stderr = _ctrl_c(proc)
+    os.close(writer)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert proc.returncode == 130 and lines == [
+        "error: interrupted before training started; re-run the same command to start"
+    ], stderr[-2000:]
+    assert not out.exists()
+
+
+def test_second_start_on_a_live_run_is_busy(tiny_cache: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    first = _start(_cmd(tiny_cache, out, "--steps", "100000"))
+    try:
+        _wait_for(first, lambda: _last_step(out) >= 1)
+        second = subprocess.run(
+            _cmd(tiny_cache, out), env=_env(), capture_output=True, text=True, timeout=300
+        )
+        lines = [line for line in second.stderr.splitlines() if line.strip()]
+        assert second.returncode == 7, second.stderr[-2000:]
+        assert len(lines) == 1 and f"another process (pid {first.pid})" in lines[0], lines
+        assert "rank" not in lines[0] and "--output" in lines[0]
+    finally:
+        _, stderr = _ctrl_c(first)
+    assert first.returncode == 130 and "checkpoint step-" in stderr
+    assert json.loads((out / "run.json").read_text())["starts"][0]["total_steps"] == 100000
+
+
+def test_ctrl_c_in_verify_is_exit_130(tmp_path: Path) -> None:
+    """Every command (not only extract and train): exit 130 and one line, never 0 and silence."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    os.mkfifo(cache / "cache.json")
+    proc = _start([*PEAGLE, "verify", str(cache)])
+    writer = _hold_fifo(proc, cache / "cache.json")
+    stdout, stderr = _ctrl_c(proc)
+    os.close(writer)
+    assert proc.returncode == 130, (stdout, stderr)
+    assert [line for line in stderr.splitlines() if line.strip()] == [
+        "error: interrupted: committed work is kept; re-run the same command to resume"
+    ]
