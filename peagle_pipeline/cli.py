@@ -65,6 +65,7 @@ def extract(
     max_samples: Annotated[int | None, typer.Option(help=_E("max_samples"))] = None,
     batch_tokens: Annotated[int | None, typer.Option(help=_E("batch_tokens"))] = None,
     dtype: Annotated[str | None, typer.Option(help=_E("dtype"))] = None,
+    compute_dtype: Annotated[str | None, typer.Option(help=_E("compute_dtype"))] = None,
     assistant_turns: Annotated[str | None, typer.Option(help=_E("assistant_turns"))] = None,
     leading_assistant: Annotated[str | None, typer.Option(help=_E("leading_assistant"))] = None,
     compress: Annotated[str | None, typer.Option(help=_E("compress"))] = None,

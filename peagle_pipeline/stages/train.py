@@ -33,7 +33,7 @@ from peagle_pipeline.errors import (
     CorruptCache,
     NumericalFault,
 )
-from peagle_pipeline.runtime import RankLock
+from peagle_pipeline.runtime import RankLock, describe_compute_dtype, resolve_compute_dtype
 from peagle_pipeline.stages import metrics as metrics_mod
 from peagle_pipeline.stages.checkpoint import CheckpointManager
 from peagle_pipeline.stages.distributed import Dist
@@ -114,8 +114,9 @@ class Trainer:
         self.step, self.cursor, self.bad_steps = 0, Cursor(), 0
         self.best: float | None = None
         self.skipped_corrupt = 0
+        self.precision = resolve_compute_dtype(cfg.precision, str(dist.device))  # auto -> from the hardware
         self.autocast = dict(
-            device_type=dist.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"
+            device_type=dist.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"
         )
         if cfg.target == "exact":
             self.target_norm = self.cache.target_pieces()["norm.weight"].to(dist.device)
@@ -211,7 +212,7 @@ class Trainer:
         aux_index = torch.zeros_like(sub.target)
         aux_index[real] = torch.arange(int(real.sum()), device=sub.target.device)
         aux = p.batch.aux_hidden[sub.target[real]]
-        if self.cfg.precision == "fp32":
+        if self.precision == "fp32":
             aux = aux.float()
         with torch.autocast(**self.autocast):
             hidden = module(
@@ -439,6 +440,9 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
         if dist.main:
             sink = metrics_mod.RunSink(cfg.output, trainer.total_steps, start_step=trainer.step)
             trainer.sink = sink
+            why = describe_compute_dtype(cfg.precision, str(dist.device), trainer.precision)
+            log.info("%s", why)
+            sink.write(why)
             if trainer.split.skipped_unsupervised:
                 sink.write(
                     f"skipped {trainer.split.skipped_unsupervised} sample(s) without supervised tokens"
