@@ -79,21 +79,24 @@ def bench_extraction(args: argparse.Namespace) -> dict[str, float]:
     return {"tokens": tokens, "batches": len(batches), **{d: tokens / seconds[d] for d in DTYPES}}
 
 
-def train_step(setup: tuple, dtype: str, depths: int) -> float:
-    """One optimizer-free training step (forward, loss, backward) as the trainer composes it; returns the loss."""
+def train_step(
+    setup: tuple, dtype: str, depths: int, segments: int = 1, chunk: int = 1024, zero_grad: bool = True
+) -> float:
+    """One optimizer-free training step (forward, loss, backward per segment) as the trainer composes it, on the
+    device the setup's tensors are on (CUDA: the compiled flex BlockMask); returns the loss (sum / count)."""
     model, vocab, lay, toks, aux, weight, ids, lp, _ = setup
-    model.zero_grad(set_to_none=True)
+    head = getattr(model, "module", model).lm_head.weight  # model may be DDP-wrapped
+    if zero_grad:
+        model.zero_grad(set_to_none=True)
     aux_in = aux.float() if dtype == "fp32" else aux
     ew = lay.element_weight(weight)
     count = int(ew.sum())
     total = 0.0
-    for seg in plan_segments(lay, 1, ew):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+    for seg in plan_segments(lay, segments, ew):
+        with torch.autocast(toks.device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
             hidden, owned = forward_segment(model, lay, seg, toks, aux_in)
             t = lay.target[owned]
-            out = kl_topk(
-                hidden, model.lm_head.weight, ids[t], lp[t], ew[owned], lay.depth[owned], vocab, depths, 1024
-            )
+            out = kl_topk(hidden, head, ids[t], lp[t], ew[owned], lay.depth[owned], vocab, depths, chunk)
         (out.loss_sum / count).backward()
         total += float(out.loss_sum.detach())
     return total / count
