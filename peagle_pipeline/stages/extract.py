@@ -489,7 +489,7 @@ def _loop(
     new_tokens = 0
     t0 = time.perf_counter()
     with tqdm(total=total, unit="sample", desc=writer.store, mininterval=1.0, dynamic_ncols=True) as bar:
-        if banner:
+        if banner and not bar.disable:  # with the bar only: a failing command prints one line on stderr
             bar.write(banner, file=sys.stderr)
         for item in items:
             if isinstance(item, RowReject):

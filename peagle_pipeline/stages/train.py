@@ -442,7 +442,7 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
             trainer.sink = sink
             why = describe_compute_dtype(cfg.precision, str(dist.device), trainer.precision)
             log.info("%s", why)
-            sink.write(why)
+            sink.note(why)
             if trainer.split.skipped_unsupervised:
                 sink.write(
                     f"skipped {trainer.split.skipped_unsupervised} sample(s) without supervised tokens"

@@ -117,7 +117,7 @@ def test_cache_from_before_compute_dtype_resumes(tiny_model, tmp_path, monkeypat
 
 
 @pytest.mark.slow
-def test_training_precision_auto_follows_the_cpu(tiny_cache, tmp_path, monkeypatch, capsys):
+def test_training_precision_auto_follows_the_cpu(tiny_cache, tmp_path, monkeypatch, caplog):
     from peagle_pipeline.cli import main
     from peagle_pipeline.stages import metrics
 
@@ -128,9 +128,10 @@ def test_training_precision_auto_follows_the_cpu(tiny_cache, tmp_path, monkeypat
     for units, chosen in (("0", "fp32"), ("1", "bf16")):
         monkeypatch.setenv(CPU_BF16_ENV, units)
         run = tmp_path / f"run-{units}"
-        assert main([*argv, "--output", str(run)]) == 0
-        err = capsys.readouterr().err
-        assert f"compute dtype {chosen} on cpu (auto: {CPU_BF16_ENV}={units})" in err
+        caplog.clear()
+        with caplog.at_level("INFO", logger="peagle_pipeline.stages.train"):
+            assert main([*argv, "--output", str(run)]) == 0
+        assert f"compute dtype {chosen} on cpu (auto: {CPU_BF16_ENV}={units})" in caplog.text
         losses[chosen] = [r["loss"] for r in metrics.read_metrics(run) if r.get("kind") == "train"]
     assert losses["fp32"] and losses["bf16"]
     assert losses["fp32"][0] != losses["bf16"][0]  # autocast really was on for one and off for the other
