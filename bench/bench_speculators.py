@@ -14,6 +14,9 @@ top-k step on the same layout is reported beside it. CPU settings of speculators
 mask from its own mask_mod; its default flex attention has no CPU backward) and the `eager` KL loss (its fused
 loss needs Triton). Both in fp32. Tokens/s counts the packed row's shifted tokens; each step includes COD
 sampling, the mask, forward, loss and backward. Goal: ours / speculators >= 1.0.
+On a GPU (`--device cuda`, run by scripts/gpu_tier.sh) both sides use their CUDA attention: our compiled flex
+BlockMask and speculators' flex attention; its COD draws then come from the CUDA generator, so the element lists
+may differ from ours (reported as `same_cod_elements`).
 
     .venv-bench/bin/python bench/bench_speculators.py --out bench/results/speculators.json [--quick]
 """
@@ -66,7 +69,9 @@ def make_batch(L: int, seed: int, topk: int = 32) -> dict[str, torch.Tensor]:
     }
 
 
-def build_speculators(ours: torch.nn.Module, target_norm: torch.Tensor, depths: int) -> torch.nn.Module:
+def build_speculators(
+    ours: torch.nn.Module, target_norm: torch.Tensor, depths: int, attn: str = "sdpa"
+) -> torch.nn.Module:
     """speculators' PEagleDraftModel with our draft's configuration and weights (CPU: sdpa attention)."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
@@ -81,7 +86,7 @@ def build_speculators(ours: torch.nn.Module, target_norm: torch.Tensor, depths: 
         attention_bias=False,
         mlp_bias=False,
     )
-    layer_cfg._attn_implementation = "sdpa"
+    layer_cfg._attn_implementation = attn
     spec_cfg = PEagleSpeculatorConfig(
         transformer_layer_config=layer_cfg,
         draft_vocab_size=cfg.draft_vocab_size,
@@ -156,7 +161,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=2048, help="our loss chunk (elements), the trainer default")
     ap.add_argument("--quick", action="store_true", help="512 tokens, 1 timed repeat")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (speculators then uses flex attention)")
     args = ap.parse_args()
+    dev = torch.device(args.device)
     if args.quick:
         args.tokens, args.repeat = min(args.tokens, 512), 1
     torch.set_num_threads(args.threads)
@@ -172,8 +179,11 @@ def main() -> None:
     L, K, seed = args.tokens, args.depths, 1234
     model, vocab, pieces = tiny_draft(seed=0, layers=1, draft_vocab=args.draft_vocab, config=SMOLLM2)
     norm_w, eps = pieces["norm.weight"].float(), float(SMOLLM2["rms_norm_eps"])
-    theirs = build_speculators(model, norm_w, K)
+    theirs = build_speculators(model, norm_w, K, "sdpa" if dev.type == "cpu" else "flex_attention")
     b = make_batch(L, seed=7)
+    cpu_weight = b["weight"]
+    model.to(dev), theirs.to(dev)
+    b, norm_w = {k: v.to(dev) for k, v in b.items()}, norm_w.to(dev)
     cod = CODConfig(depths=K, max_anchors=args.max_anchors)
 
     # Same COD elements: speculators draws from the global generator, ours from an explicit one, same seed.
@@ -181,14 +191,14 @@ def main() -> None:
     s_anchor, s_depth = generate_cod_sample_indices(
         L, b["weight"][None].float(), K, cod.ratio, cod.ratio_min, max_anchors=args.max_anchors
     )
-    lay = build_layout([L], b["weight"], cod, torch.Generator().manual_seed(seed))
-    same_cod = bool(torch.equal(s_anchor, lay.anchor) and torch.equal(s_depth, lay.depth))
+    lay = build_layout([L], cpu_weight, cod, torch.Generator().manual_seed(seed))
+    same_cod = bool(torch.equal(s_anchor.cpu(), lay.anchor) and torch.equal(s_depth.cpu(), lay.depth))
     loss_cfg = resolve_loss_config("kl_div", "eager")
-    zeros = torch.zeros(1, L, dtype=torch.long)
+    zeros = torch.zeros(1, L, dtype=torch.long, device=dev)
 
     def run_ours(target: str) -> tuple[float, int]:
         model.zero_grad(set_to_none=True)
-        layout = build_layout([L], b["weight"], cod, torch.Generator().manual_seed(seed))
+        layout = build_layout([L], cpu_weight, cod, torch.Generator().manual_seed(seed)).to(dev)
         return our_step(model, vocab, layout, b, target, norm_w, eps, K, args.chunk)
 
     def run_theirs() -> tuple[float, int]:
@@ -227,6 +237,8 @@ def main() -> None:
         for name in names:
             t0 = time.perf_counter()
             fns[name]()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
             timings[name].append(time.perf_counter() - t0)
     sec = {k: statistics.median(v) for k, v in timings.items()}
     loss_rel = abs(results["ours_exact"][0] - results["speculators"][0]) / abs(results["speculators"][0])
@@ -241,9 +253,10 @@ def main() -> None:
         "depth_counts": lay.depth_counts(K),
         "same_cod_elements": same_cod,
         "threads": args.threads,
+        "device": str(dev),
         "precision": "fp32",
         "speculators_settings": {
-            "attn": "sdpa",
+            "attn": "sdpa" if dev.type == "cpu" else "flex_attention",
             "loss": "kl_div eager",
             "target": "exact (verifier lm_head)",
         },

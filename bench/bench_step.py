@@ -42,10 +42,16 @@ SMOLLM2 = {
 
 
 def build_setup(
-    tokens: int, samples: int, depths: int, seed: int = 0, draft_vocab: int = 32000, topk: int = 32
+    tokens: int,
+    samples: int,
+    depths: int,
+    seed: int = 0,
+    draft_vocab: int = 32000,
+    topk: int = 32,
+    layers: int = 1,
 ):
     """(model, vocab, layout, tokens, aux, weight, topk_ids, topk_logprobs, doc_lengths) for one packed row."""
-    model, vocab, _ = tiny_draft(seed=seed, layers=1, draft_vocab=draft_vocab, config=SMOLLM2)
+    model, vocab, _ = tiny_draft(seed=seed, layers=layers, draft_vocab=draft_vocab, config=SMOLLM2)
     g = torch.Generator().manual_seed(seed + 1)
     per = tokens // samples
     docs = [per] * samples

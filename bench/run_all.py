@@ -67,6 +67,12 @@ BENCHES = [
         ["--tokens", "1024", "--samples", "1"],
     ),
     Bench(
+        "dtype",
+        "bench_dtype.py",
+        ["--samples", "16", "--max-length", "512", "--tokens", "2048", "--repeat", "3"],
+        ["--samples", "2", "--max-length", "128", "--tokens", "256", "--repeat", "1"],
+    ),
+    Bench(
         "data_wait",
         "bench_data_wait.py",
         ["--samples", "32", "--max-length", "512", "--steps", "24"],
@@ -267,6 +273,23 @@ def figures(out: Path) -> list[dict[str, Any]]:
             if r
             else missing,
             r and r["ratio"] >= 2.5,
+        )
+    )
+    r = _load(out, "dtype")
+    figs.append(
+        _fig(
+            "Compute dtype chosen from the hardware (auto) vs the other: extraction and training step",
+            ">= 1.0x both",
+            "bench_dtype",
+            r and min(r["extract_ratio"], r["train_ratio"]),
+            f"auto = {r['chosen']} ({', '.join(r['cpu_bf16_flags']) or 'no bf16 units'}): extraction "
+            f"{r['extract_ratio']:.2f}x ({r['extract_tokens_per_s']['bf16']:.0f} bf16 vs "
+            f"{r['extract_tokens_per_s']['fp32']:.0f} fp32 tokens/s), training step {r['train_ratio']:.2f}x "
+            f"({r['train_tokens_per_s']['bf16']:.0f} vs {r['train_tokens_per_s']['fp32']:.0f})"
+            if r
+            else missing,
+            r and min(r["extract_ratio"], r["train_ratio"]) >= 1.0,
+            "measures the CPU it runs on; a host without AMX / AVX512-BF16 picks fp32",
         )
     )
     figs += demo_figures()

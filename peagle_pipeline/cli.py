@@ -136,6 +136,7 @@ def extract(
     max_samples: Annotated[int | None, _opt(ExtractConfig, "max_samples")] = None,
     batch_tokens: Annotated[int | None, _opt(ExtractConfig, "batch_tokens")] = None,
     dtype: Annotated[str | None, _opt(ExtractConfig, "dtype")] = None,
+    compute_dtype: Annotated[str | None, _opt(ExtractConfig, "compute_dtype")] = None,
     assistant_turns: Annotated[str | None, _opt(ExtractConfig, "assistant_turns")] = None,
     leading_assistant: Annotated[str | None, _opt(ExtractConfig, "leading_assistant")] = None,
     compress: Annotated[str | None, _opt(ExtractConfig, "compress")] = None,

@@ -64,7 +64,11 @@ class ExtractConfig:
         None, "Use only the first N conversations of the data (before rank splitting)."
     )
     batch_tokens: int = _f(8192, "Padded tokens per forward batch.")
-    dtype: Literal["bf16", "fp32"] = _f("bf16", "Target forward and stored hidden-state dtype.")
+    dtype: Literal["bf16", "fp32"] = _f("bf16", "Stored hidden-state dtype (the forward's is compute_dtype).")
+    compute_dtype: Literal["auto", "bf16", "fp32"] = _f(
+        "auto",
+        "Target forward dtype. auto: fp32 when dtype is fp32, else bf16 on CUDA and on CPUs with bf16 units (AMX / AVX512-BF16), fp32 on other CPUs (faster there); a resumed cache keeps the dtype it was started with.",
+    )
     assistant_turns: Literal["all", "last"] = _f("all", "Supervise all assistant turns or only the last one.")
     leading_assistant: Literal["context", "drop"] = _f(
         "context", "An assistant turn before any user turn: keep as unsupervised context, or drop it."
@@ -149,8 +153,9 @@ class TrainConfig:
     seed: int = _f(0, "Seed of the shuffle, the held-out split, COD sampling and the draft init.")
     save_every: int = _f(200, "Write a checkpoint every N steps (and always at the end).")
     keep_checkpoints: int = _f(2, "Step checkpoints kept on disk (the best one is kept apart).")
-    precision: Literal["bf16", "fp32"] = _f(
-        "bf16", "Compute precision (bf16 autocast or full fp32); master weights stay fp32."
+    precision: Literal["auto", "bf16", "fp32"] = _f(
+        "auto",
+        "Compute precision: bf16 autocast or full fp32 (master weights stay fp32); auto = bf16 on CUDA and on CPUs with bf16 units (AMX / AVX512-BF16), fp32 on other CPUs.",
     )
     device: str = _f("auto", "auto, cpu, cuda, cuda:N (under torchrun, cuda:LOCAL_RANK).")
     resume: bool = _f(False, "Continue the run in output from its latest complete checkpoint.")

@@ -90,6 +90,7 @@ def fake_meta(**over) -> CacheMeta:
         compress="zstd",
     )
     base.update(over)
+    base.setdefault("compute_dtype", base["hidden_dtype"])
     return CacheMeta(**base)
 
 

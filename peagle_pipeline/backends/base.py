@@ -8,9 +8,10 @@ The runner never branches on the backend name.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from peagle_pipeline.errors import BadConfig, BadInput
+from peagle_pipeline.runtime import resolve_compute_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -25,6 +26,8 @@ __all__ = [
     "default_layer_ids",
     "validate_layer_ids",
     "check_target",
+    "target_device",
+    "forward_dtype",
 ]
 
 
@@ -100,6 +103,23 @@ def check_target(cfg: ExtractConfig, layer_ids: list[int]) -> tuple[TargetInfo, 
     if cfg.topk > info.vocab_size:
         raise BadInput(f"topk ({cfg.topk}) is larger than the target vocabulary ({info.vocab_size})")
     return info, ids
+
+
+def target_device(cfg: ExtractConfig) -> str:
+    """The device the target runs on, as a string: `auto` -> "cuda" when CUDA is available, else "cpu"."""
+    if cfg.device != "auto":
+        return cfg.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def forward_dtype(cfg: ExtractConfig, device: str) -> Literal["bf16", "fp32"]:
+    """The dtype of the target forward: `cfg.compute_dtype`, where auto means fp32 when the stored dtype is fp32
+    (a bf16 forward stored in fp32 only costs space), else the hardware's choice (`resolve_compute_dtype`)."""
+    if cfg.compute_dtype == "auto" and cfg.dtype == "fp32":
+        return "fp32"
+    return resolve_compute_dtype(cfg.compute_dtype, device)
 
 
 def get_backend(cfg: ExtractConfig, layer_ids: list[int]) -> TargetBackend:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from peagle_pipeline.backends.base import SampleOutputs, check_target
+from peagle_pipeline.backends.base import SampleOutputs, check_target, forward_dtype
 from peagle_pipeline.backends.pieces import text_config
 from peagle_pipeline.errors import BadInput
 
@@ -43,7 +43,8 @@ class HFBackend:
     """The target model in transformers, returning `SampleOutputs` in the cache's conventions.
 
     Args:
-        cfg: extraction settings (model, dtype, device, topk, topk_chunk, last_hidden).
+        cfg: extraction settings (model, dtype, compute_dtype, device, topk, topk_chunk, last_hidden); the
+            forward runs in `forward_dtype(cfg, device)`.
         layer_ids: aux layer ids (vLLM convention), each in 0..L.
 
     Raises:
@@ -60,7 +61,7 @@ class HFBackend:
         self.want_last_hidden = cfg.last_hidden
         self.pass_attention_mask = False  # see forward(); True gives the classic padded-mask forward
         self.device = resolve_device(cfg.device)
-        self.dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+        self.dtype = torch.bfloat16 if forward_dtype(cfg, str(self.device)) == "bf16" else torch.float32
         try:
             model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype)
         except (OSError, ValueError) as err:
@@ -106,7 +107,7 @@ class HFBackend:
             batch: B token-id lists (the runner decides batch composition; the result is deterministic given it).
 
         Returns:
-            B SampleOutputs: aux_hidden [T_b, n_aux, H] (model dtype), topk_ids [T_b, k] int64,
+            B SampleOutputs: aux_hidden [T_b, n_aux, H] (compute dtype), topk_ids [T_b, k] int64,
             topk_logprobs [T_b, k] float32 (row t = distribution of the token after x_t), last_hidden [T_b, H] or None.
         """
         if not batch:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from peagle_pipeline.backends.base import SampleOutputs, check_target
+from peagle_pipeline.backends.base import SampleOutputs, check_target, forward_dtype, target_device
 from peagle_pipeline.backends.pieces import text_config
 from peagle_pipeline.errors import BackendMismatch, BadInput
 
@@ -163,8 +163,8 @@ class VLLMBackend:
     """The target model in vLLM, returning the same `SampleOutputs` as the HF backend.
 
     Args:
-        cfg: extraction settings (model, dtype, topk, last_hidden, max_length, tensor_parallel_size,
-            gpu_memory_utilization, max_num_batched_tokens).
+        cfg: extraction settings (model, dtype, compute_dtype, device, topk, last_hidden, max_length,
+            tensor_parallel_size, gpu_memory_utilization, max_num_batched_tokens).
         layer_ids: aux layer ids (vLLM convention), each in 0..L.
 
     Raises:
@@ -188,7 +188,7 @@ class VLLMBackend:
         max_pos = text_config(self.info.config).get("max_position_embeddings") or cfg.max_length + 1
         settings = EngineSettings(
             model=cfg.model,
-            dtype=cfg.dtype,
+            dtype=forward_dtype(cfg, target_device(cfg)),
             max_model_len=min(cfg.max_length + 1, max_pos),
             tensor_parallel_size=cfg.tensor_parallel_size,
             gpu_memory_utilization=cfg.gpu_memory_utilization,

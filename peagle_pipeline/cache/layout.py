@@ -114,6 +114,9 @@ class CacheMeta:
     aux_layer_ids: list[int]
     topk: int
     hidden_dtype: str  # "bfloat16" or "float32": logical dtype of aux_hidden / last_hidden
+    # "bfloat16" or "float32": the dtype the target forward ran in (resolved, never "auto"). Caches written before
+    # this field existed computed in their hidden_dtype, which `from_dict` fills in, so they resume unchanged.
+    compute_dtype: str
     has_last_hidden: bool
     max_length: int
     overlong: str
@@ -133,7 +136,9 @@ class CacheMeta:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CacheMeta:
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        values = {k: v for k, v in data.items() if k in names}
+        values.setdefault("compute_dtype", values.get("hidden_dtype"))
+        return cls(**values)
 
     def differences(self, other: CacheMeta) -> list[str]:
         """Names of the settings that differ (empty when compatible)."""

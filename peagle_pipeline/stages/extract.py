@@ -9,9 +9,11 @@ holds the first uncommitted sample, and the writer drops tokens it already has. 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -20,7 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from peagle_pipeline.backends.base import SampleOutputs, TargetBackend, default_layer_ids, get_backend
+from peagle_pipeline.backends.base import (
+    SampleOutputs,
+    TargetBackend,
+    default_layer_ids,
+    forward_dtype,
+    get_backend,
+    target_device,
+)
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.layout import CacheMeta
 from peagle_pipeline.cache.writer import CacheWriter, SampleData, SampleRecord
@@ -33,7 +42,7 @@ from peagle_pipeline.errors import (
     OutputExists,
     ResumeMismatch,
 )
-from peagle_pipeline.runtime import atomic_write_text, fsync_dir, rank_world_from_env
+from peagle_pipeline.runtime import atomic_write_text, describe_compute_dtype, fsync_dir, rank_world_from_env
 
 __all__ = [
     "run",
@@ -43,6 +52,7 @@ __all__ = [
     "plan_batches",
     "build_meta",
     "prepare_output",
+    "choose_compute_dtype",
 ]
 
 log = logging.getLogger(__name__)
@@ -82,6 +92,7 @@ class ExtractSummary:
     elapsed_s: float = 0.0
     store_bytes: int = 0
     already_complete: bool = False
+    compute_dtype: str = ""  # the line saying the forward's dtype and why (empty when nothing was computed)
 
     def format(self) -> str:
         if self.already_complete:
@@ -97,6 +108,8 @@ class ExtractSummary:
             f"samples {self.samples}, tokens {self.tokens}, supervised {self.supervised}, "
             f"{self.store_bytes / max(self.tokens, 1):.1f} bytes/token",
         ]
+        if self.compute_dtype:
+            lines.append(self.compute_dtype)
         total = sum(self.rejects.values())
         lines.append(
             f"rejects {total}"
@@ -180,11 +193,22 @@ def plan_batches(
 
 
 # ------------------------------------------------------------------------------------------ output dir
-def build_meta(cfg: ExtractConfig, info: Any, layer_ids: list[int], world_size: int) -> CacheMeta:
-    """The cache metadata for these settings (compared field by field on resume)."""
+_LOGICAL = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def build_meta(
+    cfg: ExtractConfig, info: Any, layer_ids: list[int], world_size: int, compute_dtype: str | None = None
+) -> CacheMeta:
+    """The cache metadata for these settings (compared field by field on resume).
+
+    `compute_dtype` ("bf16"/"fp32") is the resolved forward dtype; None resolves it for this machine.
+    """
     from peagle_pipeline import __version__
     from peagle_pipeline.backends import pieces
     from peagle_pipeline.data.formats import dataset_fingerprint
+
+    if compute_dtype is None:
+        compute_dtype = forward_dtype(cfg, target_device(cfg))
 
     return CacheMeta(
         target_name_or_path=str(Path(cfg.model).resolve()),
@@ -197,7 +221,8 @@ def build_meta(cfg: ExtractConfig, info: Any, layer_ids: list[int], world_size: 
         vocab_size=info.vocab_size,
         aux_layer_ids=list(layer_ids),
         topk=cfg.topk,
-        hidden_dtype="bfloat16" if cfg.dtype == "bf16" else "float32",
+        hidden_dtype=_LOGICAL[cfg.dtype],
+        compute_dtype=_LOGICAL[compute_dtype],
         has_last_hidden=cfg.last_hidden,
         max_length=cfg.max_length,
         overlong=cfg.overlong,
@@ -211,6 +236,37 @@ def build_meta(cfg: ExtractConfig, info: Any, layer_ids: list[int], world_size: 
         compress=cfg.compress,
         extra={"backend": cfg.backend, "peagle_pipeline_version": __version__},
     )
+
+
+def choose_compute_dtype(cfg: ExtractConfig, device: str) -> tuple[str, str]:
+    """The forward dtype ("bf16"/"fp32") for this run and the line that says why.
+
+    Under `compute_dtype: auto`, a cache that already exists keeps the dtype it was started with (one cache never
+    mixes bf16 and fp32 forwards, whichever machine resumes it or writes another rank); otherwise
+    `forward_dtype` decides from the stored dtype and the hardware. An explicit setting is used as given (and
+    refused by `prepare_output` if the cache recorded another).
+    """
+    chosen = forward_dtype(cfg, device)
+    if cfg.compute_dtype == "auto":
+        kept = _recorded_compute_dtype(Path(cfg.output))
+        if kept is not None:
+            line = describe_compute_dtype("auto", device, kept)
+            return kept, line[: line.index(" (")] + " (auto: kept from the cache being resumed)"
+    if cfg.compute_dtype == "auto" and cfg.dtype == "fp32":
+        return chosen, f"compute dtype fp32 on {device} (auto: dtype is fp32)"
+    return chosen, describe_compute_dtype(cfg.compute_dtype, device, chosen)
+
+
+def _recorded_compute_dtype(root: Path) -> str | None:
+    """The compute dtype ("bf16"/"fp32") in root/cache.json, if readable (old caches: their hidden dtype)."""
+    import json
+
+    try:
+        found = json.loads((root / layout.CACHE_META).read_text(encoding="utf-8"))
+        logical = found.get("compute_dtype") or found.get("hidden_dtype")
+    except (OSError, ValueError, AttributeError):
+        return None  # absent or damaged: prepare_output says what is wrong
+    return {v: k for k, v in _LOGICAL.items()}.get(logical)
 
 
 def _explain(old: CacheMeta, new: CacheMeta, names: list[str]) -> str:
@@ -379,17 +435,23 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
         why = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         raise BadInput(f"cannot load the tokenizer of {cfg.model}: {why}") from None
     renderer = ChatRenderer(tokenizer, cfg.assistant_turns, cfg.leading_assistant)
-    meta = build_meta(cfg, info, layer_ids, world)
+    compute, why = choose_compute_dtype(cfg, target_device(cfg))
+    meta = build_meta(cfg, info, layer_ids, world, compute)
     root = prepare_output(cfg, meta)
     writer = CacheWriter(root, meta, rank, world).open()
     summary = ExtractSummary(output=str(root), store=writer.store)
     if writer.complete:
         writer.abort()
         return _finish(summary, writer, already=True)
+    summary.compute_dtype = f"{why}; stored hidden states {cfg.dtype}"
+    log.info("%s", summary.compute_dtype)
     backend: TargetBackend | None = None
     start = time.perf_counter()
     try:
-        backend, summary.new_tokens = _loop(cfg, meta, writer, renderer, rank, world)
+        run_cfg = dataclasses.replace(cfg, compute_dtype=compute)  # the backend computes in what meta records
+        backend, summary.new_tokens = _loop(
+            run_cfg, meta, writer, renderer, rank, world, summary.compute_dtype
+        )
         writer.close()
     except KeyboardInterrupt:
         writer.abort()
@@ -408,9 +470,17 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
 
 
 def _loop(
-    cfg: ExtractConfig, meta: CacheMeta, writer: CacheWriter, renderer: Any, rank: int, world: int
+    cfg: ExtractConfig,
+    meta: CacheMeta,
+    writer: CacheWriter,
+    renderer: Any,
+    rank: int,
+    world: int,
+    banner: str = "",
 ) -> tuple[TargetBackend | None, int]:
-    """The batch loop; returns the backend (if one was started) and the tokens computed this run."""
+    """The batch loop; returns the backend (if one was started) and the tokens computed this run.
+
+    `banner` is written once above the progress bar (the compute dtype line)."""
     from tqdm import tqdm
 
     from peagle_pipeline.data.formats import iter_rows
@@ -422,6 +492,8 @@ def _loop(
     new_tokens = 0
     t0 = time.perf_counter()
     with tqdm(total=total, unit="sample", desc=writer.store, mininterval=1.0, dynamic_ncols=True) as bar:
+        if banner and not bar.disable:  # with the bar only: a failing command prints one line on stderr
+            bar.write(banner, file=sys.stderr)
         for item in items:
             if isinstance(item, RowReject):
                 writer.add_reject(item.sample_id, item.source, item.source_row, item.reason)

@@ -240,6 +240,12 @@ class RunSink:
         else:
             print(line, file=sys.stderr)
 
+    def note(self, line: str) -> None:
+        """A start-of-run note shown above the progress bar only while the bar is shown (a terminal, no
+        TQDM_DISABLE), so that a failing command still prints one line on stderr."""
+        if self._bar is not None and not self._bar.disable:
+            self._bar.write(line, file=sys.stderr)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

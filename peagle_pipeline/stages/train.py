@@ -36,7 +36,13 @@ from peagle_pipeline.errors import (
     NumericalFault,
     ResumeMismatch,
 )
-from peagle_pipeline.runtime import RankLock, StopOnSigint, configure_logging
+from peagle_pipeline.runtime import (
+    RankLock,
+    StopOnSigint,
+    configure_logging,
+    describe_compute_dtype,
+    resolve_compute_dtype,
+)
 from peagle_pipeline.stages import metrics as metrics_mod
 from peagle_pipeline.stages.checkpoint import CheckpointManager
 from peagle_pipeline.stages.distributed import Dist
@@ -123,8 +129,9 @@ class Trainer:
         self.saved_total: int | None = (
             None  # total_steps of the checkpoint restored (None: fresh or older run)
         )
+        self.precision = resolve_compute_dtype(cfg.precision, str(dist.device))  # auto -> from the hardware
         self.autocast = dict(
-            device_type=dist.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"
+            device_type=dist.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"
         )
         if cfg.target == "exact":
             self.target_norm = self.cache.target_pieces()["norm.weight"].to(dist.device)
@@ -235,7 +242,7 @@ class Trainer:
         aux_index = torch.zeros_like(sub.target)
         aux_index[real] = torch.arange(int(real.sum()), device=sub.target.device)
         aux = p.batch.aux_hidden[sub.target[real]]
-        if self.cfg.precision == "fp32":
+        if self.precision == "fp32":
             aux = aux.float()
         with torch.autocast(**self.autocast):
             hidden = module(
@@ -527,6 +534,9 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
             trainer.sink = sink
             for line in _start_notes(cfg, trainer):
                 sink.write(line)
+            why = describe_compute_dtype(cfg.precision, str(dist.device), trainer.precision)
+            log.info("%s", why)
+            sink.note(why)
         with StopOnSigint(STOP_NOTICE) as stop:  # Ctrl-C from here on: finish the step, save, stop
             final = trainer.fit(should_stop=lambda: stop.requested)
         if dist.main:

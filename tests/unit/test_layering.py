@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[2] / "peagle_pipeline"
 ALLOWED = {
     "core": {"errors"},
     "data": {"errors"},
-    "backends": {"errors", "config", "data"},
+    "backends": {"errors", "config", "data", "runtime"},
     "cache": {"core", "runtime", "errors", "config", "backends", "data"},
     "stages": {"cache", "backends", "data", "core", "runtime", "config", "errors"},
     "cli": {"config", "errors", "stages", "cache"},

@@ -114,8 +114,12 @@ def test_grad_checkpointing_same_gradients_and_bf16_autocast_runs():
 
 
 def test_rope_matches_transformers():
+    import transformers
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if int(transformers.__version__.split(".")[0]) < 5:  # our range admits 4.56+; this compares v5 configs
+        pytest.skip(f"rope_parameters configs are transformers 5 API (found {transformers.__version__})")
 
     params = {
         "rope_type": "llama3",
