@@ -37,7 +37,7 @@ from peagle_pipeline.runtime import RankLock
 from peagle_pipeline.stages import metrics as metrics_mod
 from peagle_pipeline.stages.checkpoint import CheckpointManager
 from peagle_pipeline.stages.distributed import Dist
-from peagle_pipeline.stages.draft import build_draft
+from peagle_pipeline.stages.draft import build_draft, describe_vocab_coverage
 from peagle_pipeline.stages.export import export_run
 from peagle_pipeline.stages.loader import (
     Cursor,
@@ -439,6 +439,7 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
         if dist.main:
             sink = metrics_mod.RunSink(cfg.output, trainer.total_steps, start_step=trainer.step)
             trainer.sink = sink
+            sink.write(describe_vocab_coverage(trainer.cache, trainer.vocab))
             if trainer.split.skipped_unsupervised:
                 sink.write(
                     f"skipped {trainer.split.skipped_unsupervised} sample(s) without supervised tokens"

@@ -214,3 +214,23 @@ def test_corrupt_samples_are_skipped_and_reported(tiny_cache: Path, tmp_path: Pa
     assert train(cache, out, "--skip-corrupt", "--no-export", "--eval-samples", "0") == 0
     recs = [r for r in metrics.read_metrics(out) if r["kind"] == "train"]
     assert recs[-1]["skipped_corrupt"] > 0
+
+
+def test_start_prints_draft_vocabulary_coverage(tiny_cache: Path, tmp_path: Path, capsys) -> None:
+    """docs/recipes.md: the coverage of the draft vocabulary is printed at the start of training (issue 15, 16)."""
+    import numpy as np
+
+    from peagle_pipeline.cache.reader import open_cache
+    from peagle_pipeline.core.vocab import build_draft_vocab
+
+    flags = ["--steps", "1", "--eval-samples", "0", "--no-export", "--draft-vocab-size", "50"]
+    assert train(tiny_cache, tmp_path / "run", *flags) == 0
+    counts = open_cache(tiny_cache).token_counts()
+    ids = build_draft_vocab(counts, 50).ids.numpy()
+    share = counts[ids].sum() / counts.sum()
+    assert 0.0 < share < 1.0  # 50 of the cache's supervised token ids: a real partial coverage
+    lines = [line for line in capsys.readouterr().err.splitlines() if "draft vocabulary" in line]
+    assert lines == [
+        f"draft vocabulary: 50 of 512 target tokens, covering {share:.1%} of the "
+        f"{int(np.sum(counts))} supervised tokens in the cache"
+    ]
