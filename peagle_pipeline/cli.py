@@ -172,11 +172,17 @@ def export(
     run_dir: Annotated[str, typer.Argument(help="Training run directory.")],
     output: Annotated[str, typer.Option(help="Export directory (speculators P-EAGLE format).")],
     checkpoint: Annotated[str, typer.Option(help="latest, best, or step-N.")] = "best",
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Replace another run's export in --output (other files there are never replaced)."
+        ),
+    ] = False,
 ) -> None:
     """Export a trained draft in the speculators P-EAGLE format that vLLM loads."""
     from peagle_pipeline.stages import export as stage
 
-    path = stage.export_run(run_dir, output, checkpoint=checkpoint)
+    path = stage.export_run(run_dir, output, checkpoint=checkpoint, force=force)
     typer.echo(f"exported to {path}")
 
 

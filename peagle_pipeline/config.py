@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -97,6 +98,10 @@ class ExtractConfig:
             )
         if self.layers is not None and (not self.layers or min(self.layers) < 0):
             raise BadConfig(f"layers must be non-negative layer ids, got {self.layers}")
+        twice = next((k for i, k in enumerate(self.layers or []) if k in self.layers[:i]), None)  # type: ignore[index]
+        if twice is not None:
+            raise BadConfig(f"layers names layer {twice} twice ({self.layers}); give each layer id once")
+        _refuse_duplicate_paths(self.data)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise BadConfig(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -186,6 +191,18 @@ class TrainConfig:
 def _require(value: Any, name: str, flag: str) -> None:
     if not value:
         raise BadConfig(f"missing required setting {name!r}: give {flag} or set {name} in the pipeline file")
+
+
+def _refuse_duplicate_paths(paths: list[str]) -> None:
+    """Two spellings of one data file (`d.jsonl`, `./d.jsonl`, its absolute path) would extract it twice."""
+    seen: dict[str, str] = {}
+    for path in paths:
+        key = os.path.realpath(path)
+        if key in seen:
+            raise BadConfig(
+                f"data names the same file twice: {seen[key]!r} and {path!r}; give each data file once"
+            )
+        seen[key] = path
 
 
 def _positive(cfg: Any, *names: str) -> None:

@@ -82,6 +82,7 @@ class ExtractSummary:
     elapsed_s: float = 0.0
     store_bytes: int = 0
     already_complete: bool = False
+    notes: list[str] = field(default_factory=list)
 
     def format(self) -> str:
         if self.already_complete:
@@ -102,6 +103,7 @@ class ExtractSummary:
             f"rejects {total}"
             + "".join(f"\n  {n:6d}  {r}" for r, n in sorted(self.rejects.items(), key=lambda kv: -kv[1]))
         )
+        lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -348,6 +350,20 @@ def resolve_layers(cfg: ExtractConfig, num_hidden_layers: int) -> list[int]:
     return ids
 
 
+def collapsed_layers_note(cfg: ExtractConfig, num_hidden_layers: int) -> str | None:
+    """On small targets the default ids [2, L//2, L-3] coincide (L=6: [2, 3, 3]); the draft then gets fewer aux
+    hidden states than the usual 3. Not an error (tiny test models rely on it), but the user should know."""
+    L = num_hidden_layers
+    spelled = [2, L // 2, L - 3]
+    ids = default_layer_ids(L)
+    if cfg.layers or len(ids) == len(spelled):
+        return None
+    return (
+        f"the default aux layers [2, L//2, L-3] of this {L}-layer target are {spelled}: the draft gets "
+        f"{len(ids)} aux hidden states instead of 3; pass --layers to choose 3 distinct ids"
+    )
+
+
 def run(cfg: ExtractConfig) -> ExtractSummary:
     """Extract (or resume) this rank's store of the cache at cfg.output. See the module docstring.
 
@@ -380,6 +396,8 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     root = prepare_output(cfg, meta)
     writer = CacheWriter(root, meta, rank, world).open()
     summary = ExtractSummary(output=str(root), store=writer.store)
+    note = collapsed_layers_note(cfg, info.num_hidden_layers)
+    summary.notes += [note] if note else []
     if writer.complete:
         writer.abort()
         return _finish(summary, writer, already=True)

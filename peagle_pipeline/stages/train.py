@@ -38,7 +38,7 @@ from peagle_pipeline.stages import metrics as metrics_mod
 from peagle_pipeline.stages.checkpoint import CheckpointManager
 from peagle_pipeline.stages.distributed import Dist
 from peagle_pipeline.stages.draft import build_draft, describe_vocab_coverage
-from peagle_pipeline.stages.export import export_run
+from peagle_pipeline.stages.export import check_export_target, export_run, run_identity
 from peagle_pipeline.stages.loader import (
     Cursor,
     PackedBatch,
@@ -426,6 +426,10 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
     sink: Any = metrics_mod.NullSink()
     try:
         resumed = prepare_output(cfg, dist.world, micro_steps)  # every rank checks before anyone writes
+        if (
+            cfg.export and resumed
+        ):  # refuse now, not after training, an export folder holding the user's files
+            check_export_target(Path(cfg.output) / EXPORT_DIR, run_identity(cfg.output), own=True)
         dist.barrier()
         if dist.main:
             lock = RankLock(Path(cfg.output) / LOCK_FILE, f"training run {cfg.output}").acquire()

@@ -172,3 +172,37 @@ def test_fp32_last_hidden_and_layer_validation(tiny_model, tmp_path, patch_backe
     assert (tmp_path / "c" / "extract.yaml").exists() and (
         tmp_path / "c" / "target" / "pieces.safetensors"
     ).exists()
+
+
+def test_collapsed_default_layers_are_reported(tiny_model, tmp_path, patch_backend):
+    """issue 15, item 12: [2, L//2, L-3] on the 6-layer tiny model is [2, 3, 3] -> 2 aux layers; say so."""
+    data = _data(tmp_path / "d.jsonl", 4)
+    patch_backend()
+    text = stage.run(_cfg(tiny_model, data, tmp_path / "c")).format()
+    assert open_cache(tmp_path / "c").meta.aux_layer_ids == [2, 3]
+    assert (
+        "note: the default aux layers [2, L//2, L-3] of this 6-layer target are [2, 3, 3]: the draft gets 2 "
+        "aux hidden states instead of 3; pass --layers to choose 3 distinct ids"
+    ) in text
+    chosen = stage.run(_cfg(tiny_model, data, tmp_path / "d", layers=[1, 3, 5])).format()
+    assert "note:" not in chosen
+
+
+def test_cache_files_follow_the_umask(tiny_model, tmp_path, patch_backend):
+    """issue 15, item 12: no file of a cache is private (0600): other users (a vLLM server, a trainer) read it."""
+    import os
+
+    data = _data(tmp_path / "d.jsonl", 4)
+    patch_backend()
+    old = os.umask(0o022)
+    try:
+        stage.run(_cfg(tiny_model, data, tmp_path / "c"))
+    finally:
+        os.umask(old)
+    modes = {
+        str(p.relative_to(tmp_path / "c")): p.stat().st_mode & 0o777
+        for p in (tmp_path / "c").rglob("*")
+        if p.is_file()
+    }
+    assert "target/pieces.safetensors" in modes and "target/config.json" in modes
+    assert {k: m for k, m in modes.items() if m != 0o644} == {}

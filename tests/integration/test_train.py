@@ -143,6 +143,31 @@ def test_resume_of_a_finished_run_does_nothing_more(finished_run: Path, tiny_cac
     assert (finished_run / "checkpoints" / "step-00000006" / "model.safetensors").read_bytes() == weights
 
 
+def test_resume_of_a_finished_run_keeps_the_users_files_in_its_export(
+    finished_run: Path, tiny_cache: Path, capsys
+) -> None:
+    """issue 15, item 2: `train --resume` on a finished run re-exports; it must not delete a README put there."""
+    readme = finished_run / "export" / "README.md"
+    readme.write_text("my notes\n")
+    weights = (finished_run / "export" / "model.safetensors").read_bytes()
+    try:
+        assert train(tiny_cache, finished_run, "--resume") == 6
+        line = one_error_line(capsys)
+        assert "export holds files that are not part of a P-EAGLE export (README.md)" in line
+        assert "--no-export" in line
+        assert readme.read_text() == "my notes\n"
+        assert (finished_run / "export" / "model.safetensors").read_bytes() == weights
+        assert train(tiny_cache, finished_run, "--resume", "--no-export") == 0
+    finally:
+        readme.unlink()
+    assert train(tiny_cache, finished_run, "--resume") == 0  # only our files there: re-exported in place
+    assert sorted(p.name for p in (finished_run / "export").iterdir()) == [
+        ".peagle-export.json",
+        "config.json",
+        "model.safetensors",
+    ]
+
+
 def test_resume_without_a_run_is_refused(tiny_cache: Path, tmp_path: Path, capsys) -> None:
     assert train(tiny_cache, tmp_path / "new", "--resume") == 2
     assert "nothing to resume" in one_error_line(capsys)
