@@ -127,6 +127,27 @@ def setup_run(ph: dict[str, str], fx: dict[str, Path]) -> None:
     shutil.copytree(fx["run"], ph["run"])
 
 
+def setup_run_export_with_readme(ph: dict[str, str], fx: dict[str, Path]) -> None:
+    """{run} exported to {out}, then the user adds a README.md there."""
+    from peagle_pipeline.stages.export import export_run
+
+    shutil.copytree(fx["run"], ph["run"])
+    export_run(ph["run"], ph["out"], checkpoint="latest")
+    (Path(ph["out"]) / "README.md").write_text("# my draft\n")
+
+
+def setup_run_other_export(ph: dict[str, str], fx: dict[str, Path]) -> None:
+    """{out} holds the export of another run (its marker names another run folder and start)."""
+    from peagle_pipeline.stages.export import MARKER_FILE, export_run
+
+    shutil.copytree(fx["run"], ph["run"])
+    export_run(ph["run"], ph["out"], checkpoint="latest")
+    marker = Path(ph["out"]) / MARKER_FILE
+    facts = json.loads(marker.read_text())
+    facts.update(run="/runs/another-run", run_started=12345.0)
+    marker.write_text(json.dumps(facts))
+
+
 def setup_foreign_output(ph: dict[str, str], fx: dict[str, Path]) -> None:
     out = Path(ph["out"])
     out.mkdir()
@@ -161,6 +182,8 @@ SETUPS = {
     "cache_truncated_store": setup_cache_truncated_store,
     "cache_damaged_meta": setup_cache_damaged_meta,
     "run": setup_run,
+    "run_export_with_readme": setup_run_export_with_readme,
+    "run_other_export": setup_run_other_export,
     "foreign_output": setup_foreign_output,
     "model_garbage_config": setup_model_garbage_config,
     "model_no_template": setup_model_no_template,
@@ -247,7 +270,7 @@ def test_bad_input(
     exp = json.loads((CASES_DIR / case / "expected.json").read_text())
     ph = _placeholders(case, tmp_path, tiny_model, tiny_cache, conversations)
     fx = {"cache": tiny_cache, "model": tiny_model}
-    if exp["setup"] == "run":
+    if exp["setup"] and exp["setup"].startswith("run"):
         fx["run"] = request.getfixturevalue("base_run")
     if exp["setup"]:
         SETUPS[exp["setup"]](ph, fx)
