@@ -3,7 +3,9 @@
 The mask is derived without `{% generation %}` tags: each assistant reply is located by rendering the
 conversation prefix that ends with the generation prompt, so the reply is exactly what the model would generate
 after that prompt: the content and the end-of-turn token(s) that follow it (`<|im_end|>`, `<|eot_id|>`, ...),
-never role headers, injected system prompts or the separator after the end-of-turn token.
+never role headers, injected system prompts or the separator after the end-of-turn token. An assistant turn with
+OpenAI tool calls is passed to the template as is; its reply is the calls as the template renders them plus the
+end-of-turn token(s); a template that does not render them rejects the conversation (with that reason).
 Pure given a tokenizer: no file I/O, no model.
 """
 
@@ -113,9 +115,9 @@ class ChatRenderer:
 
     # ------------------------------------------------------------------------------------------- helpers
 
-    def _arrange(self, messages: Sequence[Message]) -> list[dict[str, str]]:
-        """Messages as template dicts; leading assistant turns dropped if asked."""
-        msgs = [{"role": m.role, "content": m.content} for m in messages]
+    def _arrange(self, messages: Sequence[Message]) -> list[dict[str, Any]]:
+        """Messages as template dicts (OpenAI tool fields passed through); leading assistant turns dropped if asked."""
+        msgs = [_template_dict(m) for m in messages]
         if self.leading_assistant == "drop":
             first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), len(msgs))
             msgs = [m for i, m in enumerate(msgs) if i >= first_user or m["role"] != "assistant"]
@@ -123,7 +125,7 @@ class ChatRenderer:
             raise RejectRow("empty conversation")
         return msgs
 
-    def _supervised_turns(self, msgs: list[dict[str, str]]) -> list[int]:
+    def _supervised_turns(self, msgs: list[dict[str, Any]]) -> list[int]:
         """Indices of assistant turns that come after a user turn (earlier ones are context)."""
         first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
         if first_user is None:
@@ -131,7 +133,7 @@ class ChatRenderer:
         turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and i > first_user]
         return turns[-1:] if self.assistant_turns == "last" else turns
 
-    def _render(self, msgs: list[dict[str, str]], generation_prompt: bool) -> str:
+    def _render(self, msgs: list[dict[str, Any]], generation_prompt: bool) -> str:
         try:
             text = self.tokenizer.apply_chat_template(
                 msgs, tokenize=False, add_generation_prompt=generation_prompt
@@ -144,7 +146,7 @@ class ChatRenderer:
             raise RejectRow("chat template did not render to text")
         return text
 
-    def _prefix_len(self, msgs: list[dict[str, str]], full: str, generation_prompt: bool) -> int | None:
+    def _prefix_len(self, msgs: list[dict[str, Any]], full: str, generation_prompt: bool) -> int | None:
         """Length of the rendering of `msgs` if it is a prefix of `full`, else None."""
         try:
             text = self._render(msgs, generation_prompt)
@@ -154,7 +156,7 @@ class ChatRenderer:
 
     def _locate_reply(
         self,
-        msgs: list[dict[str, str]],
+        msgs: list[dict[str, Any]],
         turn: int,
         full: str,
         cursor: int,
@@ -181,8 +183,42 @@ class ChatRenderer:
             start = c0  # header unknown: supervise from the content itself
         c1 = c0 + len(content)
         after = self._prefix_len(msgs[: turn + 1], full, generation_prompt=False)
+        if msgs[turn].get("tool_calls"):
+            return start, self._end_of_tool_calls(msgs[turn], turn, full, c1, after, offsets, ends)
         bound = after if after is not None and after >= c1 else len(full)
         return start, self._end_of_turn(full, c1, bound, ids, offsets, ends)
+
+    def _end_of_tool_calls(
+        self,
+        msg: dict[str, Any],
+        turn: int,
+        full: str,
+        c1: int,
+        after: int | None,
+        offsets: list[tuple[int, int]],
+        ends: list[int],
+    ) -> int:
+        """End of an assistant turn with tool calls: the calls as the template renders them (whatever their
+        syntax) and the end-of-turn token(s), i.e. the turn's rendering up to its last non-whitespace token.
+
+        Raises:
+            RejectRow: the turn's end cannot be found, or the template renders no tool calls (it would
+                supervise an empty reply): such conversations are rejected with that reason, never dropped silently.
+        """
+        if after is None or after < c1:
+            raise RejectRow(
+                f"assistant turn {turn}: its tool calls cannot be located in the rendered chat template"
+            )
+        names = [call["function"]["name"] for call in msg["tool_calls"]]
+        if not all(name in full[c1:after] for name in names):
+            raise RejectRow(f"the chat template does not render tool calls (turn {turn})")
+        end = c1
+        for s, e in offsets[bisect.bisect_right(ends, c1) :]:
+            if e > after:
+                break
+            if e > s and not full[s:e].isspace():
+                end = e
+        return end
 
     def _end_of_turn(
         self, full: str, c1: int, bound: int, ids: list[int], offsets: list[tuple[int, int]], ends: list[int]
@@ -199,3 +235,13 @@ class ChatRenderer:
             if not full[max(s, c1) : e].isspace():
                 break
         return c1
+
+
+def _template_dict(m: Message) -> dict[str, Any]:
+    """A message as chat templates take it; tool fields only when present, so plain chats render as before."""
+    d: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        d["tool_calls"] = m.tool_calls
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    return d

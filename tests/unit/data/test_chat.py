@@ -117,3 +117,49 @@ def test_template_errors_and_unlocatable_content_reject_the_row(tmp_path):
     with pytest.raises(RejectRow, match="content was not found"):
         renderer.render([Message("user", "hi"), Message("assistant", "hello")])
     assert renderer.render([Message("user", "hi"), Message("assistant", "OK")]).num_supervised >= 2
+
+
+# ---- issue 15, item 12: OpenAI tool-call turns ---------------------------------------------------------------
+# A Qwen2.5-like template that renders tool calls and tool results (simplified).
+TOOLS_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' + m['content'] }}"
+    "{% if m.tool_calls is defined and m.tool_calls %}{% for tc in m.tool_calls %}"
+    "{{ '\n<tool_call>\n{\"name\": \"' + tc['function']['name'] + '\", \"arguments\": ' }}"
+    "{{ tc['function']['arguments'] | tojson }}{{ '}\n</tool_call>' }}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% elif m['role'] == 'tool' %}{{ '<|im_start|>user\n<tool_response>\n' + m['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+TOOL_CONV = [
+    Message("user", "Weather in Paris?"),
+    Message("assistant", "", tool_calls=[CALL]),
+    Message("tool", "18 C, sunny", tool_call_id="c1"),
+    Message("assistant", "It is 18 C and sunny."),
+]
+
+
+def test_tool_calls_render_as_the_template_does_and_are_supervised(tmp_path):
+    tokenizer = build_tokenizer(tmp_path, "chatml")
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    sample = ChatRenderer(tokenizer).render(TOOL_CONV)
+    msgs = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "content": "18 C, sunny", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "It is 18 C and sunny."},
+    ]
+    ref = tokenizer.apply_chat_template(msgs, tokenize=False)
+    assert tokenizer.decode(sample.input_ids) == ref
+    assert masked_spans(tokenizer, sample) == [
+        '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+        "It is 18 C and sunny.<|im_end|>",
+    ]
+
+
+def test_tool_calls_under_a_template_without_tool_support_reject_the_row(tmp_path):
+    tokenizer = build_tokenizer(tmp_path, "chatml")  # renders only role + content: the call would vanish
+    with pytest.raises(RejectRow, match=r"the chat template does not render tool calls \(turn 1\)"):
+        ChatRenderer(tokenizer).render(TOOL_CONV)
