@@ -9,6 +9,7 @@ holds the first uncommitted sample, and the writer drops tokens it already has. 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import shutil
@@ -93,10 +94,10 @@ class ExtractSummary:
                 f"extracted {self.store} in {self.output}: {self.new_tokens} new tokens in "
                 f"{self.elapsed_s:.1f} s ({rate:.0f} tokens/s)"
             )
+        per_token = f", {self.store_bytes / self.tokens:.1f} bytes/token" if self.tokens else ""
         lines = [
             head,
-            f"samples {self.samples}, tokens {self.tokens}, supervised {self.supervised}, "
-            f"{self.store_bytes / max(self.tokens, 1):.1f} bytes/token",
+            f"samples {self.samples}, tokens {self.tokens}, supervised {self.supervised}{per_token}",
         ]
         total = sum(self.rejects.values())
         lines.append(
@@ -393,6 +394,7 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
         raise BadInput(f"cannot load the tokenizer of {cfg.model}: {why}") from None
     renderer = ChatRenderer(tokenizer, cfg.assistant_turns, cfg.leading_assistant)
     meta = build_meta(cfg, info, layer_ids, world)
+    existed, created = Path(cfg.output).exists(), not (Path(cfg.output) / layout.CACHE_META).exists()
     root = prepare_output(cfg, meta)
     writer = CacheWriter(root, meta, rank, world).open()
     summary = ExtractSummary(output=str(root), store=writer.store)
@@ -400,11 +402,15 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     summary.notes += [note] if note else []
     if writer.complete:
         writer.abort()
+        if writer.committed_samples == 0 and world == 1:  # written by a version that allowed it
+            raise BadInput(f"{_no_samples(cfg, writer)}; remove {root} and re-run with usable data")
         return _finish(summary, writer, already=True)
     backend: TargetBackend | None = None
     start = time.perf_counter()
     try:
         backend, summary.new_tokens = _loop(cfg, meta, writer, renderer, rank, world)
+        if writer.next_ordinal == 0 and world == 1:  # (one of several ranks may legitimately get none)
+            raise BadInput(_no_samples(cfg, writer))  # the store is never committed: a re-run starts afresh
         writer.close()
     except KeyboardInterrupt:
         writer.abort()
@@ -412,6 +418,11 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
             f"interrupted: {writer.committed_samples} samples of {writer.store} are committed; "
             "re-run the same command to resume"
         ) from None
+    except BadInput:
+        writer.abort()
+        if created and world == 1:  # nothing else is in it: leave the output as it was before this call
+            _remove_new_cache(root, existed)
+        raise
     except BaseException:
         writer.abort()
         raise
@@ -420,6 +431,28 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
             backend.close()
     summary.elapsed_s = time.perf_counter() - start
     return _finish(summary, writer, already=False)
+
+
+def _no_samples(cfg: ExtractConfig, writer: CacheWriter) -> str:
+    """The error for a store without a single usable sample, naming the most frequent reject reasons."""
+    data = ", ".join(cfg.data)
+    if not writer.num_rejects:
+        return f"no usable samples: {data} holds no rows; nothing was written"
+    counts = collections.Counter(r["reason"] for r in writer.rejects).most_common()
+    top = ", ".join(f"{n} x {reason!r}" for reason, n in counts[:3])
+    more = f" and {len(counts) - 3} more reason(s)" if len(counts) > 3 else ""
+    return f"no usable samples in {data}: all {writer.num_rejects} rows were rejected ({top}{more}); nothing was written"
+
+
+def _remove_new_cache(root: Path, existed: bool) -> None:
+    """Remove the cache files this call created in `root` (it held nothing else), and `root` if it is new."""
+    for name in (layout.CACHE_META, layout.EXTRACT_YAML):
+        (root / name).unlink(missing_ok=True)
+    for name in (layout.TARGET_DIR, layout.STORES_DIR):
+        shutil.rmtree(root / name, ignore_errors=True)
+    if not existed:
+        with contextlib.suppress(OSError):
+            root.rmdir()
 
 
 def _loop(

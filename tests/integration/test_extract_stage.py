@@ -206,3 +206,59 @@ def test_cache_files_follow_the_umask(tiny_model, tmp_path, patch_backend):
     }
     assert "target/pieces.safetensors" in modes and "target/config.json" in modes
     assert {k: m for k, m in modes.items() if m != 0o644} == {}
+
+
+# ---- issue 15, item 5: zero usable samples is an error naming the reasons; the output is left as it was ------
+def _lines(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+SYSTEM_ONLY = {"messages": [{"role": "system", "content": "be nice"}, {"role": "assistant", "content": "ok"}]}
+USER_ONLY = {"messages": [{"role": "user", "content": "anyone?"}]}
+
+
+@pytest.mark.parametrize("existed", [False, True])
+def test_no_usable_samples_is_an_error_and_leaves_nothing(tiny_model, tmp_path, patch_backend, existed):
+    data = _lines(tmp_path / "d.jsonl", [SYSTEM_ONLY, USER_ONLY, SYSTEM_ONLY])
+    out = tmp_path / "c"
+    if existed:
+        out.mkdir()
+    patch_backend()
+    with pytest.raises(BadInput) as err:
+        stage.run(_cfg(tiny_model, data, out))
+    assert str(err.value) == (
+        f"no usable samples in {data}: all 3 rows were rejected (2 x 'no assistant turn after the first user "
+        "turn', 1 x 'no assistant turn'); nothing was written"
+    )
+    assert (sorted(out.iterdir()) == []) if existed else not out.exists()
+    _data(data, 3)  # the data fixed in place: the same command now succeeds
+    assert stage.run(_cfg(tiny_model, data, out)).samples == 3
+
+
+def test_empty_data_and_max_length_1(tiny_model, tmp_path, patch_backend):
+    patch_backend()
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("")
+    with pytest.raises(BadInput, match=rf"no usable samples: {empty} holds no rows; nothing was written"):
+        stage.run(_cfg(tiny_model, empty, tmp_path / "c"))
+    data = _data(tmp_path / "d.jsonl", 3)
+    with pytest.raises(
+        BadInput,
+        match=r"all 4 rows were rejected \(3 x 'no supervised tokens within max_length', 1 x 'empty conversation'\)",
+    ):
+        stage.run(_cfg(tiny_model, data, tmp_path / "c", max_length=1))
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_rank_without_samples_completes_an_empty_store(tiny_model, tmp_path, patch_backend):
+    """One rank of several may get no usable row (here: rank 1 of 2 over a good and a bad row): not an error,
+    its store completes empty (its summary prints no bytes/token) and the cache holds the other rank's sample."""
+    patch_backend()
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    data = _lines(tmp_path / "d.jsonl", [good, USER_ONLY])
+    stage.run(_cfg(tiny_model, data, tmp_path / "c", rank=0, world_size=2))
+    text = stage.run(_cfg(tiny_model, data, tmp_path / "c", rank=1, world_size=2)).format()
+    assert "samples 0, tokens 0, supervised 0\n" in text and "bytes/token" not in text
+    assert "rejects 1\n       1  no assistant turn" in text
+    assert len(open_cache(tmp_path / "c").samples) == 1
