@@ -181,3 +181,16 @@ def test_verify_still_finds_damage_in_the_committed_part_of_a_store_being_writte
     assert any("token_counts.npy counts fewer" in p for p in problems), problems
     assert main(["verify", str(tmp_path / "c")]) == 4
     assert "problem(s) found" in capsys.readouterr().err
+
+
+def test_inspect_of_a_rejected_sample_gives_the_reject_reason(tmp_path, capsys):
+    """issue 15, item 15: `inspect --sample ID` of a rejected row said only "not in cache"."""
+    from peagle_pipeline.cli import main
+
+    write_cache(tmp_path / "c")  # row 1000 (fake.jsonl row 7) is rejected as an empty conversation
+    assert main(["inspect", str(tmp_path / "c"), "--sample", "1000"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: sample 1000 was rejected at extraction (fake.jsonl row 7): empty conversation"
+    ]
+    assert main(["inspect", str(tmp_path / "c"), "--sample", "999"]) == 2
+    assert "sample 999 is not in cache" in capsys.readouterr().err
