@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -17,7 +18,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -395,8 +396,11 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     renderer = ChatRenderer(tokenizer, cfg.assistant_turns, cfg.leading_assistant)
     meta = build_meta(cfg, info, layer_ids, world)
     existed, created = Path(cfg.output).exists(), not (Path(cfg.output) / layout.CACHE_META).exists()
-    root = prepare_output(cfg, meta)
-    writer = CacheWriter(root, meta, rank, world).open()
+    try:
+        root = prepare_output(cfg, meta)
+        writer = CacheWriter(root, meta, rank, world).open()
+    except OSError as err:
+        raise_if_unwritable(err, cfg.output)
     summary = ExtractSummary(output=str(root), store=writer.store)
     note = collapsed_layers_note(cfg, info.num_hidden_layers)
     summary.notes += [note] if note else []
@@ -423,6 +427,9 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
         if created and world == 1:  # nothing else is in it: leave the output as it was before this call
             _remove_new_cache(root, existed)
         raise
+    except OSError as err:  # (disk full is already OutOfSpace, raised by the writer)
+        writer.abort()
+        raise_if_unwritable(err, cfg.output)
     except BaseException:
         writer.abort()
         raise
@@ -431,6 +438,15 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
             backend.close()
     summary.elapsed_s = time.perf_counter() - start
     return _finish(summary, writer, already=False)
+
+
+def raise_if_unwritable(err: OSError, output: str) -> NoReturn:
+    """A permission error or read-only file system under the output becomes `BadInput`; anything else re-raises."""
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        raise BadInput(
+            f"cannot write the cache in {output}: {err.strerror} ({err.filename}); choose a writable --output"
+        ) from None
+    raise err
 
 
 def _no_samples(cfg: ExtractConfig, writer: CacheWriter) -> str:
