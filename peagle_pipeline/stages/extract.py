@@ -134,7 +134,8 @@ def render_rows(
             yield RowReject(index, row.source, row.source_row, row.reason)
             continue
         try:
-            rendered = renderer.render(row.messages)
+            # Only max_length tokens are kept (+1 tells an overlong sample): a huge row is not tokenised whole.
+            rendered = renderer.render(row.messages, max_tokens=max_length + 1)
         except RejectRow as err:
             yield RowReject(index, row.source, row.source_row, err.reason)
             continue

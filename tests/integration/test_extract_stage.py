@@ -42,7 +42,7 @@ def test_rank_rows_split_after_max_samples():
 
 
 class _Renderer:
-    def render(self, messages):
+    def render(self, messages, max_tokens=None):
         from peagle_pipeline.data.chat import RejectRow, RenderedSample
 
         n = len(messages[0].content)
