@@ -98,7 +98,8 @@ class ExtractConfig:
             )
         if self.layers is not None and (not self.layers or min(self.layers) < 0):
             raise BadConfig(f"layers must be non-negative layer ids, got {self.layers}")
-        twice = next((k for i, k in enumerate(self.layers or []) if k in self.layers[:i]), None)  # type: ignore[index]
+        layers = self.layers or []
+        twice = next((k for i, k in enumerate(layers) if k in layers[:i]), None)
         if twice is not None:
             raise BadConfig(f"layers names layer {twice} twice ({self.layers}); give each layer id once")
         _refuse_duplicate_paths(self.data)

@@ -226,8 +226,8 @@ def check_export_target(
         marker = {}
     if force or (marker is None and own) or (marker and _same_run(marker, source)):
         return
-    if marker:
-        what = f"the export of another run ({marker.get('run')}, {marker.get('checkpoint')})"
+    if marker and marker.get("run"):
+        what = f"the export of another run ({marker['run']}, {marker.get('checkpoint')})"
     else:
         what = "a P-EAGLE export of unknown origin"
     raise OutputExists(f"{out} holds {what}: pass --force to replace it, or choose another --output")

@@ -415,7 +415,7 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     try:
         backend, summary.new_tokens = _loop(cfg, meta, writer, renderer, rank, world)
         if writer.next_ordinal == 0 and world == 1:  # (one of several ranks may legitimately get none)
-            raise BadInput(_no_samples(cfg, writer))  # the store is never committed: a re-run starts afresh
+            raise _NoSamples(_no_samples(cfg, writer))  # the store is never committed: a re-run starts afresh
         writer.close()
     except KeyboardInterrupt:
         writer.abort()
@@ -423,11 +423,11 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
             f"interrupted: {writer.committed_samples} samples of {writer.store} are committed; "
             "re-run the same command to resume"
         ) from None
-    except BadInput:
+    except _NoSamples as err:
         writer.abort()
-        if created and world == 1:  # nothing else is in it: leave the output as it was before this call
+        if created:  # nothing else is in it: leave the output as it was before this call
             _remove_new_cache(root, existed)
-        raise
+        raise BadInput(str(err)) from None
     except OSError as err:  # (disk full is already OutOfSpace, raised by the writer)
         writer.abort()
         raise_if_unwritable(err, cfg.output)
@@ -441,11 +441,16 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     return _finish(summary, writer, already=False)
 
 
+class _NoSamples(Exception):
+    """This (only) rank produced no usable sample: reported as BadInput once the new cache is removed."""
+
+
 def raise_if_unwritable(err: OSError, output: str) -> NoReturn:
     """A permission error or read-only file system under the output becomes `BadInput`; anything else re-raises."""
     if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        where = f" ({err.filename})" if err.filename else ""
         raise BadInput(
-            f"cannot write the cache in {output}: {err.strerror} ({err.filename}); choose a writable --output"
+            f"cannot write the cache in {output}: {err.strerror}{where}; choose a writable --output"
         ) from None
     raise err
 

@@ -426,9 +426,7 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
     sink: Any = metrics_mod.NullSink()
     try:
         resumed = prepare_output(cfg, dist.world, micro_steps)  # every rank checks before anyone writes
-        if (
-            cfg.export and resumed
-        ):  # refuse now, not after training, an export folder holding the user's files
+        if cfg.export and resumed:  # refuse an export folder holding the user's files now, not after training
             check_export_target(Path(cfg.output) / EXPORT_DIR, run_identity(cfg.output), own=True)
         dist.barrier()
         if dist.main:
