@@ -226,15 +226,21 @@ def inspect(
 
 @app.command()
 def verify(cache: Annotated[str, typer.Argument(metavar="CACHE", help="Cache directory.")]) -> None:
-    """Read every store back and report any inconsistency by store and sample (exit 4 if any)."""
+    """Read every store back and report any inconsistency by store and sample (exit 4 if any; 3 if incomplete)."""
     from peagle_pipeline.cache.reader import open_cache
-    from peagle_pipeline.errors import CorruptCache
+    from peagle_pipeline.errors import CorruptCache, IncompatibleCache
 
     problems = open_cache(cache, check=False).verify()
     for line in problems:
         typer.echo(line)
-    if problems:
-        raise CorruptCache(f"{len(problems)} problem(s) found in {cache}")
+    damage = [p for p in problems if getattr(p, "kind", "damage") == "damage"]
+    if damage:
+        raise CorruptCache(f"{len(damage)} problem(s) found in {cache}")
+    if problems:  # stores being written or never finished: what they commit is sound
+        raise IncompatibleCache(
+            f"{cache} is incomplete ({len(problems)} store(s) still being written or never finished); "
+            "what is committed verified ok"
+        )
     typer.echo(f"ok: {cache} verified")
 
 
@@ -247,11 +253,17 @@ def export(
     checkpoint: Annotated[
         str, typer.Option(metavar="[best|latest|step-N]", help="Which checkpoint to export.")
     ] = "best",
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Replace another run's export in --output (other files there are never replaced)."
+        ),
+    ] = False,
 ) -> None:
     """Export a trained draft in the speculators P-EAGLE format that vLLM loads."""
     from peagle_pipeline.stages import export as stage
 
-    path = stage.export_run(run_dir, output, checkpoint=checkpoint)
+    path = stage.export_run(run_dir, output, checkpoint=checkpoint, force=force)
     typer.echo(f"exported to {path}")
 
 

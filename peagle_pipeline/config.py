@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import types
 import typing
@@ -113,6 +114,11 @@ class ExtractConfig:
             )
         if self.layers is not None and (not self.layers or min(self.layers) < 0):
             raise BadConfig(f"layers must be non-negative layer ids, got {self.layers}")
+        layers = self.layers or []
+        twice = next((k for i, k in enumerate(layers) if k in layers[:i]), None)
+        if twice is not None:
+            raise BadConfig(f"layers names layer {twice} twice ({self.layers}); give each layer id once")
+        _refuse_duplicate_paths(self.data)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise BadConfig(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -229,6 +235,18 @@ _DEVICE = re.compile(r"^(auto|cpu|mps|(cuda|xpu)(:\d+)?)$")
 def _device(device: str) -> None:
     if not _DEVICE.match(device):
         raise BadConfig(f"device must be auto, cpu, cuda or cuda:N (also mps, xpu, xpu:N); got {device!r}")
+
+
+def _refuse_duplicate_paths(paths: list[str]) -> None:
+    """Two spellings of one data file (`d.jsonl`, `./d.jsonl`, its absolute path) would extract it twice."""
+    seen: dict[str, str] = {}
+    for path in paths:
+        key = os.path.realpath(path)
+        if key in seen:
+            raise BadConfig(
+                f"data names the same file twice: {seen[key]!r} and {path!r}; give each data file once"
+            )
+        seen[key] = path
 
 
 def _positive(cfg: Any, *names: str) -> None:

@@ -6,6 +6,7 @@ environment and /proc/cpuinfo are read only when a function is called).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import json
@@ -24,6 +25,8 @@ __all__ = [
     "atomic_write_text",
     "atomic_write_json",
     "fsync_dir",
+    "make_readable",
+    "exchange_paths",
     "rank_world_from_env",
     "RankLock",
     "StopOnSigint",
@@ -50,6 +53,39 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_readable(path: str | os.PathLike[str]) -> None:
+    """Give `path` the mode a plain `open(path, "w")` would (0666 less the umask; 0777 for a directory).
+
+    Temporary files (`tempfile.mkstemp`, safetensors' writer) and directories (`mkdtemp`) are created private
+    (0600/0700); renamed into place they would keep that, and another user (a vLLM server) could not read them.
+    """
+    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~mask)
+
+
+def exchange_paths(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Swap two existing paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where unsupported.
+
+    Readers of either name see the old or the new entry, never a missing one. The caller falls back to two
+    renames when this returns False (another OS, an old libc, or a file system without the flag).
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(a), None, os.fspath(b))
 
 
 def raise_if_no_space(err: OSError, what: str) -> None:

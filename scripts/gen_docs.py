@@ -70,9 +70,9 @@ greedy output differs from plain greedy output (`vllm-check`), 130 interrupted.
 |---|---|
 | `peagle-pipeline extract [--config FILE] [flags]` | run the target once over chat data, write or resume a cache (flags: see [pipeline-files.md](pipeline-files.md), section `extract:`) |
 | `peagle-pipeline inspect CACHE [--sample ID] [--rows N]` | settings, samples, tokens, supervised fraction, lengths, bytes per token, store sizes; or one sample token by token |
-| `peagle-pipeline verify CACHE` | read everything back, check checksums and tables; names the store and samples of each problem (exit 4) |
+| `peagle-pipeline verify CACHE` | read everything back, check checksums and tables; names the store and samples of each problem (exit 4); checks what the manifests commit, so a cache still being written is reported incomplete (exit 3), not damaged |
 | `peagle-pipeline train [--config FILE] [flags]` | train a draft from a cache (section `train:`); `--resume` continues exactly |
-| `peagle-pipeline export RUN --output DIR [--checkpoint best\\|latest\\|step-N]` | speculators P-EAGLE checkpoint for vLLM |
+| `peagle-pipeline export RUN --output DIR [--checkpoint best\\|latest\\|step-N] [--force]` | speculators P-EAGLE checkpoint for vLLM (`--force`: replace another run's export) |
 | `peagle-pipeline plot RUN` | PNG curves of loss, per-depth agreement and acceptance length |
 | `peagle-pipeline vllm-check DRAFT --target MODEL` | load target + draft in vLLM, check greedy equality, report vLLM's acceptance |
 

@@ -297,6 +297,7 @@ def save_target_pieces(model_path: str | os.PathLike[str], out_dir: str | os.Pat
     os.close(fd)
     try:
         save_file(pieces, tmp, metadata={"source": str(p)})
+        _make_readable(tmp)
         _fsync_path(tmp)
         os.replace(tmp, out / PIECES_FILE)
     finally:
@@ -310,11 +311,22 @@ def _atomic_copy(src: Path, dst: Path) -> None:
     os.close(fd)
     try:
         shutil.copyfile(src, tmp)
+        _make_readable(tmp)
         _fsync_path(tmp)
         os.replace(tmp, dst)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _make_readable(path: str | Path) -> None:
+    """mkstemp and safetensors create files 0600; give them the mode of a plain new file (0666 less the umask).
+
+    (The same rule as `runtime.make_readable`, which `backends/` may not import.)
+    """
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def _fsync_path(path: str | Path) -> None:

@@ -176,9 +176,17 @@ class Cache:
 
     # -------------------------------------------------------------------------------------------- reads
     def locate(self, sample_id: int) -> tuple[str, int, int]:
-        """(store name, offset, length) of a sample; BadInput if the cache has no such sample."""
+        """(store name, offset, length) of a sample; BadInput if the cache has no such sample (naming the reject
+        reason when extraction rejected that row)."""
         i = int(np.searchsorted(self._ids, sample_id))
         if i >= len(self._ids) or self._ids[i] != sample_id:
+            rejected = self.rejects[self.rejects["sample_id"] == sample_id]
+            if len(rejected):
+                r = rejected.iloc[0]
+                raise BadInput(
+                    f"sample {sample_id} was rejected at extraction ({r['source']} row {r['source_row']}): "
+                    f"{r['reason']}"
+                )
             raise BadInput(f"sample {sample_id} is not in cache {self.path}")
         return self._store_names[self._store_of[i]], int(self._offsets[i]), int(self._lengths[i])
 

@@ -2,6 +2,9 @@
 
 Every problem becomes one line naming the store and the samples it touches; an empty list means the cache is
 sound. Arrays are read through Zarr itself (the reference decoder), independently of the reader's fast path.
+Only what the manifests commit is checked: a store being written (or a copy taken meanwhile) may hold shards and
+tables past its manifest; those are the next commit in progress, not damage. Such a store is reported as
+incomplete (a `Finding` of kind "incomplete"), never as damage.
 """
 
 from __future__ import annotations
@@ -17,7 +20,19 @@ from peagle_pipeline.cache.writer import file_hash
 if TYPE_CHECKING:
     from peagle_pipeline.cache.reader import Cache
 
-__all__ = ["verify_cache"]
+__all__ = ["verify_cache", "Finding"]
+
+
+class Finding(str):
+    """One line of the verify report; `kind` is "damage" (the data is wrong) or "incomplete" (not finished)."""
+
+    kind: str = "damage"
+
+    @classmethod
+    def incomplete(cls, line: str) -> Finding:
+        finding = cls(line)
+        finding.kind = "incomplete"
+        return finding
 
 
 def verify_cache(cache: Cache) -> list[str]:
@@ -26,12 +41,14 @@ def verify_cache(cache: Cache) -> list[str]:
     seen: dict[int, str] = {}
     for name, manifest in cache.manifests.items():
         if manifest is None:
-            problems.append(f"{name}: store missing (no manifest)")
+            problems.append(Finding.incomplete(f"{name}: store missing (no manifest)"))
             continue
         if not manifest.get("complete"):
             problems.append(
-                f"{name}: incomplete ({manifest['committed_samples']} samples committed); "
-                "re-run extract to finish it"
+                Finding.incomplete(
+                    f"{name}: incomplete ({manifest['committed_samples']} samples committed); "
+                    "re-run extract to finish it"
+                )
             )
         problems += _verify_store(cache, name, manifest, seen)
     return problems
@@ -49,14 +66,23 @@ def _verify_store(cache: Cache, name: str, manifest: dict[str, Any], seen: dict[
     root = cache._root
     rel = f"{layout.STORES_DIR}/{name}"
     out: list[str] = []
+    ahead: set[str] = (
+        set()
+    )  # tables of an incomplete store rewritten by a commit its manifest does not name yet
     for table, digest in manifest["tables"].items():
         try:
             ok = file_hash(root.read_bytes(f"{rel}/{table}")) == digest
         except FileNotFoundError:
             ok = False
-        if not ok:
+        if not ok and manifest.get("complete"):
             out.append(f"{name}: {table} does not match its manifest checksum (missing or changed)")
+        elif not ok:
+            ahead.add(table)  # checked for consistency with the committed part below instead
     samples = cache.samples[cache.samples["store"] == name].reset_index(drop=True)
+    if len(samples) != int(manifest["committed_samples"]):
+        out.append(
+            f"{name}: samples table holds {len(samples)} of the {manifest['committed_samples']} committed samples"
+        )
     n_tokens = int(manifest["committed_tokens"])
     # Offsets: samples tile [0, committed end) in order, each at most max_length long.
     ends = (samples["offset"] + samples["length"]).to_numpy()
@@ -124,11 +150,13 @@ def _verify_store(cache: Cache, name: str, manifest: dict[str, Any], seen: dict[
             data[array] = np.concatenate(parts) if parts else np.zeros((0, *inner), dtype=dtype)
     if covered != n_tokens:
         out.append(f"{name}: manifest shards cover {covered} tokens, committed {n_tokens}")
-    out += _verify_values(cache, name, samples, data)
+    out += _verify_values(cache, name, samples, data, layout.TOKEN_COUNTS in ahead)
     return out
 
 
-def _verify_values(cache: Cache, name: str, samples: Any, data: dict[str, np.ndarray]) -> list[str]:
+def _verify_values(
+    cache: Cache, name: str, samples: Any, data: dict[str, np.ndarray], counts_ahead: bool = False
+) -> list[str]:
     out: list[str] = []
     V = cache.meta.vocab_size
     ids, mask, topk = data.get("input_ids"), data.get("loss_mask"), data.get("topk_ids")
@@ -155,7 +183,10 @@ def _verify_values(cache: Cache, name: str, samples: Any, data: dict[str, np.nda
         stored = np.load(
             io.BytesIO(cache._root.read_bytes(f"{layout.STORES_DIR}/{name}/{layout.TOKEN_COUNTS}"))
         )
-        if not np.array_equal(stored, counts):
+        if counts_ahead:  # a later commit's counts: they include every committed sample, plus more
+            if stored.shape != counts.shape or bool((stored < counts).any()):
+                out.append(f"{name}: token_counts.npy counts fewer tokens than its committed samples hold")
+        elif not np.array_equal(stored, counts):
             out.append(f"{name}: token_counts.npy disagrees with the supervised tokens of its samples")
     except (OSError, ValueError, EOFError):  # missing, truncated or damaged .npy
         out.append(f"{name}: token_counts.npy missing or unreadable")

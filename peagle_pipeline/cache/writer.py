@@ -32,7 +32,7 @@ import numpy as np
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.layout import CacheMeta
-from peagle_pipeline.errors import IncompatibleCache, ResumeMismatch
+from peagle_pipeline.errors import CorruptCache, IncompatibleCache, ResumeMismatch
 from peagle_pipeline.runtime import (
     RankLock,
     atomic_write_bytes,
@@ -90,12 +90,37 @@ def file_hash(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
+_MANIFEST_KEYS = (
+    "format_version",
+    "meta",
+    "committed_tokens",
+    "committed_samples",
+    "complete",
+    "shards",
+    "tables",
+)
+
+
 def read_manifest(store_dir: Path) -> dict[str, Any] | None:
-    """The store's manifest, or None if it has none yet (nothing committed)."""
+    """The store's manifest, or None if it has none yet (nothing committed).
+
+    Raises:
+        CorruptCache: the manifest is not a JSON object with the manifest's keys (it is replaced atomically,
+            so this is damage, e.g. a truncated copy).
+    """
+    path = store_dir / layout.MANIFEST
     try:
-        return json.loads((store_dir / layout.MANIFEST).read_text(encoding="utf-8"))
+        manifest = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
+    except (ValueError, UnicodeDecodeError):
+        manifest = None
+    if not isinstance(manifest, dict) or any(k not in manifest for k in _MANIFEST_KEYS):
+        raise CorruptCache(
+            f"{path} is damaged (not a complete manifest): delete {store_dir} to redo this rank "
+            "(or restore the file from a good copy)"
+        )
+    return manifest
 
 
 def _table_bytes(rows: list[dict[str, Any]], columns: tuple[str, ...], types: dict[str, str]) -> bytes:
@@ -171,6 +196,7 @@ class CacheWriter:
     # ----------------------------------------------------------------------------------------------- open
     def open(self) -> CacheWriter:
         """Lock the rank, then create the store or load its committed state (garbage past it is ignored)."""
+        read_manifest(self.store_dir)  # a damaged manifest is reported before anything (the lock) is touched
         self._lock.acquire()
         try:
             self._open_store()

@@ -3,13 +3,16 @@
 The mask is derived without `{% generation %}` tags: each assistant reply is located by rendering the
 conversation prefix that ends with the generation prompt, so the reply is exactly what the model would generate
 after that prompt: the content and the end-of-turn token(s) that follow it (`<|im_end|>`, `<|eot_id|>`, ...),
-never role headers, injected system prompts or the separator after the end-of-turn token.
+never role headers, injected system prompts or the separator after the end-of-turn token. An assistant turn with
+OpenAI tool calls is passed to the template as is; its reply is the calls as the template renders them plus the
+end-of-turn token(s); a template that does not render them rejects the conversation (with that reason).
 Pure given a tokenizer: no file I/O, no model.
 """
 
 from __future__ import annotations
 
 import bisect
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -18,6 +21,27 @@ from peagle_pipeline.data.formats import Message
 from peagle_pipeline.errors import BadInput
 
 __all__ = ["ChatRenderer", "RenderedSample", "RejectRow", "template_token_ids"]
+
+
+# A bounded render first tokenises 16 characters per wanted token (keeping the tokens within the first 8 per
+# token); typical text needs 3-5. Doubled until enough tokens come out; the whole text is the last resort.
+_FIRST_SPAN_CHARS_PER_TOKEN = 16
+_NON_SPACE = re.compile(r"\S")
+
+
+@dataclass(frozen=True, slots=True)
+class _Tokens:
+    """Token ids and character offsets [(start, end)] of a rendered text: all of them (`limit` None), or only its
+    first ones, exactly as the whole text's; `limit` is then where the last of them ends."""
+
+    ids: list[int]
+    offsets: list[tuple[int, int]]
+    ends: list[int]
+    limit: int | None
+
+
+class _NeedMore(Exception):
+    """A bounded render could not decide a reply's end within the exact tokens: tokenise further."""
 
 
 class RejectRow(Exception):
@@ -78,9 +102,18 @@ class ChatRenderer:
         special = set(tokenizer.all_special_ids)
         special.update(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special)
         self._special_ids = frozenset(special)
+        texts = {tok.content for i, tok in tokenizer.added_tokens_decoder.items() if i in special}
+        self._special_texts = sorted(texts | set(tokenizer.all_special_tokens), key=len, reverse=True)
 
-    def render(self, messages: Sequence[Message]) -> RenderedSample:
+    def render(self, messages: Sequence[Message], max_tokens: int | None = None) -> RenderedSample:
         """Render one conversation.
+
+        Args:
+            max_tokens: only the first `max_tokens` tokens are wanted (the caller truncates to its max length).
+                A conversation whose rendered text is far longer than they can span is then tokenised only as far
+                as needed (see `_tokenize`), so memory and time are bounded by `max_tokens`, not by the row.
+                The result equals the whole rendering's first `max_tokens` ids and mask values (more when the
+                text is short enough to be tokenised whole, as without `max_tokens`), and the same rows reject.
 
         Returns:
             RenderedSample with `input_ids` [T] and `loss_mask` [T] (True on assistant reply tokens).
@@ -94,21 +127,42 @@ class ChatRenderer:
         if not supervised:
             raise RejectRow("no assistant turn after the first user turn")
         full = self._render(msgs, generation_prompt=False)
-        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids: list[int] = list(enc["input_ids"])
-        offsets: list[tuple[int, int]] = [tuple(o) for o in enc["offset_mapping"]]
-        ends = [e for _, e in offsets]
+        span = None if max_tokens is None else _FIRST_SPAN_CHARS_PER_TOKEN * max_tokens
+        while True:
+            toks = self._tokenize(full, span, max_tokens)
+            if toks is None:  # the exact region holds fewer than max_tokens tokens: look further
+                span *= 2  # type: ignore[operator]
+                continue
+            try:
+                return self._masked(msgs, supervised, full, toks, max_tokens)
+            except _NeedMore:
+                span *= 2  # type: ignore[operator]
+
+    def _masked(
+        self,
+        msgs: list[dict[str, Any]],
+        supervised: list[int],
+        full: str,
+        toks: _Tokens,
+        max_tokens: int | None,
+    ) -> RenderedSample:
+        """The loss mask over `toks` (the whole text's tokens, or its exact first ones)."""
+        ids, offsets, ends = toks.ids, toks.offsets, toks.ends
         mask = [False] * len(ids)
         cursor = 0
+        later = False  # (bounded) some reply lies past the exact region: its tokens would be supervised
         for turn in supervised:
-            start, end = self._locate_reply(msgs, turn, full, cursor, ids, offsets, ends)
+            start, end = self._locate_reply(msgs, turn, full, cursor, toks)
             j = bisect.bisect_right(ends, start)  # first token ending after `start`
             while j < len(ids) and offsets[j][0] < end:
                 mask[j] = offsets[j][1] > offsets[j][0]  # zero-width tokens carry no text
                 j += 1
+            later = later or (toks.limit is not None and end > max(start, toks.limit))
             cursor = end
-        if not any(mask):
+        if not any(mask) and not later:
             raise RejectRow("no supervised tokens after rendering")
+        if toks.limit is not None:
+            return RenderedSample(ids[:max_tokens], mask[:max_tokens])
         return RenderedSample(ids, mask)
 
     def check_tokens(self, input_ids: Sequence[int], loss_mask: Sequence[bool]) -> RenderedSample:
@@ -124,11 +178,40 @@ class ChatRenderer:
             raise RejectRow("no supervised tokens")
         return RenderedSample(list(input_ids), [bool(m) for m in loss_mask])
 
+    def _tokenize(self, full: str, span: int | None, max_tokens: int | None) -> _Tokens | None:
+        """Tokens of `full`; with `span`, of its first `span` characters only, when `full` is longer.
+
+        Then only the tokens ending within the first half (`limit` = span // 2) are kept: a tokeniser may merge
+        across the cut, but not back over span // 2 >= 8 * max_tokens characters (that would take one
+        pre-tokenizer word, or BPE merge chain, that long). As a check, the same tokens must come out of twice
+        the prefix. None when fewer than `max_tokens` tokens end within the limit (the caller doubles `span`).
+        """
+        if span is None or span >= len(full):
+            enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+            offsets = [tuple(o) for o in enc["offset_mapping"]]
+            return _Tokens(list(enc["input_ids"]), offsets, [e for _, e in offsets], None)
+        limit = span // 2
+        kept = []
+        for cut in (span, 2 * span):
+            enc = self.tokenizer(full[:cut], add_special_tokens=False, return_offsets_mapping=True)
+            offsets = [tuple(o) for o in enc["offset_mapping"]]
+            n = bisect.bisect_right([e for _, e in offsets], limit)
+            kept.append((list(enc["input_ids"][:n]), offsets[:n]))
+            if n < (max_tokens or 0):
+                return None
+            if cut >= len(full):
+                break
+        if len(kept) == 2 and kept[0] != kept[1]:  # a merge reached back over the limit: look further
+            return None
+        ids, offsets = kept[0]
+        ends = [e for _, e in offsets]
+        return _Tokens(ids, offsets, ends, ends[-1] if ends else 0)
+
     # ------------------------------------------------------------------------------------------- helpers
 
-    def _arrange(self, messages: Sequence[Message]) -> list[dict[str, str]]:
-        """Messages as template dicts; leading assistant turns dropped if asked."""
-        msgs = [{"role": m.role, "content": m.content} for m in messages]
+    def _arrange(self, messages: Sequence[Message]) -> list[dict[str, Any]]:
+        """Messages as template dicts (OpenAI tool fields passed through); leading assistant turns dropped if asked."""
+        msgs = [_template_dict(m) for m in messages]
         if self.leading_assistant == "drop":
             first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), len(msgs))
             msgs = [m for i, m in enumerate(msgs) if i >= first_user or m["role"] != "assistant"]
@@ -136,7 +219,7 @@ class ChatRenderer:
             raise RejectRow("empty conversation")
         return msgs
 
-    def _supervised_turns(self, msgs: list[dict[str, str]]) -> list[int]:
+    def _supervised_turns(self, msgs: list[dict[str, Any]]) -> list[int]:
         """Indices of assistant turns that come after a user turn (earlier ones are context)."""
         first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
         if first_user is None:
@@ -144,7 +227,7 @@ class ChatRenderer:
         turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and i > first_user]
         return turns[-1:] if self.assistant_turns == "last" else turns
 
-    def _render(self, msgs: list[dict[str, str]], generation_prompt: bool) -> str:
+    def _render(self, msgs: list[dict[str, Any]], generation_prompt: bool) -> str:
         try:
             text = self.tokenizer.apply_chat_template(
                 msgs, tokenize=False, add_generation_prompt=generation_prompt
@@ -157,7 +240,7 @@ class ChatRenderer:
             raise RejectRow("chat template did not render to text")
         return text
 
-    def _prefix_len(self, msgs: list[dict[str, str]], full: str, generation_prompt: bool) -> int | None:
+    def _prefix_len(self, msgs: list[dict[str, Any]], full: str, generation_prompt: bool) -> int | None:
         """Length of the rendering of `msgs` if it is a prefix of `full`, else None."""
         try:
             text = self._render(msgs, generation_prompt)
@@ -167,13 +250,11 @@ class ChatRenderer:
 
     def _locate_reply(
         self,
-        msgs: list[dict[str, str]],
+        msgs: list[dict[str, Any]],
         turn: int,
         full: str,
         cursor: int,
-        ids: list[int],
-        offsets: list[tuple[int, int]],
-        ends: list[int],
+        toks: _Tokens,
     ) -> tuple[int, int]:
         """Character span [start, end) of assistant turn `turn`'s reply in `full`: content + end-of-turn token(s).
 
@@ -194,14 +275,63 @@ class ChatRenderer:
             start = c0  # header unknown: supervise from the content itself
         c1 = c0 + len(content)
         after = self._prefix_len(msgs[: turn + 1], full, generation_prompt=False)
+        if msgs[turn].get("tool_calls"):
+            return start, self._end_of_tool_calls(msgs[turn], turn, full, c1, after, toks)
         bound = after if after is not None and after >= c1 else len(full)
-        return start, self._end_of_turn(full, c1, bound, ids, offsets, ends)
+        return start, self._end_of_turn(full, c1, bound, toks)
 
-    def _end_of_turn(
-        self, full: str, c1: int, bound: int, ids: list[int], offsets: list[tuple[int, int]], ends: list[int]
+    def _end_of_turn_in_text(self, full: str, c1: int, bound: int) -> int:
+        """`_end_of_turn` without tokens: special tokens are split out of the text before anything else, so the
+        first non-whitespace after the content is a special token exactly when its text starts there."""
+        m = _NON_SPACE.search(full, c1, bound)
+        if m is not None:
+            for text in self._special_texts:
+                if full.startswith(text, m.start()):
+                    return m.start() + len(text)
+        return c1
+
+    def _end_of_tool_calls(
+        self,
+        msg: dict[str, Any],
+        turn: int,
+        full: str,
+        c1: int,
+        after: int | None,
+        toks: _Tokens,
     ) -> int:
+        """End of an assistant turn with tool calls: the calls as the template renders them (whatever their
+        syntax) and the end-of-turn token(s), i.e. the turn's rendering up to its last non-whitespace token.
+
+        Raises:
+            RejectRow: the turn's end cannot be found, or the template renders no tool calls (it would
+                supervise an empty reply): such conversations are rejected with that reason, never dropped silently.
+        """
+        if after is None or after < c1:
+            raise RejectRow(
+                f"assistant turn {turn}: its tool calls cannot be located in the rendered chat template"
+            )
+        names = [call["function"]["name"] for call in msg["tool_calls"]]
+        if not all(name in full[c1:after] for name in names):
+            raise RejectRow(f"the chat template does not render tool calls (turn {turn})")
+        if toks.limit is not None and after > toks.limit:  # the turn ends past the exact tokens
+            if c1 >= toks.limit or _NON_SPACE.search(full, toks.limit, after):
+                return after  # so does its last non-whitespace token: the exact tokens' mask is the same
+            raise _NeedMore
+        end = c1
+        for s, e in toks.offsets[bisect.bisect_right(toks.ends, c1) :]:
+            if e > after:
+                break
+            if e > s and not full[s:e].isspace():
+                end = e
+        return end
+
+    def _end_of_turn(self, full: str, c1: int, bound: int, toks: _Tokens) -> int:
         """End of the reply: through the first special token after the content (only whitespace between)."""
-        for j in range(bisect.bisect_right(ends, c1), len(ids)):
+        ids, offsets = toks.ids, toks.offsets
+        first = bisect.bisect_right(toks.ends, c1)
+        if toks.limit is not None and c1 >= toks.limit:  # past the exact tokens: decide from the text
+            return self._end_of_turn_in_text(full, c1, bound)
+        for j in range(first, len(ids)):
             tid, (s, e) = ids[j], offsets[j]
             if e <= s:
                 continue
@@ -211,6 +341,9 @@ class ChatRenderer:
                 return e
             if not full[max(s, c1) : e].isspace():
                 break
+        else:  # ran out of tokens: undecided if they are only the exact first ones and the reply is among them
+            if toks.limit is not None and c1 < toks.limit:
+                raise _NeedMore
         return c1
 
 
@@ -241,3 +374,13 @@ def template_token_ids(tokenizer: Any) -> frozenset[int]:
             if isinstance(text, str):
                 ids.update(tokenizer(text, add_special_tokens=False)["input_ids"])
     return frozenset(ids)
+
+
+def _template_dict(m: Message) -> dict[str, Any]:
+    """A message as chat templates take it; tool fields only when present, so plain chats render as before."""
+    d: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        d["tool_calls"] = m.tool_calls
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    return d

@@ -35,7 +35,7 @@ __all__ = [
     "ROLE_MAP",
 ]
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
 
 # Source role names (lower-cased) -> our role. ShareGPT and OpenAI spellings in one table.
 ROLE_MAP: dict[str, Role] = {
@@ -47,6 +47,7 @@ ROLE_MAP: dict[str, Role] = {
     "bing": "assistant",
     "bard": "assistant",
     "assistant": "assistant",
+    "tool": "tool",  # OpenAI tool results (rendered as context, never supervised)
 }
 
 _JSON_SUFFIXES = (".json",)
@@ -60,10 +61,16 @@ _ARROW_BATCH = 1024  # rows per record batch converted to Python at a time
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """One turn of a conversation."""
+    """One turn of a conversation.
+
+    `tool_calls` (assistant turns) are OpenAI tool calls with their JSON `arguments` parsed into objects, as vLLM
+    hands them to chat templates; `tool_call_id` is what a `tool` turn answers. Both go to the chat template as is.
+    """
 
     role: Role
     content: str
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,12 +168,18 @@ def to_conversation(record: Any, source: str, row: int) -> Conversation | Tokeni
         role = ROLE_MAP.get(role_raw.strip().lower())
         if role is None:
             return reject(f"unknown role {role_raw[:40]!r} in turn {i}")
-        text = _content_text(content)
+        if turn.get("tool_calls") and role != "assistant":
+            return reject(f"tool calls in a {role} turn (turn {i})")
+        calls = _tool_calls(turn.get("tool_calls"))
+        if isinstance(calls, str):
+            return reject(f"malformed tool call in turn {i}: {calls}")
+        text = "" if content is None and calls else _content_text(content)  # OpenAI: `content: null` + calls
         if not isinstance(text, str):
             return reject(f"non-string content in turn {i}: {text}")
         if not _is_valid_unicode(text) or not _is_valid_unicode(role_raw):
             return reject(f"non-UTF-8 bytes (or lone surrogates) in turn {i}")
-        messages.append(Message(role, text))
+        call_id = turn.get("tool_call_id") if role == "tool" else None
+        messages.append(Message(role, text, calls, call_id if isinstance(call_id, str) else None))
     if not any(m.role == "assistant" for m in messages):
         return reject("no assistant turn")
     return Conversation(source, row, messages)
@@ -209,6 +222,28 @@ def _content_text(content: Any) -> str | Exception:
                 return TypeError(f"content part of type {kind!r} is not text")
         return "".join(parts)
     return TypeError(f"got {type(content).__name__}")
+
+
+def _tool_calls(calls: Any) -> list[dict[str, Any]] | None | str:
+    """OpenAI `tool_calls` with string `arguments` parsed (vLLM does the same before templating); a str is why not."""
+    if not calls:
+        return None
+    if not isinstance(calls, list):
+        return f"'tool_calls' is a {type(calls).__name__}, expected a list"
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            return "a call without a function name"
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args)
+            except json.JSONDecodeError:
+                parsed = None
+            args = parsed if isinstance(parsed, dict) else args
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
 
 
 def _is_valid_unicode(text: str) -> bool:
@@ -260,6 +295,8 @@ def _iter_jsonl(path: Path, length: int | None = None) -> Iterator[Row]:
     with _open_binary(path) as f:
         lines = f if length is None else io.BytesIO(f.read(length))
         for row, raw in enumerate(lines):
+            if row == 0 and raw.startswith(codecs.BOM_UTF8):  # Windows editors prepend one
+                raw = raw[len(codecs.BOM_UTF8) :]
             if not raw.strip():
                 continue
             try:
@@ -384,7 +421,7 @@ class _JsonStream:
 
     def __init__(self, path: Path) -> None:
         self._file = _open_binary(path)
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+        self._decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="surrogateescape")  # drops a BOM
         self._json = json.JSONDecoder()
         self._buf = ""
         self._pos = 0

@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from peagle_pipeline.errors import BadInput, CorruptCache
-from peagle_pipeline.runtime import atomic_write_text, fsync_dir, raise_if_no_space
+from peagle_pipeline.runtime import atomic_write_text, fsync_dir, make_readable, raise_if_no_space
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -229,6 +229,7 @@ class CheckpointManager:
             tmp.mkdir()
             weights = {k: v.detach().to("cpu").contiguous() for k, v in model.items()}
             save_tensors(weights, tmp / MODEL_FILE)
+            make_readable(tmp / MODEL_FILE)  # safetensors writes 0600
             _test_pause()
             save_torch(optimizer, tmp / OPTIMIZER_FILE)
             _test_pause()

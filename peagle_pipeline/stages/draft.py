@@ -15,7 +15,7 @@ from peagle_pipeline.errors import BadConfig
 from peagle_pipeline.stages.export import DraftSpec
 from peagle_pipeline.stages.loader import mix_seed
 
-__all__ = ["build_draft", "choose_mask_token"]
+__all__ = ["build_draft", "choose_mask_token", "vocab_coverage", "describe_vocab_coverage"]
 
 log = logging.getLogger(__name__)
 
@@ -101,3 +101,26 @@ def choose_mask_token(cache: Any, embedding_rows: int, override: int | None) -> 
     if choice.warning:
         log.warning(choice.warning)
     return choice
+
+
+def vocab_coverage(token_counts: Any, dvocab: vocab.DraftVocab | None) -> tuple[int, int]:
+    """(supervised tokens whose id is in the draft vocabulary, all supervised tokens).
+
+    Args:
+        token_counts: int array [V] of supervised-token counts (`Cache.token_counts()`).
+        dvocab: the draft vocabulary, or None when it is the whole target vocabulary.
+    """
+    counts = torch.as_tensor(token_counts).to(torch.long)
+    total = int(counts.sum())
+    return (total if dvocab is None else int(counts[dvocab.ids].sum())), total
+
+
+def describe_vocab_coverage(cache: Any, dvocab: vocab.DraftVocab | None) -> str:
+    """One line for the start of training: how much of the supervised text the draft vocabulary can emit."""
+    inside, total = vocab_coverage(cache.token_counts(), dvocab)
+    V = int(cache.meta.vocab_size)
+    size = V if dvocab is None else dvocab.size
+    return (
+        f"draft vocabulary: {size} of {V} target tokens, covering {inside / max(total, 1):.1%} of the "
+        f"{total} supervised tokens in the cache"
+    )

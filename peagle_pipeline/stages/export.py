@@ -1,8 +1,10 @@
 """Export a trained draft in the speculators P-EAGLE format that vLLM loads (SPEC section 6), and load it back.
 
 Output directory: `config.json` + `model.safetensors` (bf16 weights; `d2t` int64 and `t2d` bool only when the draft
-vocabulary is smaller than the target's), written into a temporary sibling directory and renamed into place, so a
-reader sees a whole export or none. The facts the export needs beyond the weights come from `RUN/draft.json`
+vocabulary is smaller than the target's) + `.peagle-export.json` (the run and checkpoint it came from), written into
+a temporary sibling directory and swapped into place, so a reader sees a whole export or none. A folder is replaced
+only when it holds exactly those files from the same run (another run's export: only with `force`); files we did
+not write are never deleted. The facts the export needs beyond the weights come from `RUN/draft.json`
 (`DraftSpec`), written by the trainer at the start of a run. Never trains and never reads the cache.
 """
 
@@ -10,8 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
+import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,17 +25,29 @@ import torch
 from safetensors.torch import load_file
 
 from peagle_pipeline.errors import BadInput, CorruptCache, NumericalFault, OutputExists
-from peagle_pipeline.runtime import atomic_write_json, fsync_dir, raise_if_no_space
+from peagle_pipeline.runtime import (
+    atomic_write_json,
+    exchange_paths,
+    fsync_dir,
+    make_readable,
+    raise_if_no_space,
+)
 
 if TYPE_CHECKING:
     from peagle_pipeline.core.model import PEagleDraft
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DRAFT_SPEC",
     "CONFIG_FILE",
     "WEIGHTS_FILE",
+    "MARKER_FILE",
+    "EXPORT_FILES",
     "DraftSpec",
     "export_config",
+    "run_identity",
+    "check_export_target",
     "write_export",
     "export_run",
     "load_export",
@@ -39,6 +56,8 @@ __all__ = [
 DRAFT_SPEC = "draft.json"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+MARKER_FILE = ".peagle-export.json"  # the run and checkpoint an export came from (ours; vLLM ignores it)
+EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, MARKER_FILE})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,52 +173,136 @@ def export_weights(spec: DraftSpec, state: dict[str, torch.Tensor]) -> dict[str,
     return out
 
 
-def write_export(output: str | os.PathLike[str], spec: DraftSpec, state: dict[str, torch.Tensor]) -> Path:
-    """Write config.json + model.safetensors into `output` atomically (temp dir + rename).
+def run_identity(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Who an export comes from: the run's path and the time of its first start (from run.json).
 
-    An existing export in `output` is replaced; anything else there is refused.
+    The start time survives moving or copying the run folder; the path names it for people.
+    """
+    from peagle_pipeline.stages.rundir import RUN_JSON
+
+    try:
+        starts = json.loads((Path(run_dir) / RUN_JSON).read_text()).get("starts") or [{}]
+        started = starts[0].get("time")
+    except (OSError, ValueError, AttributeError):
+        started = None
+    return {"run": str(Path(run_dir).resolve()), "run_started": started}
+
+
+def _same_run(marker: dict[str, Any], source: dict[str, Any] | None) -> bool:
+    if source is None:
+        return False
+    if marker.get("run_started") is not None or source.get("run_started") is not None:
+        return marker.get("run_started") == source.get("run_started")
+    return marker.get("run") == source.get("run")
+
+
+def check_export_target(
+    output: str | os.PathLike[str], source: dict[str, Any] | None, force: bool = False, own: bool = False
+) -> None:
+    """Refuse an `output` that an export may not replace (issue 15): nothing there is ever deleted unless it is
+    exactly an export (config.json, model.safetensors, the marker) of the same run, or of another run with `force`.
+
+    Args:
+        source: `run_identity` of the run being exported (None: unknown).
+        own: `output` is the run's own `RUN/export`: an export there without a marker (written before markers
+            existed) belongs to the run.
 
     Raises:
-        BadInput: `output` is a file.
-        OutputExists: `output` exists and is not a previous P-EAGLE export.
-        NumericalFault: a weight holds NaN or inf.
-        OutOfSpace: the disk filled up (nothing is left behind).
+        OutputExists: `output` is a file, holds anything else, is not a P-EAGLE export, or is another run's
+            export (without `force`).
+    """
+    out = Path(output)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise OutputExists(f"{out} exists and is not a directory: choose another export directory")
+    names = {p.name for p in out.iterdir()}
+    foreign = sorted(names - EXPORT_FILES)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        hint = "move them out or pass --no-export" if own else "move them out or choose another --output"
+        raise OutputExists(f"{out} holds files that are not part of a P-EAGLE export ({shown}): {hint}")
+    if not names:
+        return
+    try:
+        ours = json.loads((out / CONFIG_FILE).read_text()).get("speculators_model_type") == "peagle"
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if not ours:
+        raise OutputExists(
+            f"{out} is not a P-EAGLE export (its {CONFIG_FILE}): choose another export directory"
+        )
+    try:
+        marker = json.loads((out / MARKER_FILE).read_text())
+    except FileNotFoundError:
+        marker = None
+    except (OSError, ValueError):
+        marker = {}
+    if force or (marker is None and own) or (marker and _same_run(marker, source)):
+        return
+    if marker and marker.get("run"):
+        what = f"the export of another run ({marker['run']}, {marker.get('checkpoint')})"
+    else:
+        what = "a P-EAGLE export of unknown origin"
+    raise OutputExists(f"{out} holds {what}: pass --force to replace it, or choose another --output")
+
+
+def write_export(
+    output: str | os.PathLike[str],
+    spec: DraftSpec,
+    state: dict[str, torch.Tensor],
+    source: dict[str, Any] | None = None,
+    force: bool = False,
+    own: bool = False,
+) -> Path:
+    """Write config.json + model.safetensors + the marker into `output`: built in a temporary sibling folder,
+    then swapped in atomically (renameat2 RENAME_EXCHANGE; two renames where the OS lacks it).
+
+    Args:
+        source: what the marker records (`run_identity` plus the checkpoint); None for drafts not from a run.
+        force, own: see `check_export_target`.
+
+    Raises:
+        OutputExists: see `check_export_target`.
+        OutOfSpace: the disk filled up (the previous export, if any, is untouched).
     """
     from peagle_pipeline.stages.checkpoint import save_tensors
 
     out = Path(output)
-    if out.exists() and not out.is_dir():
-        raise BadInput(f"--output {out} is a file: give a directory for the export")
-    weights = export_weights(spec, state)
-    if out.exists() and any(out.iterdir()):
-        prev = out / CONFIG_FILE
-        try:
-            ours = json.loads(prev.read_text()).get("speculators_model_type") == "peagle"
-        except (OSError, ValueError):
-            ours = False
-        if not ours:
-            raise OutputExists(f"{out} exists and is not a P-EAGLE export: choose another export directory")
+    check_export_target(out, source, force=force, own=own)
+    weights = export_weights(spec, state)  # NumericalFault before anything is written
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    swapped = False  # once True, `tmp` holds the previous export, not our fresh folder
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         save_tensors(weights, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
-        with open(tmp / CONFIG_FILE, "w") as f:
-            f.write(json.dumps(export_config(spec), indent=2) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        make_readable(tmp / WEIGHTS_FILE)  # safetensors writes 0600; a vLLM of another user must read it
+        (tmp / CONFIG_FILE).write_text(json.dumps(export_config(spec), indent=2) + "\n")
+        (tmp / MARKER_FILE).write_text(json.dumps({**(source or {}), "time": time.time()}, indent=2) + "\n")
+        for name in EXPORT_FILES:
+            fd = os.open(tmp / name, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
         fsync_dir(tmp)
         if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
+            os.chmod(tmp, stat.S_IMODE(out.stat().st_mode))  # keep the folder's permissions
+            if not exchange_paths(tmp, out):
+                old = out.with_name(f".{out.name}.old-{os.getpid()}")
+                os.replace(out, old)
+                os.replace(tmp, out)
+                os.replace(old, tmp)
+            swapped = True
+            _remove_export(tmp)  # the previous export, now under the temporary name
         else:
             os.replace(tmp, out)
         fsync_dir(out.parent)
     except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if swapped:
+            _remove_export(tmp)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise_if_no_space(err, str(out))
     except BaseException:  # Ctrl-C included: no half-written temp folder is left behind
         shutil.rmtree(tmp, ignore_errors=True)
@@ -207,22 +310,44 @@ def write_export(output: str | os.PathLike[str], spec: DraftSpec, state: dict[st
     return out
 
 
+def _remove_export(path: Path) -> None:
+    """Delete the files an export consists of, then the folder if that left it empty (never anything else)."""
+    for name in EXPORT_FILES:
+        (path / name).unlink(missing_ok=True)
+    try:
+        path.rmdir()
+    except OSError:
+        log.warning("left %s in place: it holds files that are not part of an export", path)
+
+
 def export_run(
-    run_dir: str | os.PathLike[str], output: str | os.PathLike[str], checkpoint: str = "best"
+    run_dir: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    checkpoint: str = "best",
+    force: bool = False,
 ) -> Path:
     """Export checkpoint `best`, `latest` or `step-N` of a training run to `output`.
 
+    `output` may be new, empty, or hold an export of the same run (replaced); another run's export is replaced
+    only with `force`; a folder holding anything else is refused (see `check_export_target`).
+
     Raises:
         BadInput: not a run directory, or no such complete checkpoint.
+        OutputExists: see `check_export_target`.
     """
     from peagle_pipeline.stages.checkpoint import CheckpointManager
+    from peagle_pipeline.stages.rundir import EXPORT_DIR
 
     if Path(output).exists() and not Path(output).is_dir():
         raise BadInput(f"--output {output} is a file: give a directory for the export")
     spec = DraftSpec.load(run_dir)
+    source = run_identity(run_dir)
+    own = Path(output).resolve() == Path(run_dir).resolve() / EXPORT_DIR
+    check_export_target(output, source, force=force, own=own)  # before the (slow) checkpoint load
     manager = CheckpointManager(run_dir, keep=1)
     ckpt = manager.load(manager.resolve(checkpoint), with_optimizer=False)
-    return write_export(output, spec, ckpt.model)
+    source.update(checkpoint=ckpt.path.name, step=ckpt.step)
+    return write_export(output, spec, ckpt.model, source=source, force=force, own=own)
 
 
 def load_export(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16) -> PEagleDraft:

@@ -9,7 +9,9 @@ holds the first uncommitted sample, and the writer drops tokens it already has. 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import shutil
@@ -18,7 +20,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -93,6 +95,7 @@ class ExtractSummary:
     store_bytes: int = 0
     already_complete: bool = False
     compute_dtype: str = ""  # the line saying the forward's dtype and why (empty when nothing was computed)
+    notes: list[str] = field(default_factory=list)
 
     def format(self) -> str:
         if self.already_complete:
@@ -103,10 +106,10 @@ class ExtractSummary:
                 f"extracted {self.store} in {self.output}: {self.new_tokens} new tokens in "
                 f"{self.elapsed_s:.1f} s ({rate:.0f} tokens/s)"
             )
+        per_token = f", {self.store_bytes / self.tokens:.1f} bytes/token" if self.tokens else ""
         lines = [
             head,
-            f"samples {self.samples}, tokens {self.tokens}, supervised {self.supervised}, "
-            f"{self.store_bytes / max(self.tokens, 1):.1f} bytes/token",
+            f"samples {self.samples}, tokens {self.tokens}, supervised {self.supervised}{per_token}",
         ]
         if self.compute_dtype:
             lines.append(self.compute_dtype)
@@ -115,6 +118,7 @@ class ExtractSummary:
             f"rejects {total}"
             + "".join(f"\n  {n:6d}  {r}" for r, n in sorted(self.rejects.items(), key=lambda kv: -kv[1]))
         )
+        lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -146,7 +150,8 @@ def render_rows(
             if isinstance(row, TokenizedConversation):
                 rendered = renderer.check_tokens(row.input_ids, row.loss_mask)
             else:
-                rendered = renderer.render(row.messages)
+                # only max_length tokens are kept (+1 tells an overlong sample): a huge row is not tokenised whole
+                rendered = renderer.render(row.messages, max_tokens=max_length + 1)
         except RejectRow as err:
             yield RowReject(index, row.source, row.source_row, err.reason)
             continue
@@ -407,6 +412,20 @@ def resolve_layers(cfg: ExtractConfig, num_hidden_layers: int) -> list[int]:
     return ids
 
 
+def collapsed_layers_note(cfg: ExtractConfig, num_hidden_layers: int) -> str | None:
+    """On small targets the default ids [2, L//2, L-3] coincide (L=6: [2, 3, 3]); the draft then gets fewer aux
+    hidden states than the usual 3. Not an error (tiny test models rely on it), but the user should know."""
+    L = num_hidden_layers
+    spelled = [2, L // 2, L - 3]
+    ids = default_layer_ids(L)
+    if cfg.layers or len(ids) == len(spelled):
+        return None
+    return (
+        f"the default aux layers [2, L//2, L-3] of this {L}-layer target are {spelled}: the draft gets "
+        f"{len(ids)} aux hidden states instead of 3; pass --layers to choose 3 distinct ids"
+    )
+
+
 def run(cfg: ExtractConfig) -> ExtractSummary:
     """Extract (or resume) this rank's store of the cache at cfg.output. See the module docstring.
 
@@ -437,11 +456,19 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     renderer = ChatRenderer(tokenizer, cfg.assistant_turns, cfg.leading_assistant)
     compute, why = choose_compute_dtype(cfg, target_device(cfg))
     meta = build_meta(cfg, info, layer_ids, world, compute)
-    root = prepare_output(cfg, meta)
-    writer = CacheWriter(root, meta, rank, world).open()
+    existed, created = Path(cfg.output).exists(), not (Path(cfg.output) / layout.CACHE_META).exists()
+    try:
+        root = prepare_output(cfg, meta)
+        writer = CacheWriter(root, meta, rank, world).open()
+    except OSError as err:
+        raise_if_unwritable(err, cfg.output)
     summary = ExtractSummary(output=str(root), store=writer.store)
+    note = collapsed_layers_note(cfg, info.num_hidden_layers)
+    summary.notes += [note] if note else []
     if writer.complete:
         writer.abort()
+        if writer.committed_samples == 0 and world == 1:  # written by a version that allowed it
+            raise BadInput(f"{_no_samples(cfg, writer)}; remove {root} and re-run with usable data")
         return _finish(summary, writer, already=True)
     summary.compute_dtype = f"{why}; stored hidden states {cfg.dtype}"
     log.info("%s", summary.compute_dtype)
@@ -452,6 +479,8 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
         backend, summary.new_tokens = _loop(
             run_cfg, meta, writer, renderer, rank, world, summary.compute_dtype
         )
+        if writer.next_ordinal == 0 and world == 1:  # (one of several ranks may legitimately get none)
+            raise _NoSamples(_no_samples(cfg, writer))  # the store is never committed: a re-run starts afresh
         writer.close()
     except KeyboardInterrupt:
         writer.abort()
@@ -459,6 +488,14 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
             f"interrupted: {writer.committed_samples} samples of {writer.store} are committed; "
             "re-run the same command to resume"
         ) from None
+    except _NoSamples as err:
+        writer.abort()
+        if created:  # nothing else is in it: leave the output as it was before this call
+            _remove_new_cache(root, existed)
+        raise BadInput(str(err)) from None
+    except OSError as err:  # (disk full is already OutOfSpace, raised by the writer)
+        writer.abort()
+        raise_if_unwritable(err, cfg.output)
     except BaseException:
         writer.abort()
         raise
@@ -467,6 +504,42 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
             backend.close()
     summary.elapsed_s = time.perf_counter() - start
     return _finish(summary, writer, already=False)
+
+
+class _NoSamples(Exception):
+    """This (only) rank produced no usable sample: reported as BadInput once the new cache is removed."""
+
+
+def raise_if_unwritable(err: OSError, output: str) -> NoReturn:
+    """A permission error or read-only file system under the output becomes `BadInput`; anything else re-raises."""
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        where = f" ({err.filename})" if err.filename else ""
+        raise BadInput(
+            f"cannot write the cache in {output}: {err.strerror}{where}; choose a writable --output"
+        ) from None
+    raise err
+
+
+def _no_samples(cfg: ExtractConfig, writer: CacheWriter) -> str:
+    """The error for a store without a single usable sample, naming the most frequent reject reasons."""
+    data = ", ".join(cfg.data)
+    if not writer.num_rejects:
+        return f"no usable samples: {data} holds no rows; nothing was written"
+    counts = collections.Counter(r["reason"] for r in writer.rejects).most_common()
+    top = ", ".join(f"{n} x {reason!r}" for reason, n in counts[:3])
+    more = f" and {len(counts) - 3} more reason(s)" if len(counts) > 3 else ""
+    return f"no usable samples in {data}: all {writer.num_rejects} rows were rejected ({top}{more}); nothing was written"
+
+
+def _remove_new_cache(root: Path, existed: bool) -> None:
+    """Remove the cache files this call created in `root` (it held nothing else), and `root` if it is new."""
+    for name in (layout.CACHE_META, layout.EXTRACT_YAML):
+        (root / name).unlink(missing_ok=True)
+    for name in (layout.TARGET_DIR, layout.STORES_DIR):
+        shutil.rmtree(root / name, ignore_errors=True)
+    if not existed:
+        with contextlib.suppress(OSError):
+            root.rmdir()
 
 
 def _loop(

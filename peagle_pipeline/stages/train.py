@@ -46,8 +46,8 @@ from peagle_pipeline.runtime import (
 from peagle_pipeline.stages import metrics as metrics_mod
 from peagle_pipeline.stages.checkpoint import CheckpointManager
 from peagle_pipeline.stages.distributed import Dist
-from peagle_pipeline.stages.draft import build_draft
-from peagle_pipeline.stages.export import export_run
+from peagle_pipeline.stages.draft import build_draft, describe_vocab_coverage
+from peagle_pipeline.stages.export import check_export_target, export_run, run_identity
 from peagle_pipeline.stages.loader import (
     Cursor,
     PackedBatch,
@@ -519,6 +519,8 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
             ).acquire(write_pid=False)  # a start refused by the checks below leaves the folder as it was
         dist.barrier()
         resumed = prepare_output(cfg, dist.world, micro_steps)  # every rank checks before anyone writes
+        if cfg.export and resumed:  # refuse an export folder holding the user's files now, not after training
+            check_export_target(Path(cfg.output) / EXPORT_DIR, run_identity(cfg.output), own=True)
         trainer = Trainer(cfg, dist, micro_steps)
         if resumed and trainer.restore():
             _check_extension(cfg, trainer)
@@ -534,6 +536,7 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
             trainer.sink = sink
             for line in _start_notes(cfg, trainer):
                 sink.write(line)
+            sink.write(describe_vocab_coverage(trainer.cache, trainer.vocab))
             why = describe_compute_dtype(cfg.precision, str(dist.device), trainer.precision)
             log.info("%s", why)
             sink.note(why)

@@ -13,12 +13,16 @@ Each case folder holds its input files and an `expected.json`:
     mode               optional: "rlimit_fsize" (files capped with RLIMIT_FSIZE, SIGXFSZ ignored, so writes fail
                        with EFBIG) or "sigint" (Ctrl-C after the first commit); both then re-run the command
                        normally and require the cache to equal the uninterrupted one (`tiny_cache`).
+                       "read_only": the folder `read_only` names (a placeholder path) is created with mode 0555
+                       and the command runs without the root capabilities that bypass file modes (as root, the
+                       CAP_DAC_* capabilities are dropped from its bounding set), as an ordinary user would.
 Every pre-existing tree a case reads (cache, run, model, case folder, data) is hashed before and after: a failed
 command must leave it byte-for-byte untouched.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -142,6 +146,35 @@ def setup_run_damaged_checkpoint(ph: dict[str, str], fx: dict[str, Path]) -> Non
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
 
 
+def setup_run_export_with_readme(ph: dict[str, str], fx: dict[str, Path]) -> None:
+    """{run} exported to {out}, then the user adds a README.md there."""
+    from peagle_pipeline.stages.export import export_run
+
+    shutil.copytree(fx["run"], ph["run"])
+    export_run(ph["run"], ph["out"], checkpoint="latest")
+    (Path(ph["out"]) / "README.md").write_text("# my draft\n")
+
+
+def setup_run_other_export(ph: dict[str, str], fx: dict[str, Path]) -> None:
+    """{out} holds the export of another run (its marker names another run folder and start)."""
+    from peagle_pipeline.stages.export import MARKER_FILE, export_run
+
+    shutil.copytree(fx["run"], ph["run"])
+    export_run(ph["run"], ph["out"], checkpoint="latest")
+    marker = Path(ph["out"]) / MARKER_FILE
+    facts = json.loads(marker.read_text())
+    facts.update(run="/runs/another-run", run_started=12345.0)
+    marker.write_text(json.dumps(facts))
+
+
+def setup_cache_truncated_manifest(ph: dict[str, str], fx: dict[str, Path]) -> None:
+    """The store's manifest.json cut in half (a damaged copy; the writer itself replaces it atomically)."""
+    cache = _copy_cache(fx["cache"], Path(ph["cache"]))
+    manifest = cache / layout.STORES_DIR / STORE / layout.MANIFEST
+    blob = manifest.read_bytes()
+    manifest.write_bytes(blob[: len(blob) // 2])
+
+
 def setup_foreign_output(ph: dict[str, str], fx: dict[str, Path]) -> None:
     out = Path(ph["out"])
     out.mkdir()
@@ -175,9 +208,12 @@ SETUPS = {
     "cache_missing_store": setup_cache_missing_store,
     "cache_truncated_store": setup_cache_truncated_store,
     "cache_damaged_meta": setup_cache_damaged_meta,
+    "cache_truncated_manifest": setup_cache_truncated_manifest,
     "run": setup_run,
     "run_damaged_draft_json": setup_run_damaged_draft_json,
     "run_damaged_checkpoint": setup_run_damaged_checkpoint,
+    "run_export_with_readme": setup_run_export_with_readme,
+    "run_other_export": setup_run_other_export,
     "foreign_output": setup_foreign_output,
     "model_garbage_config": setup_model_garbage_config,
     "model_no_template": setup_model_no_template,
@@ -223,6 +259,17 @@ def _limit_file_size(limit: int):  # type: ignore[no-untyped-def]
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     return pre
+
+
+def _without_dac_override() -> None:
+    """Runs in the child between fork and exec: as root, drop CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH from the
+    bounding set, so after exec file modes apply (root still owns, and so reads, every test file)."""
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
 
 
 def _run_sigint(argv: list[str], env: dict[str, str], out: Path) -> subprocess.CompletedProcess[str]:
@@ -285,6 +332,17 @@ def test_bad_input(
     mode = exp.get("mode")
     if mode == "sigint":
         proc = _run_sigint(argv, env, out)
+    elif mode == "read_only":
+        read_only = Path(exp["read_only"].format(**ph))
+        read_only.mkdir(parents=True)
+        read_only.chmod(0o555)
+        try:
+            proc = subprocess.run(
+                argv, env=env, capture_output=True, text=True, timeout=300, preexec_fn=_without_dac_override
+            )
+        finally:
+            read_only.chmod(0o755)
+        assert not any(read_only.iterdir()), "a command refused for a read-only output wrote into it"
     else:
         preexec = _limit_file_size(int(exp["fsize_limit"])) if mode == "rlimit_fsize" else None
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, preexec_fn=preexec)

@@ -5,6 +5,7 @@ dtype, the Vd == V case, atomic replacement, and a reload that reproduces the tr
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -168,8 +169,11 @@ def test_export_cli_replaces_a_previous_export(run_dir: Path, tmp_path: Path, ca
     assert main(["export", str(run_dir), "--output", str(out), "--checkpoint", "step-3"]) == 0
     assert main(["export", str(run_dir), "--output", str(out)]) == 0  # an export there is ours: replaced
     assert f"exported to {out}" in capsys.readouterr().out
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [export.MARKER_FILE, "config.json", "model.safetensors"]
+    marker = json.loads((out / export.MARKER_FILE).read_text())
+    assert marker["run"] == str(run_dir.resolve()) and marker["checkpoint"] == "step-00000003"
     assert main(["export", str(tmp_path / "nope"), "--output", str(tmp_path / "x")]) == 2
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary or old folder left
 
 
 def test_non_finite_weights_are_never_exported_or_saved(
@@ -194,3 +198,87 @@ def test_non_finite_weights_are_never_exported_or_saved(
     with pytest.raises(NumericalFault, match=r"weights became non-finite by step 0 \(fc.weight\)"):
         trainer.save()
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ---- issue 15, item 2: an export folder is ours only if it holds exactly what an export writes --------------
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("extra", ["README.md", "tokenizer.json", "sub/notes.txt"])
+def test_export_refuses_a_folder_with_files_it_did_not_write(
+    run_dir: Path, tmp_path: Path, capsys, extra: str
+) -> None:
+    out = tmp_path / "draft"
+    export.export_run(run_dir, out, checkpoint="latest")
+    (out / extra).parent.mkdir(exist_ok=True)
+    (out / extra).write_text("the user's file\n")
+    before = _tree(out)
+    assert main(["export", str(run_dir), "--output", str(out)]) == 6
+    assert main(["export", str(run_dir), "--output", str(out), "--force"]) == 6  # --force never deletes them
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("error: ") for line in err), err
+    assert f"{out} holds files that are not part of a P-EAGLE export ({extra.split('/')[0]})" in err[0]
+    assert _tree(out) == before
+
+
+def test_export_refuses_a_hugging_face_model_folder(run_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (out / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(OutputExists, match="not a P-EAGLE export"):
+        export.export_run(run_dir, out, force=True)
+    assert (out / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_export_onto_another_runs_export_needs_force(run_dir: Path, tmp_path: Path, capsys) -> None:
+    other = tmp_path / "other-run"  # another run: a copy with its own start (run.json) and path
+    shutil.copytree(run_dir, other)
+    facts = json.loads((other / "run.json").read_text())
+    facts["starts"][0]["time"] += 1.0
+    (other / "run.json").write_text(json.dumps(facts))
+    out = tmp_path / "draft"
+    export.export_run(other, out, checkpoint="latest")
+    before = _tree(out)
+    assert main(["export", str(run_dir), "--output", str(out)]) == 6
+    line = capsys.readouterr().err.strip()
+    assert f"{out} holds the export of another run ({other.resolve()}" in line and "--force" in line
+    assert _tree(out) == before
+    assert main(["export", str(run_dir), "--output", str(out), "--force", "--checkpoint", "latest"]) == 0
+    assert json.loads((out / export.MARKER_FILE).read_text())["run"] == str(run_dir.resolve())
+    assert _tree(out) != before
+    export.export_run(run_dir, out, checkpoint="latest")  # now ours: replaced without --force
+
+
+def test_legacy_export_without_marker_needs_force(run_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "draft"
+    export.export_run(run_dir, out, checkpoint="latest")
+    (out / export.MARKER_FILE).unlink()  # as written before the marker existed
+    with pytest.raises(OutputExists, match="export of unknown origin"):
+        export.export_run(run_dir, out)
+    assert export.export_run(run_dir, out, force=True) == out
+    assert (out / export.MARKER_FILE).is_file()
+
+
+def _modes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_mode & 0o777 for p in root.rglob("*") if p.is_file()}
+
+
+def test_exported_and_checkpoint_files_follow_the_umask(run_dir: Path, tmp_path: Path) -> None:
+    """issue 15, item 12: model.safetensors was written 0600, so a vLLM running as another user could not read it."""
+    import os
+
+    old = os.umask(0o027)
+    try:
+        path = export.export_run(run_dir, tmp_path / "draft", checkpoint="latest")
+    finally:
+        os.umask(old)
+    assert _modes(path) == {
+        "config.json": 0o640,
+        "model.safetensors": 0o640,
+        export.MARKER_FILE: 0o640,
+    }
+    assert (path.stat().st_mode & 0o777) == 0o750  # the directory too (it starts as a temporary one)
+    ckpt = _modes(run_dir / "checkpoints")
+    assert ckpt and set(ckpt.values()) == {0o666 & ~old}, ckpt

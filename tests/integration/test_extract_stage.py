@@ -42,7 +42,7 @@ def test_rank_rows_split_after_max_samples():
 
 
 class _Renderer:
-    def render(self, messages):
+    def render(self, messages, max_tokens=None):
         from peagle_pipeline.data.chat import RejectRow, RenderedSample
 
         n = len(messages[0].content)
@@ -172,3 +172,93 @@ def test_fp32_last_hidden_and_layer_validation(tiny_model, tmp_path, patch_backe
     assert (tmp_path / "c" / "extract.yaml").exists() and (
         tmp_path / "c" / "target" / "pieces.safetensors"
     ).exists()
+
+
+def test_collapsed_default_layers_are_reported(tiny_model, tmp_path, patch_backend):
+    """issue 15, item 12: [2, L//2, L-3] on the 6-layer tiny model is [2, 3, 3] -> 2 aux layers; say so."""
+    data = _data(tmp_path / "d.jsonl", 4)
+    patch_backend()
+    text = stage.run(_cfg(tiny_model, data, tmp_path / "c")).format()
+    assert open_cache(tmp_path / "c").meta.aux_layer_ids == [2, 3]
+    assert (
+        "note: the default aux layers [2, L//2, L-3] of this 6-layer target are [2, 3, 3]: the draft gets 2 "
+        "aux hidden states instead of 3; pass --layers to choose 3 distinct ids"
+    ) in text
+    chosen = stage.run(_cfg(tiny_model, data, tmp_path / "d", layers=[1, 3, 5])).format()
+    assert "note:" not in chosen
+
+
+def test_cache_files_follow_the_umask(tiny_model, tmp_path, patch_backend):
+    """issue 15, item 12: no file of a cache is private (0600): other users (a vLLM server, a trainer) read it."""
+    import os
+
+    data = _data(tmp_path / "d.jsonl", 4)
+    patch_backend()
+    old = os.umask(0o022)
+    try:
+        stage.run(_cfg(tiny_model, data, tmp_path / "c"))
+    finally:
+        os.umask(old)
+    modes = {
+        str(p.relative_to(tmp_path / "c")): p.stat().st_mode & 0o777
+        for p in (tmp_path / "c").rglob("*")
+        if p.is_file()
+    }
+    assert "target/pieces.safetensors" in modes and "target/config.json" in modes
+    assert {k: m for k, m in modes.items() if m != 0o644} == {}
+
+
+# ---- issue 15, item 5: zero usable samples is an error naming the reasons; the output is left as it was ------
+def _lines(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+SYSTEM_ONLY = {"messages": [{"role": "system", "content": "be nice"}, {"role": "assistant", "content": "ok"}]}
+USER_ONLY = {"messages": [{"role": "user", "content": "anyone?"}]}
+
+
+@pytest.mark.parametrize("existed", [False, True])
+def test_no_usable_samples_is_an_error_and_leaves_nothing(tiny_model, tmp_path, patch_backend, existed):
+    data = _lines(tmp_path / "d.jsonl", [SYSTEM_ONLY, USER_ONLY, SYSTEM_ONLY])
+    out = tmp_path / "c"
+    if existed:
+        out.mkdir()
+    patch_backend()
+    with pytest.raises(BadInput) as err:
+        stage.run(_cfg(tiny_model, data, out))
+    assert str(err.value) == (
+        f"no usable samples in {data}: all 3 rows were rejected (2 x 'no assistant turn after the first user "
+        "turn', 1 x 'no assistant turn'); nothing was written"
+    )
+    assert (sorted(out.iterdir()) == []) if existed else not out.exists()
+    _data(data, 3)  # the data fixed in place: the same command now succeeds
+    assert stage.run(_cfg(tiny_model, data, out)).samples == 3
+
+
+def test_empty_data_and_max_length_1(tiny_model, tmp_path, patch_backend):
+    patch_backend()
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("")
+    with pytest.raises(BadInput, match=rf"no usable samples: {empty} holds no rows; nothing was written"):
+        stage.run(_cfg(tiny_model, empty, tmp_path / "c"))
+    data = _data(tmp_path / "d.jsonl", 3)
+    with pytest.raises(
+        BadInput,
+        match=r"all 4 rows were rejected \(3 x 'no supervised tokens within max_length', 1 x 'empty conversation'\)",
+    ):
+        stage.run(_cfg(tiny_model, data, tmp_path / "c", max_length=1))
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_rank_without_samples_completes_an_empty_store(tiny_model, tmp_path, patch_backend):
+    """One rank of several may get no usable row (here: rank 1 of 2 over a good and a bad row): not an error,
+    its store completes empty (its summary prints no bytes/token) and the cache holds the other rank's sample."""
+    patch_backend()
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    data = _lines(tmp_path / "d.jsonl", [good, USER_ONLY])
+    stage.run(_cfg(tiny_model, data, tmp_path / "c", rank=0, world_size=2))
+    text = stage.run(_cfg(tiny_model, data, tmp_path / "c", rank=1, world_size=2)).format()
+    assert "samples 0, tokens 0, supervised 0\n" in text and "bytes/token" not in text
+    assert "rejects 1\n       1  no assistant turn" in text
+    assert len(open_cache(tmp_path / "c").samples) == 1

@@ -143,6 +143,31 @@ def test_resume_of_a_finished_run_does_nothing_more(finished_run: Path, tiny_cac
     assert (finished_run / "checkpoints" / "step-00000006" / "model.safetensors").read_bytes() == weights
 
 
+def test_resume_of_a_finished_run_keeps_the_users_files_in_its_export(
+    finished_run: Path, tiny_cache: Path, capsys
+) -> None:
+    """issue 15, item 2: `train --resume` on a finished run re-exports; it must not delete a README put there."""
+    readme = finished_run / "export" / "README.md"
+    readme.write_text("my notes\n")
+    weights = (finished_run / "export" / "model.safetensors").read_bytes()
+    try:
+        assert train(tiny_cache, finished_run, "--resume") == 6
+        line = one_error_line(capsys)
+        assert "export holds files that are not part of a P-EAGLE export (README.md)" in line
+        assert "--no-export" in line
+        assert readme.read_text() == "my notes\n"
+        assert (finished_run / "export" / "model.safetensors").read_bytes() == weights
+        assert train(tiny_cache, finished_run, "--resume", "--no-export") == 0
+    finally:
+        readme.unlink()
+    assert train(tiny_cache, finished_run, "--resume") == 0  # only our files there: re-exported in place
+    assert sorted(p.name for p in (finished_run / "export").iterdir()) == [
+        ".peagle-export.json",
+        "config.json",
+        "model.safetensors",
+    ]
+
+
 def test_resume_without_a_run_is_refused(tiny_cache: Path, tmp_path: Path, capsys) -> None:
     assert train(tiny_cache, tmp_path / "new", "--resume") == 2
     assert "nothing to resume" in one_error_line(capsys)
@@ -214,3 +239,23 @@ def test_corrupt_samples_are_skipped_and_reported(tiny_cache: Path, tmp_path: Pa
     assert train(cache, out, "--skip-corrupt", "--no-export", "--eval-samples", "0") == 0
     recs = [r for r in metrics.read_metrics(out) if r["kind"] == "train"]
     assert recs[-1]["skipped_corrupt"] > 0
+
+
+def test_start_prints_draft_vocabulary_coverage(tiny_cache: Path, tmp_path: Path, capsys) -> None:
+    """docs/recipes.md: the coverage of the draft vocabulary is printed at the start of training (issue 15, 16)."""
+    import numpy as np
+
+    from peagle_pipeline.cache.reader import open_cache
+    from peagle_pipeline.core.vocab import build_draft_vocab
+
+    flags = ["--steps", "1", "--eval-samples", "0", "--no-export", "--draft-vocab-size", "50"]
+    assert train(tiny_cache, tmp_path / "run", *flags) == 0
+    counts = open_cache(tiny_cache).token_counts()
+    ids = build_draft_vocab(counts, 50).ids.numpy()
+    share = counts[ids].sum() / counts.sum()
+    assert 0.0 < share < 1.0  # 50 of the cache's supervised token ids: a real partial coverage
+    lines = [line for line in capsys.readouterr().err.splitlines() if "draft vocabulary" in line]
+    assert lines == [
+        f"draft vocabulary: 50 of 512 target tokens, covering {share:.1%} of the "
+        f"{int(np.sum(counts))} supervised tokens in the cache"
+    ]

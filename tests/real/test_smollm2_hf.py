@@ -116,3 +116,30 @@ def test_pieces_of_tied_smollm2(smollm2_dir, backend, tmp_path):
     emb = backend.model.get_input_embeddings().weight
     assert torch.equal(pieces["embed_tokens.weight"], emb) and torch.equal(pieces["lm_head.weight"], emb)
     assert torch.equal(pieces["norm.weight"], backend.norm.weight)
+
+
+def test_bounded_rendering_is_identical_on_real_data(tokenizer, sharegpt_jsonl):
+    """issue 15, item 11: rendering with max_tokens (memory bounded by the max length) gives exactly the first
+    max_tokens ids and mask values of the whole rendering, on ShareGPT with SmolLM2's tokenizer (the bounded path
+    is taken for every row longer than 16 characters per token wanted)."""
+    from peagle_pipeline.data.chat import RejectRow
+
+    renderer = ChatRenderer(tokenizer)
+    rows = (r for r in iter_rows([sharegpt_jsonl]) if isinstance(r, Conversation))
+    bounded = compared = 0
+    for conv in itertools.islice(rows, 150):
+        try:
+            whole = renderer.render(conv.messages)
+        except RejectRow as err:
+            with pytest.raises(RejectRow) as again:
+                renderer.render(conv.messages, max_tokens=65)
+            assert again.value.reason == err.reason
+            continue
+        for n in (65, 257):
+            cut = renderer.render(conv.messages, max_tokens=n)
+            k = len(cut.input_ids)
+            assert k >= min(n, len(whole.input_ids))
+            assert cut.input_ids == whole.input_ids[:k] and cut.loss_mask == whole.loss_mask[:k]
+            bounded += k < len(whole.input_ids)
+            compared += 1
+    assert compared > 250 and bounded > 100, (compared, bounded)

@@ -139,3 +139,16 @@ def test_field_choices_come_from_literal_types():
     assert field_choices(TrainConfig, "schedule") == ("cosine", "linear", "constant")
     assert field_choices(ExtractConfig, "backend") == ("hf", "vllm")
     assert field_choices(TrainConfig, "lr") == ()
+
+
+def test_duplicate_data_and_layers_are_refused(tmp_path, monkeypatch):
+    """issue 15, item 12: the same data file twice (however spelled) or a layer id twice is a one-line error."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(BadConfig, match=r"data names the same file twice: 'd.jsonl' and '\./d.jsonl'"):
+        resolve(ExtractConfig, None, {**BASE_EXTRACT, "data": ["d.jsonl", "e.jsonl", "./d.jsonl"]})
+    with pytest.raises(BadConfig, match="data names the same file twice"):
+        resolve(ExtractConfig, None, {**BASE_EXTRACT, "data": ["d.jsonl", str(tmp_path / "d.jsonl")]})
+    with pytest.raises(BadConfig, match=r"layers names layer 3 twice \(\[2, 3, 3\]\)"):
+        resolve(ExtractConfig, None, {**BASE_EXTRACT, "layers": "2,3,3"})
+    cfg = resolve(ExtractConfig, None, {**BASE_EXTRACT, "data": ["d.jsonl", "e.jsonl"], "layers": "3,2"})
+    assert cfg.data == ["d.jsonl", "e.jsonl"] and cfg.layers == [3, 2]

@@ -133,3 +133,64 @@ def test_open_through_fsspec_memory_url(tmp_path):
             assert np.array_equal(r[k], l_[k])
     assert np.array_equal(remote.token_counts(), local.token_counts())
     shutil.rmtree(tmp_path / "c")
+
+
+# ---- issue 15, item 6: verify checks what the manifest commits; tables and shards beyond it are not damage ----
+def _in_progress(root):
+    """A store as a writer leaves it between writing its tables and its manifest (or a copy taken then):
+    shards and tables of a later commit, the manifest of an earlier one."""
+    write_cache(root, stop_after=6)
+    manifest = root / "stores" / STORE / layout.MANIFEST
+    early = manifest.read_bytes()
+    write_cache(root, stop_after=10)
+    assert json.loads(manifest.read_text())["committed_samples"] > json.loads(early)["committed_samples"]
+    manifest.write_bytes(early)
+    return json.loads(early)
+
+
+def test_verify_of_a_cache_being_written_reports_only_that_it_is_incomplete(tmp_path, capsys):
+    from peagle_pipeline.cli import main
+
+    early = _in_progress(tmp_path / "c")
+    assert 0 < early["committed_samples"] < 10
+    cache = open_cache(tmp_path / "c", check=False)
+    assert len(cache.samples) == early["committed_samples"]
+    assert cache.verify() == [
+        f"{STORE}: incomplete ({early['committed_samples']} samples committed); re-run extract to finish it"
+    ]
+    assert main(["verify", str(tmp_path / "c")]) == 3  # incomplete (IncompatibleCache), not corrupt (4)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: {tmp_path / 'c'} is incomplete (1 store(s) still being written or never finished); "
+        "what is committed verified ok"
+    ]
+
+
+def test_verify_still_finds_damage_in_the_committed_part_of_a_store_being_written(tmp_path, capsys):
+    from peagle_pipeline.cli import main
+
+    _in_progress(tmp_path / "c")
+    counts = tmp_path / "c" / "stores" / STORE / "token_counts.npy"
+    np.save(counts, np.zeros_like(np.load(counts)))  # fewer than the committed samples hold: damage
+    shard = tmp_path / "c" / "stores" / STORE / "aux_hidden" / "c" / "0" / "0" / "0"
+    blob = bytearray(shard.read_bytes())
+    blob[40] ^= 0xFF
+    shard.write_bytes(bytes(blob))
+    problems = open_cache(tmp_path / "c", check=False).verify()
+    assert any("aux_hidden shard 0" in p for p in problems), problems
+    assert any("token_counts.npy counts fewer" in p for p in problems), problems
+    assert main(["verify", str(tmp_path / "c")]) == 4
+    assert "problem(s) found" in capsys.readouterr().err
+
+
+def test_inspect_of_a_rejected_sample_gives_the_reject_reason(tmp_path, capsys):
+    """issue 15, item 15: `inspect --sample ID` of a rejected row said only "not in cache"."""
+    from peagle_pipeline.cli import main
+
+    write_cache(tmp_path / "c")  # row 1000 (fake.jsonl row 7) is rejected as an empty conversation
+    assert main(["inspect", str(tmp_path / "c"), "--sample", "1000"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: sample 1000 was rejected at extraction (fake.jsonl row 7): empty conversation"
+    ]
+    assert main(["inspect", str(tmp_path / "c"), "--sample", "999"]) == 2
+    assert "sample 999 is not in cache" in capsys.readouterr().err

@@ -117,3 +117,132 @@ def test_template_errors_and_unlocatable_content_reject_the_row(tmp_path):
     with pytest.raises(RejectRow, match="content was not found"):
         renderer.render([Message("user", "hi"), Message("assistant", "hello")])
     assert renderer.render([Message("user", "hi"), Message("assistant", "OK")]).num_supervised >= 2
+
+
+# ---- issue 15, item 12: OpenAI tool-call turns ---------------------------------------------------------------
+# A Qwen2.5-like template that renders tool calls and tool results (simplified).
+TOOLS_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' + m['content'] }}"
+    "{% if m.tool_calls is defined and m.tool_calls %}{% for tc in m.tool_calls %}"
+    "{{ '\n<tool_call>\n{\"name\": \"' + tc['function']['name'] + '\", \"arguments\": ' }}"
+    "{{ tc['function']['arguments'] | tojson }}{{ '}\n</tool_call>' }}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% elif m['role'] == 'tool' %}{{ '<|im_start|>user\n<tool_response>\n' + m['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+TOOL_CONV = [
+    Message("user", "Weather in Paris?"),
+    Message("assistant", "", tool_calls=[CALL]),
+    Message("tool", "18 C, sunny", tool_call_id="c1"),
+    Message("assistant", "It is 18 C and sunny."),
+]
+
+
+def test_tool_calls_render_as_the_template_does_and_are_supervised(tmp_path):
+    tokenizer = build_tokenizer(tmp_path, "chatml")
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    sample = ChatRenderer(tokenizer).render(TOOL_CONV)
+    msgs = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "content": "18 C, sunny", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "It is 18 C and sunny."},
+    ]
+    ref = tokenizer.apply_chat_template(msgs, tokenize=False)
+    assert tokenizer.decode(sample.input_ids) == ref
+    assert masked_spans(tokenizer, sample) == [
+        '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+        "It is 18 C and sunny.<|im_end|>",
+    ]
+
+
+def test_tool_calls_under_a_template_without_tool_support_reject_the_row(tmp_path):
+    tokenizer = build_tokenizer(tmp_path, "chatml")  # renders only role + content: the call would vanish
+    with pytest.raises(RejectRow, match=r"the chat template does not render tool calls \(turn 1\)"):
+        ChatRenderer(tokenizer).render(TOOL_CONV)
+
+
+# ---- issue 15, item 11: memory bounded by the max length ------------------------------------------------------
+def _render_or_reason(renderer, conv, max_tokens=None):
+    try:
+        s = renderer.render(conv) if max_tokens is None else renderer.render(conv, max_tokens=max_tokens)
+    except RejectRow as err:
+        return err.reason
+    return s
+
+
+def _random_conversations(seed: int, n: int) -> list[list[Message]]:
+    import random
+
+    rng = random.Random(seed)
+    words = "the quick brown fox jumps over lazy dog Paris capital 0123 hello ! ? def add(a, b):".split()
+    convs = []
+    for _ in range(n):
+        conv = [Message("system", "Be brief.")] if rng.random() < 0.3 else []
+        if rng.random() < 0.2:
+            conv.append(Message("assistant", "leading context"))
+        for _ in range(rng.randint(1, 4)):
+            for role in ("user", "assistant"):
+                k = rng.choice([0, 1, 5, 40, 200, 1500])
+                text = " ".join(rng.choice(words) for _ in range(k))
+                if rng.random() < 0.15:
+                    text += " " * rng.randint(1, 300) + "\n" * rng.randint(0, 3)  # whitespace before the end
+                conv.append(Message(role, text))
+        convs.append(conv)
+    return convs
+
+
+@pytest.mark.parametrize("max_tokens", [2, 9, 40, 300])
+def test_bounded_render_equals_the_whole_render_cut_to_max_tokens(tok, max_tokens):
+    """render(..., max_tokens=n) tokenises only a prefix of long conversations, yet gives exactly the first n ids
+    and mask values of the whole rendering (and the same reject reasons)."""
+    template, tokenizer = tok
+    for drop in (False, True):
+        renderer = ChatRenderer(
+            tokenizer, assistant_turns="all", leading_assistant="drop" if drop else "context"
+        )
+        bounded = 0
+        for conv in _random_conversations(max_tokens, 30):
+            whole = _render_or_reason(renderer, conv)
+            cut = _render_or_reason(renderer, conv, max_tokens)
+            if isinstance(whole, str):
+                assert cut == whole
+                continue
+            assert not isinstance(cut, str), cut
+            assert cut.input_ids == whole.input_ids[: len(cut.input_ids)]
+            assert cut.loss_mask == whole.loss_mask[: len(cut.input_ids)]
+            assert len(cut.input_ids) == min(len(whole.input_ids), max(max_tokens, len(cut.input_ids)))
+            bounded += len(cut.input_ids) < len(whole.input_ids)
+        assert bounded > 0  # the bounded path was taken
+
+
+class _Spy:
+    """The real tokenizer, recording the length of every text it tokenises."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self.lengths: list[int] = []
+
+    def __call__(self, text, **kw):
+        self.lengths.append(len(text))
+        return self._tokenizer(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_a_huge_conversation_is_tokenised_only_as_far_as_max_tokens_needs(tmp_path):
+    tokenizer = build_tokenizer(tmp_path, "chatml")
+    spy = _Spy(tokenizer)
+    renderer = ChatRenderer(spy)
+    huge = [
+        Message("user", "tell me everything " * 60_000),  # ~1.1 M characters
+        Message("assistant", "here is everything " * 60_000),
+    ]
+    cut = renderer.render(huge, max_tokens=257)
+    assert len(cut.input_ids) == 257 and max(spy.lengths) <= 2 * 16 * 257
+    whole = ChatRenderer(tokenizer).render(huge)
+    assert cut.input_ids == whole.input_ids[:257] and cut.loss_mask == whole.loss_mask[:257]

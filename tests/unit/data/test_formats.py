@@ -66,8 +66,8 @@ REJECT_CASES = [
     ('{"conversations": []}', "empty conversation"),
     ('{"messages": [{"role": "user", "content": "only a question"}]}', "no assistant turn"),
     (
-        '{"conversations": [{"from": "human", "value": "x"}, {"from": "tool", "value": "y"}]}',
-        "unknown role 'tool' in turn 1",
+        '{"conversations": [{"from": "human", "value": "x"}, {"from": "function", "value": "y"}]}',
+        "unknown role 'function' in turn 1",  # ('tool' is a role since issue 15: OpenAI tool results)
     ),
     ('{"text": "plain"}', "wrong schema: no 'conversations'"),
     ("[1, 2]", "wrong schema: row is a JSON list"),
@@ -255,3 +255,67 @@ def test_all_paths_checked_before_reading(tmp_path):
         iter_rows([good, tmp_path / "missing.json"])  # raises at the call, not after the first file
     rows = list(iter_rows([good, good]))
     assert [r.source_row for r in rows] == [0, 0]
+
+
+# ---- issue 15, item 12 -----------------------------------------------------------------------------------
+def test_utf8_bom_does_not_cost_the_first_conversation(tmp_path):
+    bom = b"\xef\xbb\xbf"
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_bytes(bom + (json.dumps(OPENAI) + "\n" + json.dumps(SHAREGPT) + "\n").encode())
+    arr = tmp_path / "d.json"
+    arr.write_bytes(bom + json.dumps([SHAREGPT, OPENAI]).encode())
+    for path in (jsonl, arr):
+        rows = _rows(path)
+        assert [type(r).__name__ for r in rows] == ["Conversation", "Conversation"], rows
+    assert _rows(arr)[0].messages == EXPECTED_SHAREGPT
+
+
+TOOL_CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
+TOOLS = {
+    "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+        {"role": "assistant", "content": "It is 18 C and sunny."},
+    ]
+}
+
+
+def test_openai_tool_call_turns_are_read(tmp_path):
+    """`content: null` with `tool_calls`, and `role: tool`, are kept (arguments parsed as vLLM does)."""
+    (row,) = _rows(_write_jsonl(tmp_path / "d.jsonl", [TOOLS]))
+    assert isinstance(row, Conversation), row
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+    }
+    assert row.messages == [
+        Message("user", "Weather in Paris?"),
+        Message("assistant", "", tool_calls=[call]),
+        Message("tool", "18 C, sunny", tool_call_id="call_1"),
+        Message("assistant", "It is 18 C and sunny."),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("turn", "reason"),
+    [
+        ({"role": "assistant", "content": None, "tool_calls": "x"}, "malformed tool call in turn 1"),
+        (
+            {"role": "assistant", "content": None, "tool_calls": [{"function": {}}]},
+            "malformed tool call in turn 1",
+        ),
+        ({"role": "assistant", "content": None}, "non-string content in turn 1"),
+        ({"role": "user", "content": None, "tool_calls": [TOOL_CALL]}, "tool calls in a user turn (turn 1)"),
+        ({"role": "tool", "content": None}, "non-string content in turn 1"),
+    ],
+)
+def test_bad_tool_call_turns_are_rejected_with_a_reason(tmp_path, turn, reason):
+    record = {"messages": [{"role": "user", "content": "hi"}, turn, {"role": "assistant", "content": "ok"}]}
+    (row,) = _rows(_write_jsonl(tmp_path / "d.jsonl", [record]))
+    assert isinstance(row, Reject) and reason in row.reason, row
