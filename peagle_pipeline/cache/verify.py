@@ -150,12 +150,16 @@ def _verify_store(cache: Cache, name: str, manifest: dict[str, Any], seen: dict[
             data[array] = np.concatenate(parts) if parts else np.zeros((0, *inner), dtype=dtype)
     if covered != n_tokens:
         out.append(f"{name}: manifest shards cover {covered} tokens, committed {n_tokens}")
-    out += _verify_values(cache, name, samples, data, layout.TOKEN_COUNTS in ahead)
+    out += _verify_values(cache, name, samples, data, ahead)
     return out
 
 
 def _verify_values(
-    cache: Cache, name: str, samples: Any, data: dict[str, np.ndarray], counts_ahead: bool = False
+    cache: Cache,
+    name: str,
+    samples: Any,
+    data: dict[str, np.ndarray],
+    ahead: set[str] | frozenset[str] = frozenset(),
 ) -> list[str]:
     out: list[str] = []
     V = cache.meta.vocab_size
@@ -179,24 +183,27 @@ def _verify_values(
         all_counts += np.bincount(np.clip(ids[off : off + n], 0, V - 1), minlength=V)
     if wrong:
         out.append(f"{name}: num_supervised disagrees with loss_mask for samples {wrong[:8]}")
-    try:
-        stored = np.load(
-            io.BytesIO(cache._root.read_bytes(f"{layout.STORES_DIR}/{name}/{layout.TOKEN_COUNTS}"))
-        )
-        if counts_ahead:  # a later commit's counts: they include every committed sample, plus more
-            if stored.shape != counts.shape or bool((stored < counts).any()):
-                out.append(f"{name}: token_counts.npy counts fewer tokens than its committed samples hold")
-        elif not np.array_equal(stored, counts):
-            out.append(f"{name}: token_counts.npy disagrees with the supervised tokens of its samples")
-    except (OSError, ValueError, EOFError):  # missing, truncated or damaged .npy
-        out.append(f"{name}: token_counts.npy missing or unreadable")
+    out += _check_counts(
+        cache, name, layout.TOKEN_COUNTS, counts, layout.TOKEN_COUNTS in ahead, "supervised "
+    )
     if layout.ALL_TOKEN_COUNTS in (cache.manifests.get(name) or {}).get("tables", {}):
-        try:
-            stored = np.load(
-                io.BytesIO(cache._root.read_bytes(f"{layout.STORES_DIR}/{name}/{layout.ALL_TOKEN_COUNTS}"))
-            )
-            if not np.array_equal(stored, all_counts):
-                out.append(f"{name}: {layout.ALL_TOKEN_COUNTS} disagrees with the tokens of its samples")
-        except (OSError, ValueError, EOFError):
-            out.append(f"{name}: {layout.ALL_TOKEN_COUNTS} missing or unreadable")
+        out += _check_counts(
+            cache, name, layout.ALL_TOKEN_COUNTS, all_counts, layout.ALL_TOKEN_COUNTS in ahead, ""
+        )
     return out
+
+
+def _check_counts(
+    cache: Cache, name: str, table: str, counts: np.ndarray, is_ahead: bool, what: str
+) -> list[str]:
+    """A counts table against the committed samples; one written by a later commit may only count more."""
+    try:
+        stored = np.load(io.BytesIO(cache._root.read_bytes(f"{layout.STORES_DIR}/{name}/{table}")))
+    except (OSError, ValueError, EOFError):  # missing, truncated or damaged .npy
+        return [f"{name}: {table} missing or unreadable"]
+    if is_ahead:  # a later commit's counts: they include every committed sample, plus more
+        if stored.shape != counts.shape or bool((stored < counts).any()):
+            return [f"{name}: {table} counts fewer tokens than its committed samples hold"]
+    elif not np.array_equal(stored, counts):
+        return [f"{name}: {table} disagrees with the {what}tokens of its samples"]
+    return []
