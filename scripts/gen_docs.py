@@ -1,4 +1,4 @@
-"""Generate docs/pipeline-files.md and docs/cli.md from the config dataclasses (the one source of truth).
+"""Generate docs/pipeline-files.md and docs/cli.md from the config dataclasses and the CLI (the one source of truth).
 
 Usage: python scripts/gen_docs.py [--check]   (--check exits 1 when the committed docs are stale)
 """
@@ -53,8 +53,25 @@ train:
 """
 
 
+def _options(command: str) -> str:
+    """The arguments and options of one CLI command as a table, from its typer definition."""
+    import typer.main
+
+    from peagle_pipeline.cli import app
+
+    rows = ["| argument / flag | default | meaning |", "|---|---|---|"]
+    for p in typer.main.get_command(app).commands[command].params:
+        if p.param_type_name == "argument":
+            name, shown = f"`{p.name.upper()}{'...' if p.nargs == -1 else ''}`", "(required)"
+        else:
+            name = f"`{' / '.join(p.opts + p.secondary_opts)}`" + (" (repeatable)" if p.multiple else "")
+            shown = "-" if p.default is None else f"`{p.default}`"
+        rows.append(f"| {name} | {shown} | {(p.help or '').replace('|', '/')} |")
+    return "\n".join(rows)
+
+
 def cli_md() -> str:
-    return """# Command-line reference
+    return f"""# Command-line reference
 
 Every command prints a one-line `error: ...` and exits non-zero on a user mistake (set `PEAGLE_DEBUG=1` for the
 traceback). Exit codes: 1 generic, 2 bad input or settings, 3 incompatible or incomplete cache, 4 corrupt data,
@@ -70,9 +87,19 @@ greedy output differs from plain greedy output (`vllm-check`), 130 interrupted.
 | `peagle-pipeline train [--config FILE] [flags]` | train a draft from a cache (section `train:`); `--resume` continues exactly |
 | `peagle-pipeline export RUN --output DIR [--checkpoint best\\|latest\\|step-N]` | speculators P-EAGLE checkpoint for vLLM |
 | `peagle-pipeline plot RUN` | PNG curves of loss, per-depth agreement and acceptance length |
+| `peagle-pipeline evaluate DRAFT... [--prompts SET]...` | measure drafts in vLLM side by side: acceptance length, per-position acceptance, tokens/s with and without the draft; JSON report and PNG chart ([evaluation.md](evaluation.md)) |
 | `peagle-pipeline vllm-check DRAFT --target MODEL` | load target + draft in vLLM, check greedy equality, report vLLM's acceptance |
 
 Rank and world size for `extract` also come from `RANK`/`WORLD_SIZE` (torchrun) or `SLURM_PROCID`/`SLURM_NTASKS`.
+`evaluate` and `vllm-check` run where vLLM is installed (`make setup-vllm`, then `.venv-vllm/bin/peagle-pipeline`).
+
+## `evaluate`
+
+{_options("evaluate")}
+
+## `vllm-check`
+
+{_options("vllm-check")}
 """
 
 
