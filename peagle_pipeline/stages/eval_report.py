@@ -105,7 +105,8 @@ def plot_acceptance(report: dict[str, Any], path: str | Path) -> Path:
             rates = (r or {}).get("acceptance_per_position") or []
             xs = [i + 1 + (j - (len(drafts) - 1) / 2) * width for i in range(len(rates))]
             label = f"{d} (K={r['depths']}, AL {_f(r['acceptance_length'])})" if r else d
-            ax.bar(xs, rates, width=width, label=label)
+            bars = ax.bar(xs, rates, width=width, label=label)
+            ax.bar_label(bars, fmt="%.2f", fontsize="x-small", padding=1)
         ax.set(
             xlabel="draft position",
             ylabel="acceptance rate (accepted / drafts)",
