@@ -261,6 +261,9 @@ def vllm_check(
         str | None, typer.Option(help="Write the JSON report (acceptance, mismatches) here.")
     ] = None,
     tensor_parallel_size: Annotated[int, typer.Option(help="vLLM tensor parallel size.")] = 1,
+    dtype: Annotated[
+        str, typer.Option(help="Model dtype in vLLM: bf16 or fp32 (fp32 for exact greedy equality).")
+    ] = "bf16",
 ) -> None:
     """Load target + draft in vLLM (parallel drafting), check greedy equality, report vLLM's acceptance."""
     from peagle_pipeline.stages import vllm_check as stage
@@ -273,6 +276,7 @@ def vllm_check(
         max_tokens=max_tokens,
         depths=depths,
         report=report,
+        dtype=dtype,  # type: ignore[arg-type]  (checked by the stage)
         tensor_parallel_size=tensor_parallel_size,
         echo=typer.echo,
     )

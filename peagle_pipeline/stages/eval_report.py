@@ -71,6 +71,11 @@ def format_table(report: dict[str, Any]) -> str:
     lines += _table(
         ["prompt set", "draft", "K", "concurrency", "plain tok/s", "draft tok/s", "speedup", "AL"], tp_rows
     )
+    if report["dtype"] == "bf16" and any(r["identical"] is False for r in report["results"]):
+        lines.append(
+            "note: in bf16 the target verifies K+1 tokens per forward and rounds differently from one-token "
+            "decoding, so greedy near-ties can flip and the texts part; --dtype fp32 checks exact equality"
+        )
     starts = ", ".join(f"{k} {v:.1f} s" for k, v in report["engine_start_seconds"].items())
     lines.append(f"engine start: {starts}; total {report['wall_seconds']:.0f} s")
     for d in report["drafts"]:

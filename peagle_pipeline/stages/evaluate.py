@@ -387,7 +387,6 @@ def run(opts: EvalOptions, echo: Callable[[str], None] | None = None) -> dict[st
         tensor_parallel_size=opts.tensor_parallel_size,
         gpu_memory_utilization=opts.gpu_memory_utilization,
     )
-    hardware = describe_hardware(opts.tensor_parallel_size)
     levels = sorted(set(opts.concurrency) | {1})
     engine_seconds: dict[str, float] = {}
     say(f"plain target {target}: {sum(len(s.prompts) for s in sets)} prompts in {len(sets)} set(s)")
@@ -401,6 +400,8 @@ def run(opts: EvalOptions, echo: Callable[[str], None] | None = None) -> dict[st
             engine_seconds[d.name] = started
             for (set_name, c), r in _measure(llm, sets, opts, levels).items():
                 spec[(d.name, set_name, c)] = r
+    # after the engines: naming a GPU initialises CUDA in this process, which vLLM prefers to do in its workers
+    hardware = describe_hardware(opts.tensor_parallel_size)
     report = build_report(
         opts,
         target=target,

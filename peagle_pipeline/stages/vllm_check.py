@@ -158,6 +158,8 @@ def run(
     K = depths if depths is not None else draft_depths(config)
     if K <= 0 or max_tokens <= 0:
         raise BadInput(f"depths and max_tokens must be positive, got {K} and {max_tokens}")
+    if dtype not in ("bf16", "fp32"):
+        raise BadInput(f"--dtype must be bf16 or fp32, got {dtype!r}")
     require_vllm()
     ids = load_prompts(prompts, target, num_prompts)
     max_pos = int(text_config(info.config).get("max_position_embeddings") or 4096)

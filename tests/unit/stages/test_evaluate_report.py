@@ -113,6 +113,7 @@ def test_report_figures() -> None:
     table = format_table(report)
     assert "1.750  0.50 0.25" in table and "2.00x" in table and "NO (1/2 differ)" in table
     assert "last 1.500 at step 10, best 1.600 at step 5" in table and "T=0, max 4 new tokens" in table
+    assert "--dtype fp32 checks exact equality" in table  # bf16 with a mismatch: the note
 
 
 def test_chart_is_a_png(tmp_path: Path) -> None:
