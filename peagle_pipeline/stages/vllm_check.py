@@ -9,41 +9,40 @@ length = 1 + accepted / drafts, and the acceptance rate of each draft position. 
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from peagle_pipeline.backends.pieces import read_target_info, text_config
-from peagle_pipeline.backends.vllm import EngineSettings, build_llm
+from peagle_pipeline.backends.vllm import EngineSettings, require_vllm
 from peagle_pipeline.errors import BadInput, SpeculativeMismatch
 from peagle_pipeline.runtime import atomic_write_json
+from peagle_pipeline.stages.acceptance import (
+    SpecCounters,
+    draft_depths,
+    engine,
+    mismatches,
+    read_draft_config,
+    run_prompts,
+    spec_counters,
+    speculative_config,
+)
+from peagle_pipeline.stages.prompts import DEFAULT_PROMPTS, load_prompts
 
-__all__ = ["run", "CheckReport", "SpeculativeMismatch", "load_prompts", "read_draft_config", "spec_counters"]
+__all__ = [
+    "run",
+    "CheckReport",
+    "SpeculativeMismatch",
+    "DEFAULT_PROMPTS",
+    "load_prompts",
+    "read_draft_config",
+    "spec_counters",
+]
 
 log = logging.getLogger(__name__)
-
-MAX_PROMPT_TOKENS = 1024  # longer prompts are skipped: the check is about decoding, not long prefills
-DEFAULT_PROMPTS = (
-    "Explain in a few sentences how speculative decoding speeds up language model inference.",
-    "Write a short Python function that returns the n-th Fibonacci number.",
-    "What is the capital of France, and what is it famous for?",
-    "Give three tips for writing clear technical documentation.",
-    "Summarise the plot of a classic fairy tale in five sentences.",
-    "List the planets of the solar system in order from the sun.",
-    "How do I reverse a linked list? Describe the idea step by step.",
-    "Write a haiku about autumn leaves.",
-)
-SPEC_METRICS = {
-    "drafts": "vllm:spec_decode_num_drafts",
-    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
-    "accepted": "vllm:spec_decode_num_accepted_tokens",
-    "per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
-}
 
 
 @dataclass
@@ -67,19 +66,30 @@ class CheckReport:
     speculative_seconds: float = 0.0
 
     @property
+    def counters(self) -> SpecCounters:
+        return SpecCounters(
+            drafts=self.drafts,
+            draft_tokens=self.draft_tokens,
+            accepted=self.accepted,
+            per_pos=tuple(self.accepted_per_position),
+        )
+
+    @property
     def acceptance_length(self) -> float:
-        """Mean tokens produced per target verification step: 1 + accepted / drafts."""
-        return 1.0 + self.accepted / self.drafts if self.drafts else float("nan")
+        """Mean tokens produced per target verification step: 1 + accepted / drafts (NaN without drafts)."""
+        al = self.counters.acceptance_length
+        return float("nan") if al is None else al
 
     @property
     def acceptance_per_position(self) -> list[float]:
         """Fraction of drafts whose position i (0-based) was accepted."""
-        return [a / self.drafts if self.drafts else float("nan") for a in self.accepted_per_position]
+        rates = self.counters.acceptance_per_position
+        return rates if rates is not None else [float("nan")] * len(self.accepted_per_position)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        out["acceptance_length"] = self.acceptance_length if self.drafts else None  # no NaN in JSON
-        out["acceptance_per_position"] = self.acceptance_per_position if self.drafts else None
+        out["acceptance_length"] = self.counters.acceptance_length  # None, never NaN, in JSON
+        out["acceptance_per_position"] = self.counters.acceptance_per_position
         return out
 
     def table(self) -> str:
@@ -101,216 +111,6 @@ class CheckReport:
         tps_spec = self.generated_tokens / self.speculative_seconds if self.speculative_seconds else 0.0
         lines.append(f"generation: plain {tps_plain:.1f} tok/s, speculative {tps_spec:.1f} tok/s")
         return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------------------- inputs
-
-
-def read_draft_config(draft_dir: str | Path) -> dict[str, Any]:
-    """The export's config.json, checked to be a speculators P-EAGLE export.
-
-    Raises:
-        BadInput: missing/unreadable config or not `speculators_model_type: peagle`.
-    """
-    path = Path(draft_dir) / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise BadInput(
-            f"{draft_dir} is not a draft export: cannot read {path.name} ({type(err).__name__})"
-        ) from None
-    if config.get("speculators_model_type") != "peagle":
-        raise BadInput(
-            f"{draft_dir} is not a P-EAGLE export (speculators_model_type is "
-            f"{config.get('speculators_model_type')!r}); export one with `peagle-pipeline export`"
-        )
-    return config
-
-
-def _draft_depths(config: dict[str, Any]) -> int:
-    try:
-        return int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
-    except (KeyError, IndexError, TypeError, ValueError):
-        raise BadInput(
-            "draft config lacks speculators_config.proposal_methods[0].speculative_tokens"
-        ) from None
-
-
-def load_prompts(source: str | None, target: str, num_prompts: int) -> list[list[int]]:
-    """Up to `num_prompts` prompts as token ids, rendered with the target's chat template.
-
-    Args:
-        source: None (built-in prompts); a JSONL file of `{"prompt": str}` records; a chat data file
-            (ShareGPT/OpenAI JSON, JSONL or Parquet: the conversation up to its last user turn is the prompt);
-            or a cache directory (the context before the first supervised token of its held-out samples,
-            split as training does with the default seed and eval_samples).
-        target: target model directory (tokenizer and chat template).
-        num_prompts: how many prompts to return at most.
-
-    Raises:
-        BadInput: unreadable source or no usable prompt in it.
-    """
-    if num_prompts <= 0:
-        raise BadInput(f"num_prompts must be positive, got {num_prompts}")
-    if source is not None and Path(source).is_dir() and _is_cache(source):
-        prompts = list(_cache_prompts(source, num_prompts))
-    else:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(target)
-        prompts = []
-        for messages in _message_lists(source):
-            ids = _render(tokenizer, messages)
-            if 0 < len(ids) <= MAX_PROMPT_TOKENS:
-                prompts.append(ids)
-            if len(prompts) == num_prompts:
-                break
-    if not prompts:
-        raise BadInput(f"no usable prompt (1..{MAX_PROMPT_TOKENS} tokens) in {source}")
-    return prompts
-
-
-def _is_cache(path: str) -> bool:
-    from peagle_pipeline.cache import layout
-
-    return (Path(path) / layout.CACHE_META).is_file()
-
-
-def _cache_prompts(path: str, n: int) -> Iterator[list[int]]:
-    from peagle_pipeline.cache.reader import open_cache
-    from peagle_pipeline.config import TrainConfig
-    from peagle_pipeline.stages.loader import split_samples
-
-    defaults = TrainConfig(cache=path, output="unused")
-    cache = open_cache(path)
-    split = split_samples(cache.samples, defaults.eval_samples, defaults.seed)
-    given = 0
-    for sample_id in split.eval_ids.tolist():
-        sample = cache.read_sample(int(sample_id))
-        mask = sample.loss_mask
-        first = int(mask.int().argmax()) if bool(mask.any()) else 0
-        if 0 < first <= MAX_PROMPT_TOKENS:
-            yield sample.input_ids[:first].tolist()
-            given += 1
-            if given == n:
-                return
-
-
-def _message_lists(source: str | None) -> Iterator[list[dict[str, str]]]:
-    """Chat message lists ending with a user turn, from the built-in prompts or a file."""
-    if source is None:
-        for text in DEFAULT_PROMPTS:
-            yield [{"role": "user", "content": text}]
-        return
-    path = Path(source)
-    if not path.exists():
-        raise BadInput(f"prompt file not found: {source}")
-    if path.suffix in (".jsonl", ".ndjson") and _first_record_has_prompt(path):
-        with path.open(encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    try:
-                        prompt = json.loads(line).get("prompt")
-                    except (ValueError, AttributeError):
-                        raise BadInput(
-                            f"{path}: a line is not a JSON object with a 'prompt' string"
-                        ) from None
-                    if isinstance(prompt, str) and prompt.strip():
-                        yield [{"role": "user", "content": prompt}]
-        return
-    from peagle_pipeline.data.formats import Conversation, iter_rows
-
-    for row in iter_rows([source]):
-        if not isinstance(row, Conversation):
-            continue
-        msgs = [{"role": m.role, "content": m.content} for m in row.messages]
-        while msgs and msgs[-1]["role"] != "user":
-            msgs.pop()
-        if msgs:
-            yield msgs
-
-
-def _first_record_has_prompt(path: Path) -> bool:
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    raise BadInput(f"{path}: first line is not JSON") from None
-                return isinstance(record, dict) and "prompt" in record
-    return False
-
-
-def _render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return list(tokenizer("\n".join(m["content"] for m in messages))["input_ids"])
-
-
-# ------------------------------------------------------------------------------------------------ running
-
-
-def spec_counters(llm: Any) -> dict[str, Any]:
-    """vLLM's spec-decode counters now (summed over engines): drafts, draft_tokens, accepted, per_pos."""
-    out: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
-    names = {v: k for k, v in SPEC_METRICS.items()}
-    for metric in llm.get_metrics():
-        key = names.get(metric.name)
-        if key == "per_pos":
-            values = list(metric.values)
-            prev = out["per_pos"] + [0] * (len(values) - len(out["per_pos"]))
-            out["per_pos"] = [a + int(b) for a, b in zip(prev, values, strict=True)]
-        elif key is not None:
-            out[key] += int(metric.value)
-    return out
-
-
-def _generate(
-    settings: EngineSettings,
-    prompts: list[list[int]],
-    max_tokens: int,
-    speculative_config: dict[str, Any] | None,
-) -> tuple[list[list[int]], float, dict[str, Any]]:
-    """Greedy generation in a fresh engine; returns token ids per prompt, seconds, spec counters (deltas)."""
-    from vllm import SamplingParams
-
-    llm = build_llm(settings, speculative_config=speculative_config, disable_log_stats=False)
-    try:
-        before = spec_counters(llm)
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False)
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        after = spec_counters(llm)
-    finally:
-        core = getattr(llm.llm_engine, "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
-        del llm
-    delta = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
-    base = before["per_pos"] + [0] * (len(after["per_pos"]) - len(before["per_pos"]))
-    delta["per_pos"] = [a - b for a, b in zip(after["per_pos"], base, strict=True)]
-    return [list(o.outputs[0].token_ids) for o in outs], seconds, delta
-
-
-def _mismatches(plain: list[list[int]], spec: list[list[int]]) -> list[dict[str, Any]]:
-    out = []
-    for i, (a, b) in enumerate(zip(plain, spec, strict=True)):
-        if a != b:
-            pos = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-            out.append(
-                {
-                    "prompt": i,
-                    "first_difference": pos,
-                    "plain": a[pos : pos + 8],
-                    "speculative": b[pos : pos + 8],
-                    "plain_length": len(a),
-                    "speculative_length": len(b),
-                }
-            )
-    return out
 
 
 def run(
@@ -363,9 +163,12 @@ def run(
             f"draft {draft_dir} was trained for a vocabulary of {draft_vocab}, target {target} has "
             f"{info.vocab_size}: give the target the draft was trained on"
         )
-    K = depths if depths is not None else _draft_depths(config)
+    K = depths if depths is not None else draft_depths(config)
     if K <= 0 or max_tokens <= 0:
         raise BadInput(f"depths and max_tokens must be positive, got {K} and {max_tokens}")
+    if dtype not in ("bf16", "fp32"):
+        raise BadInput(f"--dtype must be bf16 or fp32, got {dtype!r}")
+    require_vllm()
     ids = load_prompts(prompts, target, num_prompts)
     max_pos = int(text_config(info.config).get("max_position_embeddings") or 4096)
     settings = EngineSettings(
@@ -375,14 +178,11 @@ def run(
         tensor_parallel_size=tensor_parallel_size,
         gpu_memory_utilization=gpu_memory_utilization,
     )
-    speculative = {
-        "model": str(Path(draft_dir).resolve()),
-        "method": "eagle3",
-        "parallel_drafting": True,
-        "num_speculative_tokens": K,
-    }
-    plain, plain_s, _ = _generate(settings, ids, max_tokens, None)
-    spec, spec_s, counters = _generate(settings, ids, max_tokens, speculative)
+    with engine(settings, None) as (llm, _):
+        plain = run_prompts(llm, ids, max_tokens=max_tokens)
+    with engine(settings, speculative_config(draft_dir, K)) as (llm, _):
+        spec = run_prompts(llm, ids, max_tokens=max_tokens)
+    counters = spec.counters
     result = CheckReport(
         draft=str(draft_dir),
         target=str(target),
@@ -390,15 +190,15 @@ def run(
         dtype=dtype,
         max_tokens=max_tokens,
         prompts=len(ids),
-        identical=plain == spec,
-        mismatches=_mismatches(plain, spec),
-        drafts=counters["drafts"],
-        draft_tokens=counters["draft_tokens"],
-        accepted=counters["accepted"],
-        accepted_per_position=counters["per_pos"],
-        generated_tokens=sum(map(len, spec)),
-        plain_seconds=plain_s,
-        speculative_seconds=spec_s,
+        identical=plain.outputs == spec.outputs,
+        mismatches=mismatches(plain.outputs, spec.outputs),
+        drafts=counters.drafts,
+        draft_tokens=counters.draft_tokens,
+        accepted=counters.accepted,
+        accepted_per_position=list(counters.per_pos),
+        generated_tokens=spec.output_tokens,
+        plain_seconds=plain.seconds,
+        speculative_seconds=spec.seconds,
     )
     (echo or log.info)(result.table())
     if report is not None:

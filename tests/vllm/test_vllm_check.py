@@ -125,11 +125,3 @@ def test_prompt_sources(tiny_model: Path, tiny_chat_data: Path, tmp_path: Path) 
             assert ids[-len(header) :] == header
     first = load_prompts(str(plain), str(tiny_model), 1)[0]
     assert tok.decode(first).count("Hello! How are you today?") == 1
-
-
-def test_mismatch_listing() -> None:
-    from peagle_pipeline.stages.vllm_check import _mismatches
-
-    found = _mismatches([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 9, 9], [6, 7]])
-    assert [(m["prompt"], m["first_difference"]) for m in found] == [(1, 1), (2, 1)]
-    assert found[0]["plain"] == [5] and found[0]["speculative"] == [9, 9]

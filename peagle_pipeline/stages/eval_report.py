@@ -1,0 +1,134 @@
+"""How an `evaluate` report is shown: the printed table and the per-position acceptance chart (PNG).
+
+Both read only the report dict (`evaluate.build_report`), so a saved report.json can be shown again. Never runs
+vLLM; writes only the chart file it is given.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["format_table", "plot_acceptance"]
+
+
+def _f(x: float | None, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows]]
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as text: acceptance per draft and prompt set, then tokens/s and speedup per concurrency."""
+    s = report["settings"]
+    cond = (
+        f"T={s['temperature']:g}, max {s['max_tokens']} new tokens, parallel drafting, prefix caching off, "
+        f"{report['dtype']}, on {report['hardware']}"
+    )
+    lines = [f"vLLM acceptance (concurrency 1; {cond}); target {report['target']}"]
+    acc_rows = []
+    for r in report["results"]:
+        per = r["acceptance_per_position"]
+        if r["identical"] is None:
+            same = "n/a (T>0)"
+        else:
+            same = "yes" if r["identical"] else f"NO ({r['mismatched_prompts']}/{r['prompts']} differ)"
+        acc_rows.append(
+            [
+                r["prompt_set"],
+                r["draft"],
+                str(r["depths"]),
+                str(r["prompts"]),
+                _f(r["acceptance_length"]),
+                " ".join(_f(p, ".2f") for p in per) if per else "-",
+                _f(r["trainer_estimate"]),
+                same,
+            ]
+        )
+    lines += _table(
+        ["prompt set", "draft", "K", "prompts", "AL", "per position 1..K", "trainer est. AL", "= plain"],
+        acc_rows,
+    )
+    lines.append(f"output tokens/s with and without the draft ({cond})")
+    tp_rows = []
+    for r in report["results"]:
+        for t in r["throughput"]:
+            tp_rows.append(
+                [
+                    r["prompt_set"],
+                    r["draft"],
+                    str(t["depths"]),
+                    str(t["concurrency"]),
+                    _f(t["plain_tokens_per_s"], ".1f"),
+                    _f(t["tokens_per_s"], ".1f"),
+                    "-" if t["speedup"] is None else f"{t['speedup']:.2f}x",
+                    _f(t["acceptance_length"]),
+                ]
+            )
+    lines += _table(
+        ["prompt set", "draft", "K", "concurrency", "plain tok/s", "draft tok/s", "speedup", "AL"], tp_rows
+    )
+    if report["dtype"] == "bf16" and any(r["identical"] is False for r in report["results"]):
+        lines.append(
+            "note: in bf16 the target verifies K+1 tokens per forward and rounds differently from one-token "
+            "decoding, so greedy near-ties can flip and the texts part; --dtype fp32 checks exact equality"
+        )
+    starts = ", ".join(f"{k} {v:.1f} s" for k, v in report["engine_start_seconds"].items())
+    lines.append(f"engine start: {starts}; total {report['wall_seconds']:.0f} s")
+    for d in report["drafts"]:
+        e = d["trainer_estimate"]
+        if e is not None:
+            lines.append(
+                f"trainer estimate for {d['name']} (held-out, K={e['depths']}): last {_f(e['acceptance_length'])} "
+                f"at step {e['step']}, best {_f(e['best_acceptance_length'])} at step {e['best_step']} "
+                f"({e['run']})"
+            )
+        else:
+            lines.append(f"trainer estimate for {d['name']}: - (its training run was not found)")
+    return "\n".join(lines)
+
+
+def plot_acceptance(report: dict[str, Any], path: str | Path) -> Path:
+    """Grouped bars of per-position acceptance: one panel per prompt set, one bar per draft at each position."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = [p["name"] for p in report["prompt_sets"]]
+    drafts = [d["name"] for d in report["drafts"]]
+    by_key = {(r["draft"], r["prompt_set"]): r for r in report["results"]}
+    kmax = max((r["depths"] for r in report["results"]), default=1)
+    fig, axes = plt.subplots(1, len(sets), figsize=(max(5.0, 4.5 * len(sets)), 4), dpi=110, squeeze=False)
+    width = 0.8 / max(1, len(drafts))
+    for ax, name in zip(axes[0], sets, strict=True):
+        for j, d in enumerate(drafts):
+            r = by_key.get((d, name))
+            rates = (r or {}).get("acceptance_per_position") or []
+            xs = [i + 1 + (j - (len(drafts) - 1) / 2) * width for i in range(len(rates))]
+            label = f"{d} (K={r['depths']}, AL {_f(r['acceptance_length'])})" if r else d
+            bars = ax.bar(xs, rates, width=width, label=label)
+            ax.bar_label(bars, fmt="%.2f", fontsize="x-small", padding=1)
+        ax.set(
+            xlabel="draft position",
+            ylabel="acceptance rate (accepted / drafts)",
+            ylim=(0, 1),
+            xticks=list(range(1, kmax + 1)),
+            title=name,
+        )
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize="small")
+    s = report["settings"]
+    fig.suptitle(
+        f"vLLM per-position acceptance: T={s['temperature']:g}, max {s['max_tokens']} new tokens, concurrency 1, "
+        f"{report['hardware']}",
+        fontsize="small",
+    )
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

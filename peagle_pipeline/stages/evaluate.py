@@ -1,0 +1,424 @@
+"""`peagle-pipeline evaluate`: measure exported drafts in vLLM as peers measure them (SPEC section 4b).
+
+One engine for the plain target, then one engine per draft (each shut down before the next starts, to bound
+memory), all with the same settings and the same prompts. Per draft and prompt set: vLLM's acceptance length
+(AL = 1 + accepted / drafts, counters differenced around the run), per-position acceptance, output tokens/s with and
+without the draft and the speedup, at temperature T (default 0) with concurrency 1 for AL; tokens/s also at every
+`--concurrency`. At T = 0 the speculative output is compared with the plain output. The trainer's estimated AL (from
+the run's metrics.jsonl) is reported beside vLLM's. Writes DIR/report.json and DIR/acceptance.png when asked.
+Never trains and never writes a cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from peagle_pipeline.errors import BadInput
+from peagle_pipeline.stages.acceptance import (
+    EngineRun,
+    describe_hardware,
+    draft_depths,
+    engine,
+    mismatches,
+    ratio,
+    read_draft_config,
+    run_prompts,
+    speculative_config,
+)
+from peagle_pipeline.stages.prompts import MT_BENCH, PromptSet, load_prompt_set, load_tokenizer
+
+__all__ = [
+    "EvalOptions",
+    "Draft",
+    "EXPORT_MARKER",
+    "REPORT_FILE",
+    "CHART_FILE",
+    "find_run",
+    "trainer_estimate",
+    "resolve_draft",
+    "build_report",
+    "finite",
+    "run",
+]
+
+log = logging.getLogger(__name__)
+
+EXPORT_MARKER = ".peagle-export.json"  # written into an export by `export`, naming the run it came from
+REPORT_FILE = "report.json"
+CHART_FILE = "acceptance.png"
+MAX_MISMATCHES = 5  # mismatching prompts listed per row in the report
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalOptions:
+    """What `evaluate` measures and how; every figure in the report carries these settings."""
+
+    drafts: list[str]
+    target: str | None = None
+    prompts: list[str] = field(default_factory=lambda: [MT_BENCH])
+    num_prompts: int = 80
+    max_tokens: int = 256
+    temperature: float = 0.0
+    depths: int | None = None
+    concurrency: list[int] = field(default_factory=lambda: [1])
+    output: str | None = None
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not self.drafts:
+            raise BadInput("give at least one exported draft directory")
+        if not self.prompts:
+            raise BadInput("give at least one prompt set (--prompts mt-bench, heldout:RUN_DIR or a file)")
+        for name in ("num_prompts", "max_tokens", "tensor_parallel_size"):
+            if getattr(self, name) <= 0:
+                raise BadInput(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.depths is not None and self.depths <= 0:
+            raise BadInput(f"--depths must be positive, got {self.depths}")
+        if not self.concurrency or min(self.concurrency) <= 0:
+            raise BadInput(f"--concurrency must be positive, got {self.concurrency}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise BadInput(f"--temperature must be >= 0, got {self.temperature}")
+        if self.dtype not in ("bf16", "fp32"):
+            raise BadInput(f"--dtype must be bf16 or fp32, got {self.dtype!r}")
+
+
+@dataclass
+class Draft:
+    """One export to measure: where it is, its K, and what its training run estimated."""
+
+    name: str
+    path: str
+    verifier: str | None
+    vocab_size: int | None
+    trained_depths: int
+    depths: int
+    run: str | None
+    estimate: dict[str, Any] | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "path": self.path,
+            "trained_depths": self.trained_depths,
+            "depths": self.depths,
+            "run": self.run,
+            "trainer_estimate": self.estimate,
+        }
+
+
+# ------------------------------------------------------------------------------------------------ drafts
+
+
+def find_run(export_dir: str | Path) -> Path | None:
+    """The training run an export came from: named by its `.peagle-export.json` (`run` or `run_dir`, relative to
+    the export), else the export's parent when the export sits in a run (`train` writes RUN/export); else None."""
+    from peagle_pipeline.stages.rundir import TRAIN_YAML
+
+    export = Path(export_dir)
+    marker = export / EXPORT_MARKER
+    if marker.is_file():
+        try:
+            facts = json.loads(marker.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            facts = {}
+        named = facts.get("run") or facts.get("run_dir") if isinstance(facts, dict) else None
+        if isinstance(named, str):
+            run = Path(named) if Path(named).is_absolute() else export / named
+            if (run / TRAIN_YAML).is_file():
+                return run
+    parent = export.resolve().parent
+    return parent if (parent / TRAIN_YAML).is_file() else None
+
+
+def trainer_estimate(run_dir: Path) -> dict[str, Any] | None:
+    """The trainer's held-out acceptance estimates: the last one and the best one (what `export` takes by default)."""
+    from peagle_pipeline.stages.metrics import read_metrics
+    from peagle_pipeline.stages.prompts import read_train_settings
+
+    evals = [
+        r
+        for r in read_metrics(run_dir)
+        if r.get("kind") == "eval" and isinstance(r.get("acceptance"), int | float)
+    ]
+    if not evals:
+        return None
+    best = max(evals, key=lambda r: r["acceptance"])
+    try:
+        depths: int | None = int(read_train_settings(run_dir)["depths"])
+    except (BadInput, KeyError, TypeError, ValueError):
+        depths = None
+    return {
+        "acceptance_length": evals[-1]["acceptance"],
+        "step": evals[-1]["step"],
+        "best_acceptance_length": best["acceptance"],
+        "best_step": best["step"],
+        "depths": depths,
+        "run": str(run_dir),
+    }
+
+
+def resolve_draft(path: str, depths: int | None) -> Draft:
+    """Check an export and gather what the report says about it.
+
+    Raises:
+        BadInput: missing directory or not a P-EAGLE export.
+    """
+    config = read_draft_config(path)
+    trained = draft_depths(config)
+    verifier = (config.get("speculators_config", {}).get("verifier") or {}).get("name_or_path")
+    vocab = (config.get("transformer_layer_config") or {}).get("vocab_size")
+    run_dir = find_run(path)
+    p = Path(path)
+    name = f"{p.resolve().parent.name}/{p.name}" if p.name == "export" else p.name
+    return Draft(
+        name=name,
+        path=str(path),
+        verifier=verifier if isinstance(verifier, str) else None,
+        vocab_size=int(vocab) if isinstance(vocab, int) else None,
+        trained_depths=trained,
+        depths=depths if depths is not None else trained,
+        run=str(run_dir) if run_dir is not None else None,
+        estimate=trainer_estimate(run_dir) if run_dir is not None else None,
+    )
+
+
+def _unique(names: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n}#{seen[n]}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the report
+
+
+def finite(obj: Any) -> Any:
+    """`obj` with every NaN or infinite float replaced by None (JSON null), recursively."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def _figure_settings(opts: EvalOptions, depths: int, concurrency: int, hardware: str) -> dict[str, Any]:
+    return {
+        "depths": depths,
+        "temperature": opts.temperature,
+        "max_tokens": opts.max_tokens,
+        "concurrency": concurrency,
+        "hardware": hardware,
+    }
+
+
+def build_report(
+    opts: EvalOptions,
+    *,
+    target: str,
+    hardware: str,
+    sets: list[PromptSet],
+    drafts: list[Draft],
+    plain: dict[tuple[str, int], EngineRun],
+    spec: dict[tuple[str, str, int], EngineRun],
+    engine_seconds: dict[str, float],
+    wall_seconds: float,
+) -> dict[str, Any]:
+    """The report (JSON-ready, no NaN) from the runs: `plain[(set, c)]`, `spec[(draft, set, c)]`.
+
+    AL and per-position acceptance come from the concurrency-1 run; tokens/s and speedup from each concurrency
+    (1 is always measured, for AL, so it is always reported).
+    """
+    levels = sorted(set(opts.concurrency) | {1})
+    rows = []
+    for d in drafts:
+        for s in sets:
+            al_run, base = spec[(d.name, s.name, 1)], plain[(s.name, 1)]
+            greedy = opts.temperature == 0
+            diff = mismatches(base.outputs, al_run.outputs) if greedy else []
+            throughput = []
+            for c in levels:
+                sp, pl = spec[(d.name, s.name, c)], plain[(s.name, c)]
+                throughput.append(
+                    {
+                        **_figure_settings(opts, d.depths, c, hardware),
+                        "output_tokens": sp.output_tokens,
+                        "seconds": sp.seconds,
+                        "tokens_per_s": sp.tokens_per_s,
+                        "plain_output_tokens": pl.output_tokens,
+                        "plain_seconds": pl.seconds,
+                        "plain_tokens_per_s": pl.tokens_per_s,
+                        "speedup": ratio(sp.tokens_per_s or 0.0, pl.tokens_per_s or 0.0),
+                        "acceptance_length": sp.counters.acceptance_length,
+                    }
+                )
+            rows.append(
+                {
+                    "draft": d.name,
+                    "prompt_set": s.name,
+                    "prompts": len(s.prompts),
+                    **_figure_settings(opts, d.depths, 1, hardware),
+                    "trained_depths": d.trained_depths,
+                    **al_run.counters.to_json(),
+                    "output_tokens": al_run.output_tokens,
+                    "identical": (not diff) if greedy else None,
+                    "mismatched_prompts": len(diff) if greedy else None,
+                    "mismatches": diff[:MAX_MISMATCHES],
+                    "trainer_estimate": d.estimate["acceptance_length"] if d.estimate else None,
+                    "throughput": throughput,
+                }
+            )
+    report = {
+        "target": target,
+        "dtype": opts.dtype,
+        "hardware": hardware,
+        "settings": {
+            "temperature": opts.temperature,
+            "max_tokens": opts.max_tokens,
+            "num_prompts": opts.num_prompts,
+            "depths": opts.depths,
+            "concurrency": levels,
+            "acceptance_concurrency": 1,
+            "seed": opts.seed,
+            "parallel_drafting": True,
+            "prefix_caching": False,
+            "tensor_parallel_size": opts.tensor_parallel_size,
+        },
+        "prompt_sets": [s.describe() for s in sets],
+        "drafts": [d.to_json() for d in drafts],
+        "engine_start_seconds": engine_seconds,
+        "plain": [
+            {
+                "prompt_set": s.name,
+                "concurrency": c,
+                "output_tokens": plain[(s.name, c)].output_tokens,
+                "seconds": plain[(s.name, c)].seconds,
+                "tokens_per_s": plain[(s.name, c)].tokens_per_s,
+            }
+            for s in sets
+            for c in levels
+        ],
+        "results": rows,
+        "wall_seconds": wall_seconds,
+    }
+    return finite(report)
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+
+def _measure(
+    llm: Any, sets: list[PromptSet], opts: EvalOptions, levels: list[int]
+) -> dict[tuple[str, int], EngineRun]:
+    out = {}
+    for s in sets:
+        for c in levels:
+            out[(s.name, c)] = run_prompts(
+                llm,
+                s.prompts,
+                max_tokens=opts.max_tokens,
+                temperature=opts.temperature,
+                seed=opts.seed,
+                concurrency=c,
+            )
+    return out
+
+
+def run(opts: EvalOptions, echo: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Measure every draft of `opts` on every prompt set; print the table; write the report and chart if asked.
+
+    Returns:
+        The report (see `build_report`).
+
+    Raises:
+        BadInput: a missing draft or target, not a P-EAGLE export, drafts for another vocabulary, a bad prompt
+            set, vLLM not installed or refusing to start.
+    """
+    from peagle_pipeline.backends.pieces import read_target_info, text_config
+    from peagle_pipeline.backends.vllm import EngineSettings, require_vllm
+    from peagle_pipeline.stages.eval_report import format_table, plot_acceptance
+
+    say = echo or log.info
+    t_start = time.perf_counter()
+    drafts = [resolve_draft(p, opts.depths) for p in opts.drafts]
+    for d, name in zip(drafts, _unique([d.name for d in drafts]), strict=True):
+        d.name = name
+    output = Path(opts.output) if opts.output else None
+    if output is not None and output.exists() and not output.is_dir():
+        raise BadInput(f"--output {output} is a file: give a directory for {REPORT_FILE} and {CHART_FILE}")
+    target = opts.target or drafts[0].verifier
+    if not target:
+        raise BadInput("the draft does not name its target (verifier): give --target")
+    info = read_target_info(target)
+    for d in drafts:
+        if d.vocab_size is not None and d.vocab_size != info.vocab_size:
+            raise BadInput(
+                f"draft {d.path} was trained for a vocabulary of {d.vocab_size}, target {target} has "
+                f"{info.vocab_size}: give the target the draft was trained on"
+            )
+        if d.depths > d.trained_depths:
+            say(
+                f"note: {d.name} was trained for K={d.trained_depths}; measuring K={d.depths} (extra positions "
+                "are drafted beyond what it learned)"
+            )
+    require_vllm()
+    tokenizer = load_tokenizer(target)
+    sets = [load_prompt_set(spec, tokenizer, opts.num_prompts) for spec in opts.prompts]
+    sets = [replace(s, name=n) for s, n in zip(sets, _unique([s.name for s in sets]), strict=True)]
+    longest = max(len(p) for s in sets for p in s.prompts)
+    max_pos = int(text_config(info.config).get("max_position_embeddings") or 4096)
+    settings = EngineSettings(
+        model=target,
+        dtype=opts.dtype,
+        max_model_len=min(max_pos, longest + opts.max_tokens + max(d.depths for d in drafts) + 1),
+        tensor_parallel_size=opts.tensor_parallel_size,
+        gpu_memory_utilization=opts.gpu_memory_utilization,
+    )
+    levels = sorted(set(opts.concurrency) | {1})
+    engine_seconds: dict[str, float] = {}
+    say(f"plain target {target}: {sum(len(s.prompts) for s in sets)} prompts in {len(sets)} set(s)")
+    with engine(settings, None) as (llm, started):
+        engine_seconds["plain"] = started
+        plain = _measure(llm, sets, opts, levels)
+    spec: dict[tuple[str, str, int], EngineRun] = {}
+    for d in drafts:
+        say(f"draft {d.name} (K={d.depths})")
+        with engine(settings, speculative_config(d.path, d.depths)) as (llm, started):
+            engine_seconds[d.name] = started
+            for (set_name, c), r in _measure(llm, sets, opts, levels).items():
+                spec[(d.name, set_name, c)] = r
+    # after the engines: naming a GPU initialises CUDA in this process, which vLLM prefers to do in its workers
+    hardware = describe_hardware(opts.tensor_parallel_size)
+    report = build_report(
+        opts,
+        target=target,
+        hardware=hardware,
+        sets=sets,
+        drafts=drafts,
+        plain=plain,
+        spec=spec,
+        engine_seconds=engine_seconds,
+        wall_seconds=time.perf_counter() - t_start,
+    )
+    say(format_table(report))
+    if output is not None:
+        from peagle_pipeline.runtime import atomic_write_json
+
+        output.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(output / REPORT_FILE, report)
+        plot_acceptance(report, output / CHART_FILE)
+        say(f"wrote {output / REPORT_FILE} and {output / CHART_FILE}")
+    return report

