@@ -214,12 +214,18 @@ def evaluate(root: Path, name: str, drafts: list[Path], heldout: Path, s: dict) 
     return json.loads(report.read_text())
 
 
+def draft_name(export: Path) -> str:
+    """The name `evaluate` reports a draft under (RUN/export is named "RUN/export")."""
+    p = export.resolve()
+    return f"{p.parent.name}/{p.name}" if p.name == "export" else p.name
+
+
 def results_by_draft(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """{draft path: {"mt-bench": result, "heldout": result}} out of an evaluate report."""
+    """{draft name: {"mt-bench": result, "heldout": result}} out of an evaluate report."""
     out: dict[str, dict[str, Any]] = {}
     for r in report["results"]:
         key = "mt-bench" if r["prompt_set"] == "mt-bench" else "heldout"
-        out.setdefault(str(Path(r["draft"]).resolve()), {})[key] = r
+        out.setdefault(r["draft"], {})[key] = r
     return out
 
 
@@ -230,8 +236,8 @@ def last_estimate(run: Path) -> float | None:
     if path.exists():
         for line in path.read_text().splitlines():
             rec = json.loads(line)
-            if rec.get("acceptance_length") is not None:
-                best = rec["acceptance_length"]
+            if rec.get("kind") == "eval" and rec.get("acceptance") is not None:
+                best = rec["acceptance"]
     return best
 
 
@@ -240,8 +246,8 @@ def estimate_curve(run: Path) -> list[tuple[int, float]]:
     out = []
     for line in (run / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
-        if rec.get("acceptance_length") is not None:
-            out.append((int(rec["step"]) * TRAIN["tokens_per_step"], float(rec["acceptance_length"])))
+        if rec.get("kind") == "eval" and rec.get("acceptance") is not None:
+            out.append((int(rec["step"]) * TRAIN["tokens_per_step"], float(rec["acceptance"])))
     return out
 
 
@@ -344,13 +350,13 @@ def main() -> int:
 
 def _al(results: dict[str, dict[str, Any]], run_or_export: Path, key: str) -> float:
     path = run_or_export if run_or_export.name.startswith("export") else run_or_export / "export"
-    r = results.get(str(path.resolve()), {}).get(key)
+    r = results.get(draft_name(path), {}).get(key)
     return float(r["acceptance_length"]) if r and r["acceptance_length"] is not None else float("nan")
 
 
 def _row(name: str, run: Path, results: dict, export: Path, steps: int) -> dict[str, Any]:
-    mt = results.get(str(export.resolve()), {}).get("mt-bench") or {}
-    ho = results.get(str(export.resolve()), {}).get("heldout") or {}
+    mt = results.get(draft_name(export), {}).get("mt-bench") or {}
+    ho = results.get(draft_name(export), {}).get("heldout") or {}
     return {
         "name": name,
         "train_tokens": steps * TRAIN["tokens_per_step"],
