@@ -15,7 +15,13 @@ from peagle_pipeline.errors import BadConfig
 from peagle_pipeline.stages.export import DraftSpec
 from peagle_pipeline.stages.loader import mix_seed
 
-__all__ = ["build_draft", "choose_mask_token", "vocab_coverage", "describe_vocab_coverage"]
+__all__ = [
+    "build_draft",
+    "choose_mask_token",
+    "vocab_coverage",
+    "describe_vocab_coverage",
+    "describe_mask_token",
+]
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +103,7 @@ def choose_mask_token(cache: Any, embedding_rows: int, override: int | None) -> 
         candidates, torch.from_numpy(cache.all_token_counts()), override=override
     )
     name = tok.convert_ids_to_tokens(choice.token_id) if choice.token_id < len(tok) else "<unused row>"
-    log.info("mask_token_id %d (%s): %s", choice.token_id, name, choice.rule)
+    log.debug("mask_token_id %d (%s): %s", choice.token_id, name, choice.rule)
     if choice.warning:
         log.warning(choice.warning)
     return choice
@@ -124,3 +130,11 @@ def describe_vocab_coverage(cache: Any, dvocab: vocab.DraftVocab | None) -> str:
         f"draft vocabulary: {size} of {V} target tokens, covering {inside / max(total, 1):.1%} of the "
         f"{total} supervised tokens in the cache"
     )
+
+
+def describe_mask_token(cache: Any, mask_token_id: int) -> str:
+    """One line for the start of training: the mask token and how often it occurs in the cached samples."""
+    tok = cache.tokenizer()
+    name = tok.convert_ids_to_tokens(mask_token_id) if mask_token_id < len(tok) else "an unused embedding row"
+    seen = int(cache.all_token_counts()[mask_token_id]) if mask_token_id < cache.meta.vocab_size else 0
+    return f"mask token: id {mask_token_id} ({name}), seen {seen} times in the cached samples"

@@ -46,7 +46,7 @@ from peagle_pipeline.runtime import (
 from peagle_pipeline.stages import metrics as metrics_mod
 from peagle_pipeline.stages.checkpoint import CheckpointManager
 from peagle_pipeline.stages.distributed import Dist
-from peagle_pipeline.stages.draft import build_draft, describe_vocab_coverage
+from peagle_pipeline.stages.draft import build_draft, describe_mask_token, describe_vocab_coverage
 from peagle_pipeline.stages.export import check_export_target, export_run, run_identity
 from peagle_pipeline.stages.loader import (
     Cursor,
@@ -537,8 +537,9 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
             for line in _start_notes(cfg, trainer):
                 sink.write(line)
             sink.write(describe_vocab_coverage(trainer.cache, trainer.vocab))
+            sink.write(describe_mask_token(trainer.cache, trainer.spec.mask_token_id))
             why = describe_compute_dtype(cfg.precision, str(dist.device), trainer.precision)
-            log.info("%s", why)
+            log.debug("%s", why)
             sink.note(why)
         with StopOnSigint(STOP_NOTICE) as stop:  # Ctrl-C from here on: finish the step, save, stop
             final = trainer.fit(should_stop=lambda: stop.requested)
