@@ -13,21 +13,27 @@ from typing import Annotated, Any
 
 import typer
 
-from peagle_pipeline.config import ExtractConfig, TrainConfig, describe_fields, resolve
+from peagle_pipeline.config import ExtractConfig, GenerateConfig, TrainConfig, describe_fields, resolve
 from peagle_pipeline.errors import Interrupted, PeagleError
 
 __all__ = ["app", "main"]
 
 app = typer.Typer(
     name="peagle-pipeline",
-    help="Extract target hidden states into a Zarr cache, then train P-EAGLE drafts for vLLM from it.",
+    help="Regenerate chat data with the target, extract its hidden states into a Zarr cache, then train "
+    "P-EAGLE drafts for vLLM from it.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
 
+_GENERATE_HELP = {name: help for name, help, _ in describe_fields(GenerateConfig)}
 _EXTRACT_HELP = {name: help for name, help, _ in describe_fields(ExtractConfig)}
 _TRAIN_HELP = {name: help for name, help, _ in describe_fields(TrainConfig)}
+
+
+def _G(name: str) -> str:
+    return _GENERATE_HELP[name]
 
 
 def _E(name: str) -> str:
@@ -46,6 +52,39 @@ ConfigOpt = Annotated[
 def _overrides(local: dict[str, Any]) -> dict[str, Any]:
     """The flags the user actually gave (typer passes None for the rest)."""
     return {k: v for k, v in local.items() if k != "config" and v is not None}
+
+
+@app.command()
+def generate(
+    config: ConfigOpt = None,
+    model: Annotated[str | None, typer.Option(help=_G("model"))] = None,
+    data: Annotated[list[str] | None, typer.Option(help=_G("data"))] = None,
+    output: Annotated[str | None, typer.Option(help=_G("output"))] = None,
+    backend: Annotated[str | None, typer.Option(help=_G("backend"))] = None,
+    turns: Annotated[str | None, typer.Option(help=_G("turns"))] = None,
+    temperature: Annotated[float | None, typer.Option(help=_G("temperature"))] = None,
+    top_p: Annotated[float | None, typer.Option(help=_G("top_p"))] = None,
+    repetition_penalty: Annotated[float | None, typer.Option(help=_G("repetition_penalty"))] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help=_G("max_new_tokens"))] = None,
+    max_prompt_tokens: Annotated[int | None, typer.Option(help=_G("max_prompt_tokens"))] = None,
+    samples_per_prompt: Annotated[int | None, typer.Option(help=_G("samples_per_prompt"))] = None,
+    seed: Annotated[int | None, typer.Option(help=_G("seed"))] = None,
+    max_samples: Annotated[int | None, typer.Option(help=_G("max_samples"))] = None,
+    chunk_size: Annotated[int | None, typer.Option(help=_G("chunk_size"))] = None,
+    batch_size: Annotated[int | None, typer.Option(help=_G("batch_size"))] = None,
+    rank: Annotated[int | None, typer.Option(help=_G("rank"))] = None,
+    world_size: Annotated[int | None, typer.Option(help=_G("world_size"))] = None,
+    device: Annotated[str | None, typer.Option(help=_G("device"))] = None,
+    compute_dtype: Annotated[str | None, typer.Option(help=_G("compute_dtype"))] = None,
+    tensor_parallel_size: Annotated[int | None, typer.Option(help=_G("tensor_parallel_size"))] = None,
+    gpu_memory_utilization: Annotated[float | None, typer.Option(help=_G("gpu_memory_utilization"))] = None,
+) -> None:
+    """Regenerate the assistant replies of chat data with the target (on-policy rows that extract reads)."""
+    cfg = resolve(GenerateConfig, config, _overrides(locals()))
+    from peagle_pipeline.stages import generate as stage
+
+    summary = stage.run(cfg, echo=lambda line: typer.echo(line, err=True))
+    typer.echo(summary.format())
 
 
 @app.command()

@@ -18,10 +18,13 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_text",
     "atomic_write_json",
+    "create_exclusive",
     "fsync_dir",
     "rank_world_from_env",
     "RankLock",
     "raise_if_no_space",
+    "resolve_compute_dtype",
+    "cpu_has_bf16",
 ]
 
 
@@ -67,6 +70,28 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def create_exclusive(path: str | os.PathLike[str], text: str) -> bool:
+    """Write `path` only if it is absent, atomically (temp + fsync + link): concurrent first writers cannot
+    interleave. Returns True when this call created it."""
+    path = Path(path)
+    tmp = path.with_name(f".peagle-{path.name}-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)
+        fsync_dir(path.parent)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as err:
+        raise_if_no_space(err, str(path))
+        raise
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def rank_world_from_env(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """Explicit values win; else torchrun (RANK/WORLD_SIZE), then SLURM (SLURM_PROCID/SLURM_NTASKS); else (0, 1)."""
     env = os.environ
@@ -75,6 +100,37 @@ def rank_world_from_env(rank: int | None, world_size: int | None) -> tuple[int, 
     if world_size is None:
         world_size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
     return rank, world_size
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """True when the host CPU has bf16 matrix/vector units (AMX-BF16 or AVX512-BF16), read from /proc/cpuinfo.
+
+    Without them bf16 matmuls on the CPU are emulated and slower than fp32.
+    """
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    flags = set(cpuinfo.split())
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
+def resolve_compute_dtype(requested: str, device: str) -> str:
+    """`auto` -> "bf16" on CUDA, on a CPU with bf16 units "bf16", else "fp32"; "bf16"/"fp32" pass through.
+
+    Args:
+        requested: "auto", "bf16" or "fp32".
+        device: a device name ("cpu", "cuda", "cuda:1"); only its type matters.
+    """
+    if requested in ("bf16", "fp32"):
+        return requested
+    if requested != "auto":
+        raise ValueError(f"compute dtype must be auto, bf16 or fp32, got {requested!r}")
+    if device.split(":")[0] == "cuda":
+        return "bf16"
+    return "bf16" if cpu_has_bf16() else "fp32"
 
 
 class RankLock:
