@@ -78,7 +78,7 @@ fmt: setup
 demo: setup demo-assets
 	$(PY) scripts/demo.py --dir $(DEMO_DIR)
 
-bench: setup setup-bench demo-assets
+bench: setup setup-bench setup-vllm demo-assets
 	$(PY) bench/run_all.py --out bench/results
 
 clean:
