@@ -60,7 +60,7 @@ def bare_run(
     """Seconds of one bare `LLM.generate` call over all prompts (engine start-up excluded), and the outputs."""
     from peagle_pipeline.backends.generation import SamplingSettings, request_seed
     from peagle_pipeline.backends.vllm import EngineSettings, build_llm, shutdown_llm
-    from peagle_pipeline.backends.vllm_generate import sampling_params
+    from peagle_pipeline.backends.vllm_generate import _seeded_sampling_workaround, sampling_params
     from peagle_pipeline.runtime import resolve_compute_dtype
 
     llm = build_llm(
@@ -71,6 +71,9 @@ def bare_run(
         ),
         skip_tokenizer_init=True,
         enable_prefix_caching=True,
+        **_seeded_sampling_workaround(
+            cfg.max_prompt_tokens + cfg.max_new_tokens
+        ),  # the same engine as generate's
     )
     s = SamplingSettings(cfg.temperature, cfg.top_p, cfg.repetition_penalty, cfg.max_new_tokens, tuple(stops))
     params = [sampling_params(s, request_seed(cfg.seed, i, 0, 0)) for i, _ in prompts]

