@@ -95,7 +95,7 @@ QUALITY_SCALE ?= 1.0
 quality: setup setup-vllm demo-assets
 	$(PY) scripts/quality.py --dir .quality --scale $(QUALITY_SCALE)
 
-bench: setup setup-bench demo-assets
+bench: setup setup-bench setup-vllm demo-assets
 	$(PY) bench/run_all.py --out bench/results
 
 clean:

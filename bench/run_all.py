@@ -5,10 +5,10 @@ OUT/report.md and OUT/report.json with each figure, its goal, and whether it is 
 
 Each script runs as a subprocess (its own tables go to the terminal) and writes OUT/<name>.json; this script only
 reads those files. Figures are ratios measured side by side in the same process on this machine, never absolute
-times. The speculators comparison runs in `.venv-bench` (`make setup-bench`); the quality figures come from
-the latest `make demo` (read from .demo, not re-run here). A script that fails is reported as such, the others
-still run, and the exit code is non-zero. Sizes are chosen so the whole run stays around 15-20 minutes on 2 CPU
-cores; --quick shrinks every benchmark to a smoke test (its figures are not meaningful).
+times. The speculators comparison runs in `.venv-bench` (`make setup-bench`), the generate benchmark in
+`.venv-vllm` (`make setup-vllm`); the quality figures come from the latest `make demo` (read from .demo, not re-run
+here). A script that fails is reported as such, the others still run, and the exit code is non-zero. Sizes are chosen
+so the whole run stays around 20-30 minutes on 2 CPU cores (the generate benchmark starts three vLLM engines); --quick shrinks every benchmark to a smoke test (its figures are not meaningful).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_PY = ROOT / ".venv-bench" / "bin" / "python"
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 DEMO = ROOT / ".demo"
 
 
@@ -72,6 +73,13 @@ BENCHES = [
         ["--samples", "16", "--max-length", "512", "--tokens", "2048", "--repeat", "3"],
         ["--samples", "2", "--max-length", "128", "--tokens", "256", "--repeat", "1"],
     ),
+    (
+        "generate",
+        "bench_generate.py",
+        ["--prompts", "64", "--max-new-tokens", "256"],
+        ["--prompts", "4", "--max-new-tokens", "16"],
+        VLLM_PY,
+    ),
     Bench(
         "data_wait",
         "bench_data_wait.py",
@@ -85,7 +93,8 @@ def run_bench(b: Bench, out: Path, quick: bool) -> None:
     """Run one script; record seconds, load average and exit code in b.ran."""
     py = b.python or Path(sys.executable)
     if not py.exists():
-        b.ran = {"status": "not run", "why": f"{py.relative_to(ROOT)} missing: run `make setup-bench`"}
+        setup = "make setup-vllm" if py == VLLM_PY else "make setup-bench"
+        b.ran = {"status": "not run", "why": f"{py.relative_to(ROOT)} missing: run `{setup}`"}
         print(f"\n### {b.name}: not run ({b.ran['why']})", flush=True)
         return
     result = out / f"{b.name}.json"
@@ -213,6 +222,23 @@ def figures(out: Path) -> list[dict[str, Any]]:
             )
             for label in ("warm: files in the page cache", "cold: files evicted from the page cache")
         ]
+
+    r = _load(out, "generate")
+    figs.append(
+        _fig(
+            "`generate` through vLLM vs a bare LLM.generate of the same prompts and settings",
+            ">= 0.90x",
+            "bench_generate",
+            r and r["ratio"],
+            f"{r['ratio']:.3f}x ({r['generate_tokens_per_s']:.1f} vs {r['bare_tokens_per_s']:.1f} generated "
+            f"tokens/s; {r['prompts']} prompts, max_new_tokens {r['max_new_tokens']}, T={r['temperature']}; "
+            f"replies identical: {r['identical_replies']}/{r['prompts']})"
+            if r
+            else missing,
+            r and r["ratio"] >= 0.90,
+            "each side starts its own engine; only generation is timed",
+        )
+    )
 
     r = _load(out, "data_wait")
     figs.append(

@@ -19,7 +19,14 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperCommand
 
-from peagle_pipeline.config import ExtractConfig, TrainConfig, describe_fields, field_choices, resolve
+from peagle_pipeline.config import (
+    ExtractConfig,
+    GenerateConfig,
+    TrainConfig,
+    describe_fields,
+    field_choices,
+    resolve,
+)
 from peagle_pipeline.errors import Interrupted, PeagleError, from_os_error
 
 __all__ = ["app", "main"]
@@ -43,7 +50,8 @@ class _App(typer.Typer):
 
 app = _App(
     name="peagle-pipeline",
-    help="Extract target hidden states into a Zarr cache, then train P-EAGLE drafts for vLLM from it.",
+    help="Regenerate chat data with the target, extract its hidden states into a Zarr cache, then train "
+    "P-EAGLE drafts for vLLM from it.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -119,6 +127,39 @@ ConfigOpt = Annotated[
 def _overrides(local: dict[str, Any]) -> dict[str, Any]:
     """The flags the user actually gave (typer passes None for the rest)."""
     return {k: v for k, v in local.items() if k != "config" and v is not None}
+
+
+@app.command()
+def generate(
+    config: ConfigOpt = None,
+    model: Annotated[str | None, _opt(GenerateConfig, "model")] = None,
+    data: Annotated[list[str] | None, _opt(GenerateConfig, "data")] = None,
+    output: Annotated[str | None, _opt(GenerateConfig, "output")] = None,
+    backend: Annotated[str | None, _opt(GenerateConfig, "backend")] = None,
+    turns: Annotated[str | None, _opt(GenerateConfig, "turns")] = None,
+    temperature: Annotated[float | None, _opt(GenerateConfig, "temperature")] = None,
+    top_p: Annotated[float | None, _opt(GenerateConfig, "top_p")] = None,
+    repetition_penalty: Annotated[float | None, _opt(GenerateConfig, "repetition_penalty")] = None,
+    max_new_tokens: Annotated[int | None, _opt(GenerateConfig, "max_new_tokens")] = None,
+    max_prompt_tokens: Annotated[int | None, _opt(GenerateConfig, "max_prompt_tokens")] = None,
+    samples_per_prompt: Annotated[int | None, _opt(GenerateConfig, "samples_per_prompt")] = None,
+    seed: Annotated[int | None, _opt(GenerateConfig, "seed")] = None,
+    max_samples: Annotated[int | None, _opt(GenerateConfig, "max_samples")] = None,
+    chunk_size: Annotated[int | None, _opt(GenerateConfig, "chunk_size")] = None,
+    batch_size: Annotated[int | None, _opt(GenerateConfig, "batch_size")] = None,
+    rank: Annotated[int | None, _opt(GenerateConfig, "rank")] = None,
+    world_size: Annotated[int | None, _opt(GenerateConfig, "world_size")] = None,
+    device: Annotated[str | None, _opt(GenerateConfig, "device")] = None,
+    compute_dtype: Annotated[str | None, _opt(GenerateConfig, "compute_dtype")] = None,
+    tensor_parallel_size: Annotated[int | None, _opt(GenerateConfig, "tensor_parallel_size")] = None,
+    gpu_memory_utilization: Annotated[float | None, _opt(GenerateConfig, "gpu_memory_utilization")] = None,
+) -> None:
+    """Regenerate the assistant replies of chat data with the target (on-policy rows that extract reads)."""
+    cfg = resolve(GenerateConfig, config, _overrides(locals()))
+    from peagle_pipeline.stages import generate as stage
+
+    summary = stage.run(cfg, echo=lambda line: typer.echo(line, err=True))
+    typer.echo(summary.format())
 
 
 @app.command()

@@ -1,7 +1,7 @@
-"""Every setting of the two stages, in one place: frozen dataclasses shared by CLI flags and pipeline files.
+"""Every setting of the stages, in one place: frozen dataclasses shared by CLI flags and pipeline files.
 
 YAML keys equal flag names with `-` replaced by `_` (`--draft-vocab-size` <-> `draft_vocab_size`), flat under
-`extract:` / `train:`. Precedence: default < pipeline file < flag, applied by `resolve()`. Each field's `help`
+`generate:` / `extract:` / `train:`. Precedence: default < pipeline file < flag, applied by `resolve()`. Each field's `help`
 metadata is its one-line documentation (the CLI help and docs/pipeline-files.md are generated from it).
 """
 
@@ -21,6 +21,7 @@ from typing import Any, Literal, TypeVar
 from peagle_pipeline.errors import BadConfig
 
 __all__ = [
+    "GenerateConfig",
     "ExtractConfig",
     "TrainConfig",
     "resolve",
@@ -35,6 +36,76 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     if isinstance(default, list):
         return field(default_factory=lambda d=default: list(d), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GenerateConfig:
+    """Settings of `peagle-pipeline generate` (pipeline-file section `generate:`)."""
+
+    model: str = _f("", "Target model: a local HF model directory (config.json + safetensors + tokenizer).")
+    data: list[str] = _f(
+        [],
+        "Chat data whose assistant replies are regenerated (every format extract reads). Repeatable.",
+    )
+    output: str = _f("", "Output directory of on-policy rows to create or resume (extract reads it).")
+    backend: Literal["auto", "vllm", "hf"] = _f(
+        "auto", "Generation runtime: vllm, hf (transformers), or auto = vllm when installed, else hf."
+    )
+    turns: Literal["all", "first", "last"] = _f(
+        "all",
+        "Replies to regenerate: all (turn j sees the target's own earlier replies), first, or last (earlier original replies kept as context).",
+    )
+    temperature: float = _f(
+        0.7, "Sampling temperature (0 = greedy; greedy makes small models loop, see docs/generate.md)."
+    )
+    top_p: float = _f(0.95, "Nucleus sampling: keep the smallest token set of this probability mass.")
+    repetition_penalty: float = _f(1.0, "Repetition penalty (1.0 = none; vLLM/transformers semantics).")
+    max_new_tokens: int = _f(1024, "Most tokens generated per reply; a reply cut here ends its conversation.")
+    max_prompt_tokens: int = _f(
+        1024, "Prompts (conversation so far) longer than this are skipped, with the reason recorded."
+    )
+    samples_per_prompt: int = _f(1, "Independent conversations generated per source conversation.")
+    seed: int = _f(0, "Sampling seed; each (row, sample, turn) draws from its own seed derived from it.")
+    max_samples: int | None = _f(
+        None, "Use only the first N conversations of the data (before rank splitting)."
+    )
+    chunk_size: int = _f(
+        64, "Source conversations per committed chunk (generated together; the unit of resume)."
+    )
+    batch_size: int = _f(16, "hf backend: sequences per `generate` call (vLLM schedules its own batches).")
+    rank: int | None = _f(None, "This writer's rank; default from RANK / SLURM_PROCID, else 0.")
+    world_size: int | None = _f(None, "Number of writers; default from WORLD_SIZE / SLURM_NTASKS, else 1.")
+    device: str = _f("auto", "Device for the hf backend: auto, cpu, cuda, cuda:N.")
+    compute_dtype: Literal["auto", "bf16", "fp32"] = _f(
+        "auto", "Model dtype: auto = bf16 on CUDA or a CPU with bf16 units (AMX/AVX512-BF16), else fp32."
+    )
+    tensor_parallel_size: int = _f(1, "vLLM tensor parallel size.")
+    gpu_memory_utilization: float = _f(0.9, "vLLM GPU memory fraction.")
+
+    def __post_init__(self) -> None:
+        _require(self.model, "model", "--model")
+        _require(self.data, "data", "--data")
+        _require(self.output, "output", "--output")
+        _finite(self)
+        _device(self.device)
+        _positive(
+            self,
+            "max_new_tokens",
+            "max_prompt_tokens",
+            "samples_per_prompt",
+            "chunk_size",
+            "batch_size",
+            "tensor_parallel_size",
+            "repetition_penalty",
+        )
+        if self.max_samples is not None and self.max_samples <= 0:
+            raise BadConfig(f"max_samples must be positive, got {self.max_samples}")
+        if self.temperature < 0:
+            raise BadConfig(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise BadConfig(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise BadConfig(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -256,12 +327,12 @@ def _positive(cfg: Any, *names: str) -> None:
             raise BadConfig(f"{name} must be positive, got {value}")
 
 
-C = TypeVar("C", ExtractConfig, TrainConfig)
-SECTIONS: dict[type, str] = {ExtractConfig: "extract", TrainConfig: "train"}
+C = TypeVar("C", GenerateConfig, ExtractConfig, TrainConfig)
+SECTIONS: dict[type, str] = {GenerateConfig: "generate", ExtractConfig: "extract", TrainConfig: "train"}
 
 
 def load_section(yaml_path: str | Path, section: str) -> dict[str, Any]:
-    """Read one section (`extract` or `train`) of a pipeline file; a missing section is empty."""
+    """Read one section (`generate`, `extract` or `train`) of a pipeline file; a missing section is empty."""
     import yaml
 
     path = Path(yaml_path)
@@ -276,11 +347,13 @@ def load_section(yaml_path: str | Path, section: str) -> dict[str, Any]:
         where = f" (line {line + 1})" if line is not None else ""
         raise BadConfig(f"pipeline file {path} is not valid YAML{where}") from None
     if not isinstance(doc, dict):
-        raise BadConfig(f"pipeline file {path} must be a mapping with 'extract:' and/or 'train:' sections")
+        raise BadConfig(
+            f"pipeline file {path} must be a mapping with 'generate:', 'extract:' and/or 'train:' sections"
+        )
     unknown = set(doc) - set(SECTIONS.values())
     if unknown:
         raise BadConfig(
-            f"pipeline file {path}: unknown section(s) {sorted(unknown)}; expected 'extract' and 'train'"
+            f"pipeline file {path}: unknown section(s) {sorted(unknown)}; expected 'generate', 'extract' and 'train'"
         )
     body = doc.get(section) or {}
     if not isinstance(body, dict):
@@ -362,7 +435,7 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
     return value
 
 
-def to_dict(cfg: ExtractConfig | TrainConfig) -> dict[str, Any]:
+def to_dict(cfg: GenerateConfig | ExtractConfig | TrainConfig) -> dict[str, Any]:
     """The resolved config as a plain dict (written beside outputs, compared on resume)."""
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 

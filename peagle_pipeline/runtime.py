@@ -24,6 +24,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_text",
     "atomic_write_json",
+    "create_exclusive",
     "fsync_dir",
     "make_readable",
     "exchange_paths",
@@ -118,6 +119,28 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def create_exclusive(path: str | os.PathLike[str], text: str) -> bool:
+    """Write `path` only if it is absent, atomically (temp + fsync + link): concurrent first writers cannot
+    interleave. Returns True when this call created it."""
+    path = Path(path)
+    tmp = path.with_name(f".peagle-{path.name}-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)
+        fsync_dir(path.parent)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as err:
+        raise_if_no_space(err, str(path))
+        raise
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def rank_world_from_env(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from peagle_pipeline.config import ExtractConfig, TrainConfig, describe_fields
+from peagle_pipeline.config import ExtractConfig, GenerateConfig, TrainConfig, describe_fields
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -28,14 +28,18 @@ def _table(cls: type) -> str:
 def pipeline_files_md() -> str:
     return f"""# Pipeline files
 
-A pipeline file is YAML with two sections, `extract:` and `train:`. Keys are the command-line flag names with
+A pipeline file is YAML with up to three sections, `generate:`, `extract:` and `train:`. Keys are the command-line flag names with
 `_` (a `-` spelling is accepted too). Precedence: built-in default < pipeline file < flag. Unknown keys are refused
-with the closest valid name. The resolved settings are written next to the output (`extract.yaml` in the cache,
-`train.yaml` in the run directory) and are what a resume is compared against.
+with the closest valid name. The resolved settings are written next to the output (`generate.json` in the generate
+output, `extract.yaml` in the cache, `train.yaml` in the run directory) and are what a resume is compared against.
 
 Generated from `peagle_pipeline/config.py` by `scripts/gen_docs.py`; do not edit by hand.
 
 ```yaml
+generate:
+  model: .demo/models/SmolLM2-135M-Instruct
+  data: [.demo/data/sharegpt.jsonl]
+  output: .demo/onpolicy
 extract:
   model: .demo/models/SmolLM2-135M-Instruct
   data: [.demo/data/sharegpt.jsonl]
@@ -45,6 +49,10 @@ train:
   output: .demo/run
   depths: 4
 ```
+
+## `generate:`
+
+{_table(GenerateConfig)}
 
 ## `extract:`
 
@@ -85,6 +93,7 @@ greedy output differs from plain greedy output (`vllm-check`), 130 interrupted.
 
 | command | what it does |
 |---|---|
+| `peagle-pipeline generate [--config FILE] [flags]` | regenerate the assistant replies of chat data with the target (on-policy rows with their token ids; see [generate.md](generate.md)); write or resume (section `generate:`) |
 | `peagle-pipeline extract [--config FILE] [flags]` | run the target once over chat data, write or resume a cache (flags: see [pipeline-files.md](pipeline-files.md), section `extract:`) |
 | `peagle-pipeline inspect CACHE [--sample ID] [--rows N]` | settings, samples, tokens, supervised fraction, lengths, bytes per token, store sizes; or one sample token by token |
 | `peagle-pipeline verify CACHE` | read everything back, check checksums and tables; names the store and samples of each problem (exit 4); checks what the manifests commit, so a cache still being written is reported incomplete (exit 3), not damaged |
@@ -94,7 +103,7 @@ greedy output differs from plain greedy output (`vllm-check`), 130 interrupted.
 | `peagle-pipeline evaluate DRAFT... [--prompts SET]...` | measure drafts in vLLM side by side: acceptance length, per-position acceptance, tokens/s with and without the draft; JSON report and PNG chart ([evaluation.md](evaluation.md)) |
 | `peagle-pipeline vllm-check DRAFT --target MODEL` | load target + draft in vLLM, check greedy equality, report vLLM's acceptance |
 
-Rank and world size for `extract` also come from `RANK`/`WORLD_SIZE` (torchrun) or `SLURM_PROCID`/`SLURM_NTASKS`.
+Rank and world size for `generate` and `extract` also come from `RANK`/`WORLD_SIZE` (torchrun) or `SLURM_PROCID`/`SLURM_NTASKS`.
 `evaluate` and `vllm-check` run where vLLM is installed (`make setup-vllm`, then `.venv-vllm/bin/peagle-pipeline`).
 
 `peagle-pipeline --version` prints the version.

@@ -15,7 +15,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
 sys.path.insert(0, str(TESTS_DIR))
 
-from tiny import build_tiny_model  # noqa: E402
+from tiny import add_stop_bias, build_tiny_model  # noqa: E402
 
 try:  # property-based tests draw the same examples every run, so CI is repeatable (HYPOTHESIS_PROFILE=explore varies them)
     from hypothesis import settings
@@ -53,6 +53,14 @@ def tiny_model_factory(tmp_path_factory):
 def tiny_model(tiny_model_factory) -> Path:
     """The default tiny model: ChatML template, 6 layers, hidden 64, vocab 512 (tokenizer 400)."""
     return tiny_model_factory()
+
+
+@pytest.fixture(scope="session")
+def tiny_stop_model(tmp_path_factory) -> Path:
+    """The default tiny model made to end its replies with <|im_end|> (see tiny.add_stop_bias): sampled replies
+    mix stops, empty replies and replies that run to the token limit; greedy replies are empty."""
+    out = tmp_path_factory.mktemp("tiny-stop")
+    return add_stop_bias(build_tiny_model(out, "chatml", dtype="float32"))
 
 
 @pytest.fixture

@@ -116,3 +116,25 @@ def build_tiny_model(
     model.to(getattr(torch, dtype)).save_pretrained(str(out))
     (out / "peagle_test_model.json").write_text(json.dumps({"template": template, "seed": seed}))
     return out
+
+
+def add_stop_bias(model_dir: str | Path, logit: float = 5.0, token: str | None = None) -> Path:
+    """Make a tiny model end its replies: the end-of-turn token's lm_head row is set so that its logit is about
+    `logit` on a typical final hidden state (the model's mean direction), other logits being ~N(0, 1).
+
+    With logit 5 and sampling at T=1, about 1 reply in 10 is empty, 1 in 6 runs past 40 tokens and the rest stop
+    after a few tokens; greedy decoding always stops at once. Rewrites the model in place; returns the path.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    eot = tok.convert_tokens_to_ids(token or tok.eos_token)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(10, 400, (8, 64), generator=g)
+    with torch.no_grad():
+        mu = model.model(x).last_hidden_state.float().reshape(-1, model.config.hidden_size).mean(0)
+        model.lm_head.weight[eot] = (logit * mu / mu.dot(mu)).to(model.lm_head.weight.dtype)
+    model.save_pretrained(str(model_dir))
+    return Path(model_dir)

@@ -38,6 +38,7 @@ __all__ = [
     "EngineSettings",
     "build_llm",
     "require_vllm",
+    "shutdown_llm",
     "parse_topk",
     "VLLMMismatch",
     "local_gpu_devices",
@@ -152,6 +153,15 @@ def build_llm(settings: EngineSettings, **engine_args: Any) -> LLM:
     except (ValueError, TypeError, OSError, RuntimeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise BadInput(f"vLLM could not start {settings.model}: {first}") from err
+
+
+def shutdown_llm(llm: LLM | None) -> None:
+    """Shut an engine down now (its worker processes exit) instead of at garbage collection."""
+    if llm is None:
+        return
+    core = getattr(llm.llm_engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
 
 
 def parse_topk(flat: Any, k: int, rows: int) -> tuple[np.ndarray, np.ndarray]:

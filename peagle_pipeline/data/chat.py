@@ -207,6 +207,19 @@ class ChatRenderer:
         ends = [e for _, e in offsets]
         return _Tokens(ids, offsets, ends, ends[-1] if ends else 0)
 
+    def render_text(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+        """The chat template's text for template-ready `{role, content}` dicts (no tokenisation).
+
+        Raises:
+            RejectRow: the template refuses the conversation.
+        """
+        return self._render(messages, generation_prompt)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the tokenizer's special tokens (incl. added special tokens)."""
+        return self._special_ids
+
     # ------------------------------------------------------------------------------------------- helpers
 
     def _arrange(self, messages: Sequence[Message]) -> list[dict[str, Any]]:

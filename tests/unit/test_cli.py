@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from peagle_pipeline import cli
-from peagle_pipeline.config import ExtractConfig, TrainConfig
+from peagle_pipeline.config import ExtractConfig, GenerateConfig, TrainConfig
 
 
 def test_usage_error_exit_2(capsys):
@@ -62,12 +62,34 @@ def test_flags_become_overrides(monkeypatch):
     assert isinstance(seen["cfg"], TrainConfig) and seen["cfg"].depths == 4 and seen["cfg"].export is False
 
 
+def test_generate_flags_become_overrides(monkeypatch, capsys):
+    import peagle_pipeline.stages.generate as generate_stage
+
+    seen = {}
+
+    def fake_run(cfg, echo=None):
+        seen["cfg"] = cfg
+        return generate_stage.GenerateSummary(output="o", rows_file="rows.jsonl", backend="hf")
+
+    monkeypatch.setattr(generate_stage, "run", fake_run)
+    argv = ["generate", "--model", "m", "--data", "d.jsonl", "--output", "o", "--turns", "last"]
+    assert cli.main([*argv, "--samples-per-prompt", "3", "--temperature", "0"]) == 0
+    cfg = seen["cfg"]
+    assert isinstance(cfg, GenerateConfig)
+    assert (cfg.turns, cfg.samples_per_prompt, cfg.temperature, cfg.data) == ("last", 3, 0.0, ["d.jsonl"])
+    assert "generated rows.jsonl in o with hf" in capsys.readouterr().out
+
+
 def test_every_config_field_has_a_flag():
     """One vocabulary for YAML and flags: each dataclass field is a CLI option of its command."""
     import dataclasses
     import inspect
 
-    for command, cls in ((cli.extract, ExtractConfig), (cli.train, TrainConfig)):
+    for command, cls in (
+        (cli.generate, GenerateConfig),
+        (cli.extract, ExtractConfig),
+        (cli.train, TrainConfig),
+    ):
         params = set(inspect.signature(command).parameters) - {"config"}
         assert params == {f.name for f in dataclasses.fields(cls)}
 

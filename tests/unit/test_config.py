@@ -6,7 +6,14 @@ import dataclasses
 
 import pytest
 
-from peagle_pipeline.config import ExtractConfig, TrainConfig, describe_fields, resolve, to_dict
+from peagle_pipeline.config import (
+    ExtractConfig,
+    GenerateConfig,
+    TrainConfig,
+    describe_fields,
+    resolve,
+    to_dict,
+)
 from peagle_pipeline.errors import BadConfig
 
 BASE_EXTRACT = {"model": "m", "data": ["d.jsonl"], "output": "out"}
@@ -50,6 +57,24 @@ def test_bad_values_are_one_line_errors(overrides, needle):
     assert needle in str(info.value) and "\n" not in str(info.value)
 
 
+def test_generate_section_and_values(tmp_path):
+    pipe = tmp_path / "p.yaml"
+    pipe.write_text("generate:\n  model: m\n  data: d.jsonl\n  output: g\n  turns: first\n  temperature: 0\n")
+    cfg = resolve(GenerateConfig, pipe, {"samples_per_prompt": 2})
+    assert (cfg.turns, cfg.temperature, cfg.samples_per_prompt, cfg.backend) == ("first", 0.0, 2, "auto")
+    assert (cfg.top_p, cfg.max_new_tokens, cfg.compute_dtype) == (0.95, 1024, "auto")
+    base = {"model": "m", "data": ["d"], "output": "o"}
+    for bad, needle in (
+        ({"turns": "middle"}, "turns must be one of"),
+        ({"top_p": 0}, "top_p must be in (0, 1]"),
+        ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"max_prompt_tokens": 0}, "max_prompt_tokens must be positive"),
+        ({"backend": "tgi"}, "backend must be one of"),
+    ):
+        with pytest.raises(BadConfig, match=needle.replace("(", r"\(").replace("]", r"\]")):
+            resolve(GenerateConfig, None, {**base, **bad})
+
+
 def test_missing_required_names_the_flag():
     with pytest.raises(BadConfig, match="--model"):
         resolve(ExtractConfig, None, {"data": ["x"], "output": "o"})
@@ -69,7 +94,7 @@ def test_bad_pipeline_files(tmp_path):
 
 
 def test_every_field_is_documented_and_round_trips():
-    for cls in (ExtractConfig, TrainConfig):
+    for cls in (GenerateConfig, ExtractConfig, TrainConfig):
         for name, help_text, _ in describe_fields(cls):
             assert help_text, f"{cls.__name__}.{name} has no help"
     cfg = resolve(ExtractConfig, None, {**BASE_EXTRACT, "layers": [1, 3]})
@@ -84,6 +109,7 @@ def test_shipped_pipeline_files_resolve():
     for path in sorted(Path(__file__).resolve().parents[2].joinpath("pipelines").glob("*.yaml")):
         resolve(ExtractConfig, path, {})
         resolve(TrainConfig, path, {})
+        resolve(GenerateConfig, path, {"model": "m", "data": ["d"], "output": "o"})
 
 
 def test_generated_docs_are_current():

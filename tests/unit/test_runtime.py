@@ -82,3 +82,11 @@ def test_describe_says_what_and_why(monkeypatch):
     line = describe_compute_dtype("auto", "cpu", resolve_compute_dtype("auto", "cpu"))
     assert ("has bf16 units" in line) == bool(cpu_bf16_flags())
     assert ("no bf16 units" in line) == (not cpu_bf16_flags())
+
+
+def test_create_exclusive(tmp_path):
+    from peagle_pipeline.runtime import create_exclusive
+
+    path = tmp_path / "meta.json"
+    assert create_exclusive(path, "first\n") and not create_exclusive(path, "second\n")
+    assert path.read_text() == "first\n" and [p.name for p in tmp_path.iterdir()] == ["meta.json"]

@@ -1,0 +1,379 @@
+"""On-policy data (SPEC section 4a): regenerate the assistant replies of chat data with the target itself.
+
+This rank's source rows are cut into chunks of `chunk_size`. A chunk is generated in waves: wave j asks the
+backend for reply j of every conversation (and sample) still going, in one call, and the conversations grow by
+token ids (`data/dialogue.py`). The finished chunk is committed (`stages/onpolicy_files.py`); a resumed run skips
+committed chunks and regenerates the next one exactly, because every request's seed is a function of
+(seed, row, sample, turn) and a chunk's calls are a function of its rows. Never branches on the backend name.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from peagle_pipeline.backends.generation import (
+    GenerationBackend,
+    GeneratorSettings,
+    SamplingSettings,
+    get_generation_backend,
+    request_seed,
+    vllm_installed,
+)
+from peagle_pipeline.config import GenerateConfig
+from peagle_pipeline.data.dialogue import REASON_TOO_LONG, Dialogue, DialogueBuilder
+from peagle_pipeline.errors import BadConfig, BadInput, Interrupted
+from peagle_pipeline.runtime import rank_world_from_env, resolve_compute_dtype
+from peagle_pipeline.stages.extract import rank_rows
+from peagle_pipeline.stages.onpolicy_files import (
+    FORMAT,
+    ChunkOutput,
+    OnPolicyWriter,
+    prepare_output,
+)
+
+__all__ = ["run", "GenerateSummary", "generate_chunk", "resolve_backend", "resolve_stop_ids", "build_meta"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerateSummary:
+    """What one `generate` call did for its rank (the totals are of everything committed so far)."""
+
+    output: str
+    rows_file: str
+    backend: str = ""
+    rows: int = 0
+    replies: int = 0
+    generated_tokens: int = 0
+    supervised_tokens: int = 0
+    finish_length: int = 0
+    rejects: dict[str, int] = field(default_factory=dict)
+    new_tokens: int = 0
+    elapsed_s: float = 0.0
+    engine_s: float = 0.0
+    already_complete: bool = False
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of this call, without the engine start-up."""
+        busy = self.elapsed_s - self.engine_s
+        return self.new_tokens / busy if busy > 0 else 0.0
+
+    def format(self) -> str:
+        if self.already_complete:
+            head = f"{self.rows_file} in {self.output} is already complete: nothing to do"
+        else:
+            head = (
+                f"generated {self.rows_file} in {self.output} with {self.backend}: {self.new_tokens} new tokens "
+                f"in {self.elapsed_s:.1f} s ({self.tokens_per_s:.1f} tokens/s after {self.engine_s:.1f} s start-up)"
+            )
+        lines = [
+            head,
+            f"rows {self.rows}, replies {self.replies} (finish=length {self.finish_length}), "
+            f"generated tokens {self.generated_tokens}, supervised tokens {self.supervised_tokens}",
+            f"rejects {sum(self.rejects.values())}"
+            + "".join(f"\n  {n:6d}  {r}" for r, n in sorted(self.rejects.items(), key=lambda kv: -kv[1])),
+        ]
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------- settings
+def resolve_backend(requested: str) -> str:
+    """`auto` -> vllm when installed, else hf (logged); hf/vllm pass through."""
+    if requested != "auto":
+        return requested
+    name = "vllm" if vllm_installed() else "hf"
+    log.info("generation backend: %s (auto)", name)
+    return name
+
+
+def resolve_stop_ids(model: str, renderer: Any) -> list[int]:
+    """Ids that end a reply: the template's end-of-turn token, the generation config's and tokenizer's eos.
+
+    Raises:
+        BadInput: none can be found (the reply would never stop).
+    """
+    from peagle_pipeline.data.dialogue import template_end_of_turn_ids
+
+    found: list[int] = list(template_end_of_turn_ids(renderer))
+    gen_config = Path(model) / "generation_config.json"
+    if gen_config.is_file():
+        try:
+            eos = json.loads(gen_config.read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, ValueError):
+            eos = None
+        found += [eos] if isinstance(eos, int) else [i for i in eos or [] if isinstance(i, int)]
+    if renderer.tokenizer.eos_token_id is not None:
+        found.append(int(renderer.tokenizer.eos_token_id))
+    stops = list(dict.fromkeys(found))
+    if not stops:
+        raise BadInput(f"{model}: no end-of-turn or eos token found; replies could not stop")
+    return stops
+
+
+def build_meta(cfg: GenerateConfig, backend: str, dtype: str, world: int, stops: list[int]) -> dict[str, Any]:
+    """generate.json: what the rows depend on (compared on resume; `info` is not compared)."""
+    from peagle_pipeline import __version__
+    from peagle_pipeline.backends import pieces
+    from peagle_pipeline.data.formats import dataset_fingerprint
+
+    return {
+        "format": FORMAT,
+        "settings": {
+            "turns": cfg.turns,
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "repetition_penalty": cfg.repetition_penalty,
+            "max_new_tokens": cfg.max_new_tokens,
+            "max_prompt_tokens": cfg.max_prompt_tokens,
+            "samples_per_prompt": cfg.samples_per_prompt,
+            "seed": cfg.seed,
+            "max_samples": cfg.max_samples,
+            "chunk_size": cfg.chunk_size,
+            "batch_size": cfg.batch_size if backend == "hf" else None,
+            "backend": backend,
+            "compute_dtype": dtype,
+            "world_size": world,
+        },
+        "stop_token_ids": stops,
+        "data_fingerprint": dataset_fingerprint(cfg.data),
+        "target": {
+            "config_sha256": pieces.config_sha256(cfg.model),
+            "tokenizer_sha256": pieces.tokenizer_sha256(cfg.model),
+            "chat_template_sha256": pieces.chat_template_sha256(cfg.model),
+        },
+        "info": {
+            "target_path": str(Path(cfg.model).resolve()),
+            "data": [str(p) for p in cfg.data],
+            "peagle_pipeline_version": __version__,
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------- chunks
+def generate_chunk(
+    rows: list[tuple[int, Any]],
+    builder: DialogueBuilder,
+    backend: GenerationBackend,
+    sampling: SamplingSettings,
+    cfg: GenerateConfig,
+    on_wave: Callable[[int, int], None] | None = None,
+) -> ChunkOutput:
+    """Generate every conversation of one chunk, wave by wave, and lay out its rows and rejects in row order.
+
+    Args:
+        rows: (global row index, Conversation or Reject) of this chunk.
+        on_wave: called after each wave with (replies, generated tokens) of that wave.
+    """
+    from peagle_pipeline.data.chat import RejectRow
+    from peagle_pipeline.data.formats import Reject
+
+    out = ChunkOutput()
+    plan: list[tuple[Any, str | None, list[Dialogue]]] = []
+    for index, row in rows:
+        if isinstance(row, Reject):
+            plan.append((row, row.reason, []))
+            continue
+        try:
+            first = builder.start(row, index)
+        except RejectRow as err:
+            plan.append((row, err.reason, []))
+            continue
+        if len(first.input_ids) > cfg.max_prompt_tokens:
+            plan.append((row, REASON_TOO_LONG, []))
+            continue
+        plan.append((row, None, [first] + [builder.fork(first, s) for s in range(1, cfg.samples_per_prompt)]))
+    dialogues = [d for _, _, ds in plan for d in ds]
+    while True:
+        for d in dialogues:
+            if d.active and len(d.input_ids) > cfg.max_prompt_tokens:
+                d.ended = REASON_TOO_LONG
+        active = [d for d in dialogues if d.active]
+        if not active:
+            break
+        seeds = [request_seed(cfg.seed, d.index, d.sample, d.turn) for d in active]
+        replies = backend.generate([d.input_ids for d in active], seeds, sampling)
+        for d, reply in zip(active, replies, strict=True):
+            out.generated_tokens += len(reply.token_ids)
+            out.finish_length += reply.finish == "length"
+            builder.add_reply(d, reply.token_ids, reply.finish)
+        if on_wave is not None:
+            on_wave(len(active), sum(len(r.token_ids) for r in replies))
+    for row, reason, ds in plan:
+        where = {"source": row.source, "source_row": row.source_row}
+        if reason is not None:
+            out.rejects.append({**where, "reason": reason})
+        for d in ds:
+            if d.turn == 0:
+                out.rejects.append({**where, "reason": d.ended or "no reply", "sample": d.sample})
+                continue
+            kept = d.to_row()
+            out.rows.append(kept)
+            out.replies += d.turn
+            out.supervised_tokens += sum(kept["loss_mask"])
+            if d.ended is not None and d.dropped_turns:
+                out.rejects.append(
+                    {**where, "reason": f"later turns dropped: {d.ended}", "sample": d.sample, "turn": d.turn}
+                )
+    return out
+
+
+def _chunks(items: Iterable[tuple[int, Any]], size: int) -> Iterator[list[tuple[int, Any]]]:
+    it = iter(items)
+    while chunk := list(itertools.islice(it, size)):
+        yield chunk
+
+
+# ------------------------------------------------------------------------------------------------- run
+def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> GenerateSummary:
+    """Generate (or resume) this rank's rows in cfg.output. See the module docstring.
+
+    Args:
+        echo: where plain progress lines go when stderr is not a terminal (no tqdm bar then).
+
+    Raises:
+        BadInput, BadConfig, OutputExists, IncompatibleCache, ResumeMismatch, Busy, OutOfSpace, Interrupted.
+    """
+    from transformers import AutoTokenizer
+
+    from peagle_pipeline.backends.pieces import read_target_info, text_config
+    from peagle_pipeline.data.chat import ChatRenderer
+    from peagle_pipeline.data.formats import iter_rows
+
+    rank, world = rank_world_from_env(cfg.rank, cfg.world_size)
+    if world < 1 or not 0 <= rank < world:
+        raise BadConfig(f"rank must be in 0..world_size-1, got rank {rank} of {world}")
+    info = read_target_info(cfg.model)
+    context = text_config(info.config).get("max_position_embeddings")
+    max_model_len = cfg.max_prompt_tokens + cfg.max_new_tokens
+    if context and max_model_len > context:
+        raise BadConfig(
+            f"max_prompt_tokens + max_new_tokens ({max_model_len}) exceeds the target's context ({context})"
+        )
+    iter_rows(cfg.data)  # checks every path before the output exists; reads nothing
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    except Exception as err:  # transformers/tokenizers raise many types for a broken tokenizer
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise BadInput(f"cannot load the tokenizer of {cfg.model}: {why}") from None
+    renderer = ChatRenderer(tokenizer)
+    stops = resolve_stop_ids(cfg.model, renderer)
+    builder = DialogueBuilder(renderer, cfg.turns, stops)
+    backend_name = resolve_backend(cfg.backend)
+    device = _device_type(cfg.device, backend_name)
+    dtype = resolve_compute_dtype(cfg.compute_dtype, device)
+    root = prepare_output(Path(cfg.output), build_meta(cfg, backend_name, dtype, world, stops))
+    writer = OnPolicyWriter(root, rank, world).open()
+    summary = GenerateSummary(output=str(root), rows_file=writer.rows_path.name, backend=backend_name)
+    try:
+        if writer.complete:
+            summary.already_complete = True
+            return _totals(summary, writer)
+        settings = GeneratorSettings(
+            model=cfg.model,
+            dtype=dtype,  # type: ignore[arg-type]
+            device=cfg.device,
+            max_model_len=max_model_len,
+            batch_size=cfg.batch_size,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+        )
+        sampling = SamplingSettings(
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            repetition_penalty=cfg.repetition_penalty,
+            max_new_tokens=cfg.max_new_tokens,
+            stop_token_ids=tuple(stops),
+        )
+        _loop(cfg, builder, settings, sampling, writer, summary, rank, world, echo)
+        writer.finish()
+    except KeyboardInterrupt:
+        raise Interrupted(
+            f"interrupted: {writer.state['rows']} rows of {writer.rows_path.name} are committed; "
+            "re-run the same command to resume"
+        ) from None
+    finally:
+        writer.close()
+    return _totals(summary, writer)
+
+
+def _device_type(device: str, backend: str) -> str:
+    import torch
+
+    if backend == "vllm" or device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _loop(
+    cfg: GenerateConfig,
+    builder: DialogueBuilder,
+    settings: GeneratorSettings,
+    sampling: SamplingSettings,
+    writer: OnPolicyWriter,
+    summary: GenerateSummary,
+    rank: int,
+    world: int,
+    echo: Callable[[str], None] | None,
+) -> None:
+    """The chunk loop: skip committed chunks, start the backend on the first chunk to do, commit each chunk."""
+    from tqdm import tqdm
+
+    from peagle_pipeline.data.formats import iter_rows
+
+    total = sum(1 for _ in rank_rows(iter_rows(cfg.data), rank, world, cfg.max_samples))
+    rows = rank_rows(iter_rows(cfg.data), rank, world, cfg.max_samples)
+    backend: GenerationBackend | None = None
+    start = time.perf_counter()
+    replies = done = 0
+    bar = tqdm(total=total, unit="conv", desc=writer.rows_path.stem, disable=None, mininterval=1.0)
+
+    def on_wave(n_replies: int, n_tokens: int) -> None:
+        nonlocal replies
+        replies += n_replies
+        summary.new_tokens += n_tokens
+        busy = time.perf_counter() - start - summary.engine_s
+        bar.set_postfix(replies=replies, tok_s=f"{summary.new_tokens / max(busy, 1e-9):.1f}", refresh=True)
+
+    try:
+        for k, chunk in enumerate(_chunks(rows, cfg.chunk_size)):
+            done += len(chunk)
+            if k < writer.chunks_done:
+                bar.update(len(chunk))
+                continue
+            if backend is None:
+                t0 = time.perf_counter()
+                backend = get_generation_backend(summary.backend, settings)
+                summary.engine_s = time.perf_counter() - t0
+            writer.commit(generate_chunk(chunk, builder, backend, sampling, cfg, on_wave))
+            bar.update(len(chunk))
+            if bar.disable and echo is not None:
+                busy = time.perf_counter() - start - summary.engine_s
+                echo(
+                    f"{writer.rows_path.stem}: {done}/{total} conversations, {replies} replies, "
+                    f"{summary.new_tokens / max(busy, 1e-9):.1f} generated tokens/s"
+                )
+    finally:
+        bar.close()
+        summary.elapsed_s = time.perf_counter() - start
+        if backend is not None:
+            backend.close()
+
+
+def _totals(summary: GenerateSummary, writer: OnPolicyWriter) -> GenerateSummary:
+    st = writer.state
+    summary.rows = st["rows"]
+    summary.replies = st["replies"]
+    summary.generated_tokens = st["generated_tokens"]
+    summary.supervised_tokens = st["supervised_tokens"]
+    summary.finish_length = st["finish_length"]
+    summary.rejects = dict(st["reject_reasons"])
+    return summary

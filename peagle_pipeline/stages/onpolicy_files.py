@@ -1,0 +1,249 @@
+"""The output directory of `generate` (docs/generate.md): generate.json, and per rank a rows file, a rejects file
+and a state file that is the only truth about what is committed.
+
+A chunk commits in three steps: its rows and rejects are appended to their JSONL files and fsynced, then the
+state file (committed counts and byte lengths) is replaced atomically. Bytes past the recorded lengths are left
+by a killed run and are truncated when the rank is opened again, so a resume rewrites them identically.
+Never generates anything; `stages/generate.py` decides what goes in.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from peagle_pipeline.errors import IncompatibleCache, OutputExists, ResumeMismatch
+from peagle_pipeline.runtime import (
+    RankLock,
+    atomic_write_json,
+    create_exclusive,
+    fsync_dir,
+    raise_if_no_space,
+)
+
+__all__ = [
+    "FORMAT",
+    "META_FILE",
+    "SLEEP_ENV",
+    "rows_file",
+    "rejects_file",
+    "state_file",
+    "encode_line",
+    "prepare_output",
+    "ChunkOutput",
+    "OnPolicyWriter",
+]
+
+FORMAT = "peagle-onpolicy/1"
+META_FILE = "generate.json"
+SLEEP_ENV = "PEAGLE_TEST_GENERATE_SLEEP"
+"""Test hook: seconds to sleep between a chunk's appended rows and its state update (widens the crash window)."""
+
+
+def _rank_tag(rank: int, world_size: int) -> str:
+    return f"rank{rank:05d}-of-{world_size:05d}"
+
+
+def rows_file(rank: int, world_size: int) -> str:
+    return f"rows-{_rank_tag(rank, world_size)}.jsonl"
+
+
+def rejects_file(rank: int, world_size: int) -> str:
+    return f"rejects-{_rank_tag(rank, world_size)}.jsonl"
+
+
+def state_file(rank: int, world_size: int) -> str:
+    return f"state-{_rank_tag(rank, world_size)}.json"
+
+
+def encode_line(obj: dict[str, Any]) -> bytes:
+    """One JSONL line: compact, UTF-8 (not ASCII-escaped), deterministic key order as given."""
+    return (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+
+
+def prepare_output(root: Path, meta: dict[str, Any]) -> Path:
+    """Create or check the output directory: generate.json is written once (exclusive create) and compared after
+    (all but its `info` part: paths and versions may change between runs).
+
+    Raises:
+        OutputExists: the directory holds something that is not a generate output.
+        IncompatibleCache: generate.json is damaged or of another format.
+        ResumeMismatch: the output was started with other settings (the message names them).
+    """
+    if root.exists() and not root.is_dir():
+        raise OutputExists(f"output {root} exists and is not a directory; choose another --output")
+    meta_path = root / META_FILE
+    if root.exists() and not meta_path.exists():
+        foreign = [p.name for p in root.iterdir() if not p.name.startswith(".peagle-")]
+        if foreign:
+            raise OutputExists(
+                f"output {root} exists and is not a generate output (it holds {foreign[0]!r}, ...); "
+                "choose an empty or new directory"
+            )
+    root.mkdir(parents=True, exist_ok=True)
+    create_exclusive(meta_path, json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    try:
+        found = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise IncompatibleCache(f"{meta_path} is damaged; use a new output directory") from None
+    if found.get("format") != meta["format"]:
+        raise IncompatibleCache(
+            f"{root} holds generate output of format {found.get('format')!r}; this version writes "
+            f"{meta['format']!r}: use a new output directory"
+        )
+    diffs = _differences(
+        {k: v for k, v in found.items() if k != "info"}, {k: v for k, v in meta.items() if k != "info"}
+    )
+    if diffs:
+        raise ResumeMismatch(
+            f"{root} was generated with other settings ({'; '.join(diffs)}); "
+            "use the original settings to resume, or a new output directory"
+        )
+    return root
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} there, {b!r} now")
+    return out
+
+
+@dataclass
+class ChunkOutput:
+    """What one chunk adds: rows, rejects and its counts."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    rejects: list[dict[str, Any]] = field(default_factory=list)
+    replies: int = 0
+    generated_tokens: int = 0
+    supervised_tokens: int = 0
+    finish_length: int = 0
+
+
+def _empty_state(rank: int, world_size: int) -> dict[str, Any]:
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "chunks": 0,
+        "rows": 0,
+        "rows_bytes": 0,
+        "rejects_bytes": 0,
+        "replies": 0,
+        "generated_tokens": 0,
+        "supervised_tokens": 0,
+        "finish_length": 0,
+        "reject_reasons": {},
+        "complete": False,
+    }
+
+
+class OnPolicyWriter:
+    """This rank's rows, rejects and state files; holds the rank lock while open.
+
+    Raises (open):
+        Busy: another live process writes this rank.
+        IncompatibleCache: a rows or rejects file is shorter than its committed length (damaged).
+    """
+
+    def __init__(self, root: Path, rank: int, world_size: int) -> None:
+        self.root = root
+        self.rows_path = root / rows_file(rank, world_size)
+        self.rejects_path = root / rejects_file(rank, world_size)
+        self.state_path = root / state_file(rank, world_size)
+        self.state = _empty_state(rank, world_size)
+        self._lock = RankLock(root / f".peagle-lock-{_rank_tag(rank, world_size)}", f"{self.rows_path}")
+
+    def open(self) -> OnPolicyWriter:
+        self._lock.acquire()
+        try:
+            if self.state_path.exists():
+                try:
+                    self.state = json.loads(self.state_path.read_text(encoding="utf-8"))
+                except ValueError:
+                    raise IncompatibleCache(
+                        f"{self.state_path} is damaged; use a new output directory"
+                    ) from None
+            self._truncate(self.rows_path, self.state["rows_bytes"])
+            self._truncate(self.rejects_path, self.state["rejects_bytes"])
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
+
+    def _truncate(self, path: Path, length: int) -> None:
+        """Cut `path` back to its committed `length` (creating it empty when absent and nothing is committed)."""
+        size = path.stat().st_size if path.exists() else 0
+        if size < length:
+            raise IncompatibleCache(
+                f"{path} holds {size} bytes but {length} are committed (damaged); use a new output directory"
+            )
+        if path.exists() and size == length:
+            return
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.ftruncate(fd, length)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(path.parent)
+
+    @property
+    def chunks_done(self) -> int:
+        return int(self.state["chunks"])
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.state["complete"])
+
+    def commit(self, chunk: ChunkOutput) -> None:
+        """Append the chunk's rows and rejects (fsynced), then record them in the state file atomically."""
+        rows = b"".join(encode_line(r) for r in chunk.rows)
+        rejects = b"".join(encode_line(r) for r in chunk.rejects)
+        self._append(self.rows_path, rows)
+        self._append(self.rejects_path, rejects)
+        delay = os.environ.get(SLEEP_ENV)
+        if delay:
+            time.sleep(float(delay))
+        st = dict(self.state)
+        st["chunks"] += 1
+        st["rows"] += len(chunk.rows)
+        st["rows_bytes"] += len(rows)
+        st["rejects_bytes"] += len(rejects)
+        st["replies"] += chunk.replies
+        st["generated_tokens"] += chunk.generated_tokens
+        st["supervised_tokens"] += chunk.supervised_tokens
+        st["finish_length"] += chunk.finish_length
+        reasons = collections.Counter(st["reject_reasons"])
+        reasons.update(r["reason"] for r in chunk.rejects)
+        st["reject_reasons"] = dict(sorted(reasons.items()))
+        atomic_write_json(self.state_path, st)
+        self.state = st
+
+    def _append(self, path: Path, data: bytes) -> None:
+        if not data:
+            return
+        try:
+            with open(path, "ab") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as err:
+            raise_if_no_space(err, str(path))
+
+    def finish(self) -> None:
+        """Mark this rank complete (a re-run then has nothing to do)."""
+        self.state = {**self.state, "complete": True}
+        atomic_write_json(self.state_path, self.state)
+
+    def close(self) -> None:
+        self._lock.release()

@@ -1,0 +1,184 @@
+"""stages.generate through the HF backend on a tiny model that ends its replies (tests/tiny.add_stop_bias).
+
+Rows follow the contract of docs/generate.md: the loss mask lies exactly on generated ids, turn j's prompt holds
+the target's own earlier replies, the template text between replies is the template's; first/last options;
+same settings give the same bytes; long prompts and empty replies are recorded; resume rules.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from cli_argv import run_peagle
+
+from peagle_pipeline.config import GenerateConfig
+from peagle_pipeline.data.dialogue import REASON_EMPTY, REASON_TOO_LONG
+from peagle_pipeline.errors import ResumeMismatch
+from peagle_pipeline.stages import generate as stage
+from peagle_pipeline.stages.onpolicy_files import rejects_file, rows_file
+
+ROW_KEYS = {"id", "source", "source_row", "sample", "messages", "input_ids", "loss_mask", "finish"}
+EOT = "<|im_end|>"
+
+
+def _cfg(model: Path, data: Path, out: Path, **kw) -> GenerateConfig:
+    base = dict(
+        model=str(model),
+        data=[str(data)],
+        output=str(out),
+        backend="hf",
+        temperature=1.0,
+        top_p=1.0,
+        max_new_tokens=24,
+        chunk_size=4,
+        batch_size=3,
+        compute_dtype="fp32",
+        device="cpu",
+        max_samples=10,
+    )
+    return GenerateConfig(**{**base, **kw})
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / rows_file(0, 1)).read_text().splitlines()]
+
+
+def _rejects(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / rejects_file(0, 1)).read_text().splitlines()]
+
+
+def _runs(mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of 1s."""
+    runs, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+@pytest.fixture(scope="module")
+def multi_turn(tiny_stop_model, conversations, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gen") / "all"
+    stage.run(_cfg(tiny_stop_model, conversations, out, samples_per_prompt=2))
+    return out
+
+
+def test_rows_carry_generated_ids_with_the_mask_exactly_on_them(multi_turn, tiny_stop_model, conversations):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_stop_model)
+    eot = tok.convert_tokens_to_ids(EOT)
+    source = [json.loads(line)["messages"] for line in conversations.read_text().splitlines()]
+    rows = _rows(multi_turn)
+    assert rows and any(len(r["finish"]) > 1 for r in rows)  # some conversations went past turn 1
+    for row in rows:
+        assert set(row) == ROW_KEYS and row["id"] == f"{row['source_row']}-{row['sample']}"
+        ids, mask, msgs = row["input_ids"], row["loss_mask"], row["messages"]
+        assert len(ids) == len(mask) and set(mask) <= {0, 1}
+        replies = [m["content"] for m in msgs if m["role"] == "assistant"]
+        runs = _runs(mask)
+        assert len(runs) == len(replies) == len(row["finish"])
+        original = source[row["source_row"]]
+        users = [m["content"] for m in original if m["role"] == "user"]
+        assert [m for m in msgs if m["role"] == "user"] == [
+            {"role": "user", "content": u} for u in users[: len(runs)]
+        ]
+        assert runs[-1][1] == len(ids)  # the row ends with the last generated token
+        for j, ((a, b), text, finish) in enumerate(zip(runs, replies, row["finish"], strict=True)):
+            body = ids[a:b]
+            if finish == "stop":
+                assert body[-1] == eot and eot not in body[:-1]
+                body = body[:-1]
+            else:
+                assert b - a == 24 and eot not in body
+            assert tok.decode(body) == text  # the message text is the decoded generated ids
+            assert text != original[2 * j + 1]["content"]  # the original reply is not reused
+            # the template's own text before each reply: (separator,) the user turn, the generation prompt
+            before = tok.decode(ids[runs[j - 1][1] : a]) if j else tok.decode(ids[:a])
+            user = f"<|im_start|>user\n{users[j]}{EOT}\n<|im_start|>assistant\n"
+            assert before == ("\n" + user if j else user)
+    state = json.loads(next(multi_turn.glob("state-*.json")).read_text())
+    assert state["complete"] and state["rows"] == len(rows)
+    assert state["replies"] == sum(len(r["finish"]) for r in rows)
+    assert state["supervised_tokens"] == sum(sum(r["loss_mask"]) for r in rows)
+
+
+def test_samples_differ_and_same_settings_give_the_same_bytes(
+    multi_turn, tiny_stop_model, conversations, tmp_path
+):
+    rows = _rows(multi_turn)
+    by_id = {r["id"]: r for r in rows}
+    pairs = [(by_id[f"{i}-0"], by_id[f"{i}-1"]) for i in range(10) if f"{i}-0" in by_id and f"{i}-1" in by_id]
+    assert pairs and any(a["input_ids"] != b["input_ids"] for a, b in pairs)
+    again = tmp_path / "again"
+    stage.run(_cfg(tiny_stop_model, conversations, again, samples_per_prompt=2))
+    assert (again / rows_file(0, 1)).read_bytes() == (multi_turn / rows_file(0, 1)).read_bytes()
+    assert (again / rejects_file(0, 1)).read_bytes() == (multi_turn / rejects_file(0, 1)).read_bytes()
+    other = tmp_path / "seed1"
+    stage.run(_cfg(tiny_stop_model, conversations, other, samples_per_prompt=2, seed=1))
+    assert (other / rows_file(0, 1)).read_bytes() != (multi_turn / rows_file(0, 1)).read_bytes()
+
+
+def test_first_and_last_turns(tiny_stop_model, conversations, tmp_path):
+    source = [json.loads(line)["messages"] for line in conversations.read_text().splitlines()]
+    stage.run(_cfg(tiny_stop_model, conversations, tmp_path / "first", turns="first"))
+    for row in _rows(tmp_path / "first"):
+        assert len(row["finish"]) == 1 and [m["role"] for m in row["messages"]] == ["user", "assistant"]
+        assert row["messages"][0] == source[row["source_row"]][0]
+    stage.run(_cfg(tiny_stop_model, conversations, tmp_path / "last", turns="last"))
+    rows = _rows(tmp_path / "last")
+    assert any(len(r["messages"]) > 2 for r in rows)
+    for row in rows:
+        original = source[row["source_row"]]
+        assert len(row["finish"]) == 1 and len(row["messages"]) == len(original)
+        assert row["messages"][:-1] == original[:-1]  # earlier original replies kept as context
+        assert len(_runs(row["loss_mask"])) == 1 and row["loss_mask"][-1] == 1
+
+
+def test_long_prompts_and_empty_replies_are_recorded(tiny_stop_model, conversations, tmp_path):
+    summary = stage.run(_cfg(tiny_stop_model, conversations, tmp_path / "short", max_prompt_tokens=40))
+    rejects = _rejects(tmp_path / "short")
+    assert any(r["reason"] == REASON_TOO_LONG and "sample" not in r for r in rejects)
+    assert summary.rejects.get(REASON_TOO_LONG, 0) >= 1
+    for row in _rows(tmp_path / "short"):
+        starts = [a for a, _ in _runs(row["loss_mask"])]
+        assert all(s <= 40 for s in starts)  # every reply was prompted with <= max_prompt_tokens tokens
+    # greedy: this model's most likely first token is the end-of-turn, so every reply is empty
+    summary = stage.run(_cfg(tiny_stop_model, conversations, tmp_path / "greedy", temperature=0.0))
+    assert summary.rows == 0 and summary.rejects == {REASON_EMPTY: 10}
+    assert {r["reason"] for r in _rejects(tmp_path / "greedy")} == {REASON_EMPTY}
+    assert "empty reply" in summary.format()
+
+
+def test_rerun_is_a_no_op_and_other_settings_are_refused(tiny_stop_model, conversations, tmp_path):
+    out = tmp_path / "gen"
+    stage.run(_cfg(tiny_stop_model, conversations, out, max_samples=3))
+    before = (out / rows_file(0, 1)).read_bytes()
+    again = stage.run(_cfg(tiny_stop_model, conversations, out, max_samples=3))
+    assert again.already_complete and (out / rows_file(0, 1)).read_bytes() == before
+    with pytest.raises(ResumeMismatch, match="temperature: 1.0 there, 0.5 now"):
+        stage.run(_cfg(tiny_stop_model, conversations, out, max_samples=3, temperature=0.5))
+
+
+def test_cli_errors_are_one_line(tiny_stop_model, conversations, tmp_path):
+    out = tmp_path / "gen"
+    common = ["generate", "--model", str(tiny_stop_model), "--data", str(conversations), "--output", str(out)]
+    flags = ["--backend", "hf", "--max-samples", "2", "--max-new-tokens", "8", "--compute-dtype", "fp32"]
+    proc = run_peagle(*common, *flags)
+    assert proc.stdout.startswith(f"generated {rows_file(0, 1)} in {out} with hf")
+    proc = run_peagle(*common, *flags, "--top-p", "0.5", check=False)
+    assert (
+        proc.returncode == 5 and proc.stderr.count("\n") == 1 and "top_p: 0.95 there, 0.5 now" in proc.stderr
+    )
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    proc = run_peagle(*common[:-1], str(foreign), *flags, check=False)
+    assert proc.returncode == 6 and "not a generate output" in proc.stderr
+    proc = run_peagle(*common, "--temperature", "-1", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: temperature must be >= 0, got -1.0"

@@ -1,0 +1,167 @@
+"""data.dialogue: multi-turn prompts grow by token ids, with the template's text between replies and nothing twice."""
+
+from __future__ import annotations
+
+import pytest
+from tiny import build_tokenizer
+
+from peagle_pipeline.data.chat import ChatRenderer, RejectRow
+from peagle_pipeline.data.dialogue import (
+    REASON_EMPTY,
+    REASON_LENGTH,
+    REASON_NOT_PREFIX_STABLE,
+    DialogueBuilder,
+    template_end_of_turn_ids,
+)
+from peagle_pipeline.data.formats import Conversation, Message
+
+END = {"chatml": "<|im_end|>", "chatml_system": "<|im_end|>", "llama3": "<|eot_id|>"}
+CONV = Conversation(
+    "data.jsonl",
+    7,
+    [
+        Message("system", "Be brief."),
+        Message("user", "Hi there"),
+        Message("assistant", "ORIGINAL ONE"),
+        Message("user", "What is the capital of France?"),
+        Message("assistant", "ORIGINAL TWO"),
+        Message("user", "Thanks"),
+        Message("assistant", "ORIGINAL THREE"),
+    ],
+)
+REPLIES = ["Hello! How are you?", "Paris is the capital.", "You are welcome."]
+
+
+@pytest.fixture(scope="module", params=["chatml", "llama3", "chatml_system"])
+def tok(request, tmp_path_factory):
+    return request.param, build_tokenizer(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def _builder(tokenizer, turns="all", template=None):
+    renderer = ChatRenderer(tokenizer)
+    return DialogueBuilder(renderer, turns, template_end_of_turn_ids(renderer) + [tokenizer.eos_token_id])
+
+
+def _reply(tokenizer, text: str, end: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids(end)]
+
+
+def test_end_of_turn_token_of_each_template(tok):
+    name, tokenizer = tok
+    assert template_end_of_turn_ids(ChatRenderer(tokenizer)) == [tokenizer.convert_tokens_to_ids(END[name])]
+
+
+def test_ids_equal_the_template_rendering_when_replies_are_its_own_tokens(tok):
+    """Replies whose ids are the template's tokens give exactly the template's token sequence, mask on replies."""
+    name, tokenizer = tok
+    b = _builder(tokenizer)
+    d = b.start(CONV, index=3)
+    for text in REPLIES:
+        assert d.active
+        b.add_reply(d, _reply(tokenizer, text, END[name]), "stop")
+    assert not d.active and d.ended is None and d.finish == ["stop"] * 3
+    row = d.to_row()
+    generated = [{"role": m.role, "content": m.content} for m in CONV.messages]
+    for slot, text in zip((2, 4, 6), REPLIES, strict=True):
+        generated[slot]["content"] = text
+    assert row["messages"] == generated
+    full = ChatRenderer(tokenizer).render([Message(m["role"], m["content"]) for m in generated])
+    n = len(row["input_ids"])
+    assert row["input_ids"] == full.input_ids[:n]  # only the separator after the last end-of-turn is left out
+    assert row["loss_mask"] == [int(m) for m in full.loss_mask[:n]]
+    assert not any(full.loss_mask[n:])
+
+
+def test_later_prompts_hold_the_generated_replies_not_the_originals(tok):
+    name, tokenizer = tok
+    b = _builder(tokenizer)
+    d = b.start(CONV, index=0)
+    first = _reply(tokenizer, "Speculative decoding drafts tokens", END[name])
+    b.add_reply(d, first, "stop")
+    prompt = tokenizer.decode(d.input_ids)
+    assert "Speculative decoding drafts tokens" in prompt and "ORIGINAL" not in prompt
+    assert prompt.count(END[name]) == 4  # system, user, the reply (its generated token, not twice), user
+    assert "What is the capital of France?" in prompt
+    assert d.input_ids[d.reply_end - len(first) : d.reply_end] == first
+    assert d.loss_mask == [0] * (d.reply_end - len(first)) + [1] * len(first) + [0] * (
+        len(d.input_ids) - d.reply_end
+    )
+
+
+def test_first_and_last(tok):
+    name, tokenizer = tok
+    first = _builder(tokenizer, "first")
+    d = first.start(CONV, index=0)
+    first.add_reply(d, _reply(tokenizer, "Hi!", END[name]), "stop")
+    row = d.to_row()
+    assert not d.active and [m["role"] for m in row["messages"]] == ["system", "user", "assistant"]
+    assert row["messages"][-1]["content"] == "Hi!" and row["finish"] == ["stop"]
+
+    last = _builder(tokenizer, "last")
+    d = last.start(CONV, index=0)
+    reply = _reply(tokenizer, "Bye", END[name])
+    last.add_reply(d, reply, "stop")
+    row = d.to_row()
+    assert [m["content"] for m in row["messages"] if m["role"] == "assistant"] == [
+        "ORIGINAL ONE",
+        "ORIGINAL TWO",
+        "Bye",
+    ]
+    assert sum(row["loss_mask"]) == len(reply) and row["loss_mask"][-len(reply) :] == [1] * len(reply)
+    assert "ORIGINAL TWO" in tokenizer.decode(row["input_ids"])  # the original replies are the context
+
+
+def test_empty_and_cut_replies_end_the_conversation(tok):
+    name, tokenizer = tok
+    b = _builder(tokenizer)
+    eot = tokenizer.convert_tokens_to_ids(END[name])
+    d = b.start(CONV, index=0)
+    b.add_reply(d, [eot], "stop")
+    assert d.ended == REASON_EMPTY and d.turn == 0 and not d.active
+    with pytest.raises(ValueError):
+        d.to_row()
+
+    d = b.start(CONV, index=0)
+    cut = tokenizer("Paris is", add_special_tokens=False)["input_ids"]
+    b.add_reply(d, cut, "length")
+    assert d.ended == REASON_LENGTH and d.dropped_turns == 2
+    row = d.to_row()
+    assert row["input_ids"][-len(cut) :] == cut and row["finish"] == ["length"]
+    assert len(row["input_ids"]) == d.reply_end
+
+
+def test_a_template_that_rewrites_earlier_turns_ends_the_conversation(tmp_path):
+    tokenizer = build_tokenizer(tmp_path, "chatml")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
+        "{{ '<|im_start|>assistant\n(hidden)<|im_end|>\n' }}{% else %}"
+        "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    b = _builder(tokenizer)
+    d = b.start(CONV, index=0)
+    reply = _reply(tokenizer, "Hello", "<|im_end|>")
+    b.add_reply(d, reply, "stop")
+    assert d.ended == REASON_NOT_PREFIX_STABLE
+    row = d.to_row()
+    assert row["finish"] == ["stop"] and row["input_ids"][-len(reply) :] == reply
+
+
+def test_another_stop_token_keeps_the_templates_end_of_turn(tmp_path):
+    """A reply that stopped on eos other than the template's end-of-turn gets the template's token after it."""
+    tokenizer = build_tokenizer(tmp_path, "chatml")
+    eos = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    b = DialogueBuilder(ChatRenderer(tokenizer), "all", [tokenizer.convert_tokens_to_ids("<|im_end|>"), eos])
+    d = b.start(CONV, index=0)
+    b.add_reply(d, tokenizer("Hello", add_special_tokens=False)["input_ids"] + [eos], "stop")
+    after = tokenizer.decode(d.input_ids[d.reply_end :])
+    assert after.startswith("<|im_end|>\n<|im_start|>user\nWhat is")
+
+
+def test_rows_without_a_user_turn_are_rejected(tmp_path):
+    tokenizer = build_tokenizer(tmp_path, "chatml")
+    b = _builder(tokenizer)
+    with pytest.raises(RejectRow, match="no user turn"):
+        b.start(Conversation("x", 0, [Message("assistant", "hi")]), index=0)
+    with pytest.raises(RejectRow, match="no assistant turn after"):
+        b.start(Conversation("x", 0, [Message("assistant", "hi"), Message("user", "q")]), index=0)
