@@ -182,3 +182,20 @@ def test_cli_errors_are_one_line(tiny_stop_model, conversations, tmp_path):
     assert proc.returncode == 6 and "not a generate output" in proc.stderr
     proc = run_peagle(*common, "--temperature", "-1", check=False)
     assert proc.returncode == 2 and proc.stderr.strip() == "error: temperature must be >= 0, got -1.0"
+
+
+def test_ranks_split_the_rows_and_share_generate_json(tiny_stop_model, conversations, tmp_path, monkeypatch):
+    out = tmp_path / "dp"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in (1, 0):  # rank from the torchrun environment, as under torchrun
+        monkeypatch.setenv("RANK", str(rank))
+        summary = stage.run(_cfg(tiny_stop_model, conversations, out))
+        assert summary.rows_file == rows_file(rank, 2)
+    seen: dict[int, set[int]] = {}
+    for rank in (0, 1):
+        rows = [json.loads(x) for x in (out / rows_file(rank, 2)).read_text().splitlines()]
+        rejects = [json.loads(x) for x in (out / rejects_file(rank, 2)).read_text().splitlines()]
+        seen[rank] = {r["source_row"] for r in rows + rejects}
+        assert seen[rank] and all(i % 2 == rank for i in seen[rank])
+    assert seen[0] | seen[1] == set(range(10))
+    assert json.loads((out / "generate.json").read_text())["settings"]["world_size"] == 2
