@@ -539,7 +539,7 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
             sink.write(describe_vocab_coverage(trainer.cache, trainer.vocab))
             sink.write(describe_mask_token(trainer.cache, trainer.spec.mask_token_id))
             why = describe_compute_dtype(cfg.precision, str(dist.device), trainer.precision)
-            log.debug("%s", why)
+            log.info("%s", why)
             sink.note(why)
         with StopOnSigint(STOP_NOTICE) as stop:  # Ctrl-C from here on: finish the step, save, stop
             final = trainer.fit(should_stop=lambda: stop.requested)

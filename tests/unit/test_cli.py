@@ -115,7 +115,7 @@ def _help(*args: str, capsys) -> str:
 def test_help_shows_defaults_choices_and_brackets(capsys):
     out = " ".join(_help("train", capsys=capsys).split())  # unwrap the help columns
     assert "--schedule [cosine|linear|constant]" in out
-    assert "--precision [bf16|fp32]" in out and "--target [topk|exact]" in out
+    assert "--precision [auto|bf16|fp32]" in out and "--target [topk|exact]" in out
     assert "Learning-rate decay after warm-up. [default: cosine]" in out
     assert "[default: 0.0006]" in out and "[default: 8]" in out  # lr, depths
     assert "[default: --export]" in out and "[default: --no-resume]" in out

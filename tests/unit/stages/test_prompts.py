@@ -96,7 +96,7 @@ def test_heldout_from_a_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     cfg = TrainConfig(
         cache="data/cache", output=str(run), eval_samples=5, seed=7
     )  # relative, as a user gives it
-    write_run_files(cfg, 1, 1, False)
+    write_run_files(cfg, 1, 1, False, 10)
     monkeypatch.chdir(tmp_path / "data" / "run")  # "data/cache" is found from the run's parents
     settings = read_run_settings(run)
     assert settings.cache.resolve() == (tmp_path / "data" / "cache").resolve()
