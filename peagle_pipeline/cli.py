@@ -338,14 +338,24 @@ def evaluate(
     ] = None,
     concurrency: Annotated[
         list[int] | None,
-        typer.Option(
-            help="Requests in flight for the tokens/s figures, repeatable (AL is at 1). Default: 1."
-        ),
+        typer.Option(help="Requests in flight for the tokens/s figures, repeatable. Default: 1."),
     ] = None,
+    acceptance_concurrency: Annotated[
+        int,
+        typer.Option(
+            help="Requests in flight in the run AL is read from (1 = one prompt at a time, as peers report; "
+            "more is faster on many prompts, with the same AL up to numerics)."
+        ),
+    ] = 1,
     output: Annotated[
         str | None, typer.Option(help="Directory for report.json and acceptance.png (default: print only).")
     ] = None,
-    dtype: Annotated[str, typer.Option(help="Model dtype in vLLM: bf16 or fp32.")] = "bf16",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="Model dtype in vLLM: [auto|bf16|fp32]; auto = bf16 on a GPU or a CPU with bf16 units, else fp32."
+        ),
+    ] = "auto",
     seed: Annotated[int, typer.Option(help="Sampling seed of prompt i is seed + i (T > 0).")] = 0,
     tensor_parallel_size: Annotated[int, typer.Option(help="vLLM tensor parallel size.")] = 1,
 ) -> None:
@@ -361,6 +371,7 @@ def evaluate(
         temperature=temperature,
         depths=depths,
         concurrency=concurrency or [1],
+        acceptance_concurrency=acceptance_concurrency,
         output=output,
         dtype=dtype,  # type: ignore[arg-type]  (checked by EvalOptions)
         seed=seed,

@@ -28,7 +28,9 @@ def format_table(report: dict[str, Any]) -> str:
         f"T={s['temperature']:g}, max {s['max_tokens']} new tokens, parallel drafting, prefix caching off, "
         f"{report['dtype']}, on {report['hardware']}"
     )
-    lines = [f"vLLM acceptance (concurrency 1; {cond}); target {report['target']}"]
+    lines = [
+        f"vLLM acceptance (concurrency {s.get('acceptance_concurrency', 1)}; {cond}); target {report['target']}"
+    ]
     acc_rows = []
     for r in report["results"]:
         per = r["acceptance_per_position"]
@@ -123,8 +125,8 @@ def plot_acceptance(report: dict[str, Any], path: str | Path) -> Path:
         ax.legend(fontsize="small")
     s = report["settings"]
     fig.suptitle(
-        f"vLLM per-position acceptance: T={s['temperature']:g}, max {s['max_tokens']} new tokens, concurrency 1, "
-        f"{report['hardware']}",
+        f"vLLM per-position acceptance: T={s['temperature']:g}, max {s['max_tokens']} new tokens, "
+        f"concurrency {s.get('acceptance_concurrency', 1)}, {report['hardware']}",
         fontsize="small",
     )
     fig.tight_layout()

@@ -3,8 +3,8 @@
 One engine for the plain target, then one engine per draft (each shut down before the next starts, to bound
 memory), all with the same settings and the same prompts. Per draft and prompt set: vLLM's acceptance length
 (AL = 1 + accepted / drafts, counters differenced around the run), per-position acceptance, output tokens/s with and
-without the draft and the speedup, at temperature T (default 0) with concurrency 1 for AL; tokens/s also at every
-`--concurrency`. At T = 0 the speculative output is compared with the plain output. The trainer's estimated AL (from
+without the draft and the speedup, at temperature T (default 0) with concurrency 1 for AL (or
+`--acceptance-concurrency`); tokens/s also at every `--concurrency`. At T = 0 the speculative output is compared with the plain output. The trainer's estimated AL (from
 the run's metrics.jsonl) is reported beside vLLM's. Writes DIR/report.json and DIR/acceptance.png when asked.
 Never trains and never writes a cache.
 """
@@ -68,8 +68,9 @@ class EvalOptions:
     temperature: float = 0.0
     depths: int | None = None
     concurrency: list[int] = field(default_factory=lambda: [1])
+    acceptance_concurrency: int = 1
     output: str | None = None
-    dtype: Literal["bf16", "fp32"] = "bf16"
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
@@ -86,10 +87,17 @@ class EvalOptions:
             raise BadInput(f"--depths must be positive, got {self.depths}")
         if not self.concurrency or min(self.concurrency) <= 0:
             raise BadInput(f"--concurrency must be positive, got {self.concurrency}")
+        if self.acceptance_concurrency <= 0:
+            raise BadInput(f"--acceptance-concurrency must be positive, got {self.acceptance_concurrency}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise BadInput(f"--temperature must be >= 0, got {self.temperature}")
-        if self.dtype not in ("bf16", "fp32"):
-            raise BadInput(f"--dtype must be bf16 or fp32, got {self.dtype!r}")
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            raise BadInput(f"--dtype must be auto, bf16 or fp32, got {self.dtype!r}")
+
+    @property
+    def levels(self) -> list[int]:
+        """Every concurrency measured: the tokens/s levels and the one AL is read from."""
+        return sorted(set(self.concurrency) | {self.acceptance_concurrency})
 
 
 @dataclass
@@ -215,6 +223,18 @@ def finite(obj: Any) -> Any:
     return obj
 
 
+def engine_dtype(requested: str) -> Literal["bf16", "fp32"]:
+    """The vLLM model dtype: `requested`, or for auto bf16 on a GPU and the CPU rule of
+    `runtime.resolve_compute_dtype` on vLLM's CPU backend (fp32 where the CPU has no bf16 units)."""
+    from peagle_pipeline.runtime import resolve_compute_dtype
+
+    if requested != "auto":
+        return requested  # type: ignore[return-value]
+    from vllm.platforms import current_platform
+
+    return resolve_compute_dtype("auto", "cpu") if current_platform.is_cpu() else "bf16"
+
+
 def _figure_settings(opts: EvalOptions, depths: int, concurrency: int, hardware: str) -> dict[str, Any]:
     return {
         "depths": depths,
@@ -239,14 +259,15 @@ def build_report(
 ) -> dict[str, Any]:
     """The report (JSON-ready, no NaN) from the runs: `plain[(set, c)]`, `spec[(draft, set, c)]`.
 
-    AL and per-position acceptance come from the concurrency-1 run; tokens/s and speedup from each concurrency
-    (1 is always measured, for AL, so it is always reported).
+    AL and per-position acceptance come from the run at `opts.acceptance_concurrency` (1 unless asked); tokens/s
+    and speedup from each concurrency (the acceptance one is always measured, so it is always reported).
     """
-    levels = sorted(set(opts.concurrency) | {1})
+    levels = opts.levels
+    ac = opts.acceptance_concurrency
     rows = []
     for d in drafts:
         for s in sets:
-            al_run, base = spec[(d.name, s.name, 1)], plain[(s.name, 1)]
+            al_run, base = spec[(d.name, s.name, ac)], plain[(s.name, ac)]
             greedy = opts.temperature == 0
             diff = mismatches(base.outputs, al_run.outputs) if greedy else []
             throughput = []
@@ -270,7 +291,7 @@ def build_report(
                     "draft": d.name,
                     "prompt_set": s.name,
                     "prompts": len(s.prompts),
-                    **_figure_settings(opts, d.depths, 1, hardware),
+                    **_figure_settings(opts, d.depths, ac, hardware),
                     "trained_depths": d.trained_depths,
                     **al_run.counters.to_json(),
                     "output_tokens": al_run.output_tokens,
@@ -291,7 +312,7 @@ def build_report(
             "num_prompts": opts.num_prompts,
             "depths": opts.depths,
             "concurrency": levels,
-            "acceptance_concurrency": 1,
+            "acceptance_concurrency": ac,
             "seed": opts.seed,
             "parallel_drafting": True,
             "prefix_caching": False,
@@ -375,6 +396,7 @@ def run(opts: EvalOptions, echo: Callable[[str], None] | None = None) -> dict[st
                 "are drafted beyond what it learned)"
             )
     require_vllm()
+    opts = replace(opts, dtype=engine_dtype(opts.dtype))
     tokenizer = load_tokenizer(target)
     sets = [load_prompt_set(spec, tokenizer, opts.num_prompts) for spec in opts.prompts]
     sets = [replace(s, name=n) for s, n in zip(sets, _unique([s.name for s in sets]), strict=True)]
@@ -387,7 +409,7 @@ def run(opts: EvalOptions, echo: Callable[[str], None] | None = None) -> dict[st
         tensor_parallel_size=opts.tensor_parallel_size,
         gpu_memory_utilization=opts.gpu_memory_utilization,
     )
-    levels = sorted(set(opts.concurrency) | {1})
+    levels = opts.levels
     engine_seconds: dict[str, float] = {}
     say(f"plain target {target}: {sum(len(s.prompts) for s in sets)} prompts in {len(sets)} set(s)")
     with engine(settings, None) as (llm, started):

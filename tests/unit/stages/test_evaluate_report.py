@@ -57,7 +57,7 @@ def _draft(name: str, estimate: dict | None = None) -> Draft:
 
 def _report(temperature: float = 0.0) -> dict:
     opts = EvalOptions(
-        drafts=["a", "b"], prompts=["p"], max_tokens=4, concurrency=[4], temperature=temperature
+        drafts=["a", "b"], prompts=["p"], max_tokens=4, concurrency=[4], temperature=temperature, dtype="bf16"
     )
     sets = [PromptSet(name="p", source="p.jsonl", prompts=[[1, 2], [3, 4, 5]])]
     out = [[7, 8, 9, 10], [11, 12]]
@@ -192,3 +192,38 @@ def test_cli_without_vllm_is_one_line(tmp_path: Path, tiny_model: Path) -> None:
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"error: draft export {tmp_path / 'missing'} not found"
     ]
+
+
+def test_acceptance_is_read_from_the_concurrency_asked_for() -> None:
+    """--acceptance-concurrency C: AL and per-position acceptance come from the run at C, and 1 is not forced."""
+    opts = EvalOptions(drafts=["a"], prompts=["p"], max_tokens=4, concurrency=[4], acceptance_concurrency=4)
+    assert opts.levels == [4]
+    sets = [PromptSet(name="p", source="p.jsonl", prompts=[[1, 2], [3, 4, 5]])]
+    out = [[7, 8, 9, 10], [11, 12]]
+    at4 = SpecCounters(drafts=4, draft_tokens=8, accepted=4, per_pos=(3, 1))
+    report = build_report(
+        opts,
+        target="/t",
+        hardware="CPU X, 2 cores",
+        sets=sets,
+        drafts=[_draft("a")],
+        plain={("p", 4): EngineRun(out, 1.0, concurrency=4)},
+        spec={("a", "p", 4): EngineRun(out, 0.5, at4, concurrency=4)},
+        engine_seconds={"plain": 1.0, "a": 2.0},
+        wall_seconds=3.0,
+    )
+    (row,) = report["results"]
+    assert row["acceptance_length"] == pytest.approx(2.0) and row["acceptance_per_position"] == [0.75, 0.25]
+    assert row["concurrency"] == 4 and report["settings"]["acceptance_concurrency"] == 4
+    assert [t["concurrency"] for t in row["throughput"]] == [4]
+    with pytest.raises(BadInput, match="--acceptance-concurrency must be positive"):
+        EvalOptions(drafts=["d"], acceptance_concurrency=0)
+
+
+def test_dtype_is_auto_by_default_and_checked() -> None:
+    from peagle_pipeline.stages.evaluate import engine_dtype
+
+    assert EvalOptions(drafts=["d"]).dtype == "auto"
+    assert engine_dtype("fp32") == "fp32" and engine_dtype("bf16") == "bf16"  # given: used as it is
+    with pytest.raises(BadInput, match="--dtype must be auto, bf16 or fp32"):
+        EvalOptions(drafts=["d"], dtype="fp16")  # type: ignore[arg-type]
