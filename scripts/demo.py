@@ -127,7 +127,10 @@ def generate(cfg_path: Path, paths: dict[str, Path], state: dict[str, Any]) -> N
         gen = state.setdefault("generate", {"seconds": 0.0, "runs": 0})
         gen["seconds"] += time.perf_counter() - t0
         gen["runs"] += 1
-        gen["summary"] = out.strip().splitlines()[-6:]
+        ours = [
+            ln.strip() for ln in out.splitlines() if ln.strip() and not ln.startswith("(")
+        ]  # not vLLM's logs
+        gen["summary"] = ours[-4:]
 
 
 def extract(cfg_path: Path, paths: dict[str, Path], state: dict[str, Any]) -> None:
