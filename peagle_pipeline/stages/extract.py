@@ -40,10 +40,10 @@ from peagle_pipeline.errors import (
     BadConfig,
     BadInput,
     IncompatibleCache,
-    Interrupted,
     OutputExists,
     ResumeMismatch,
 )
+from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import atomic_write_text, describe_compute_dtype, fsync_dir, rank_world_from_env
 
 __all__ = [
@@ -430,7 +430,7 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     """Extract (or resume) this rank's store of the cache at cfg.output. See the module docstring.
 
     Raises:
-        BadInput, BadConfig, OutputExists, IncompatibleCache, ResumeMismatch, Busy, OutOfSpace, Interrupted.
+        BadInput, BadConfig, OutputExists, IncompatibleCache, ResumeMismatch, Busy, OutOfSpace, Interrupted (Ctrl-C), Terminated (SIGTERM).
     """
     from peagle_pipeline.backends.pieces import read_target_info
 
@@ -482,11 +482,11 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
         if writer.next_ordinal == 0 and world == 1:  # (one of several ranks may legitimately get none)
             raise _NoSamples(_no_samples(cfg, writer))  # the store is never committed: a re-run starts afresh
         writer.close()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM (preemption): the committed shards stay
         writer.abort()
-        raise Interrupted(
-            f"interrupted: {writer.committed_samples} samples of {writer.store} are committed; "
-            "re-run the same command to resume"
+        raise stop_error(
+            stop,
+            f": {writer.committed_samples} samples of {writer.store} are committed; re-run the same command to resume",
         ) from None
     except _NoSamples as err:
         writer.abort()
