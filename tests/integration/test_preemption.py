@@ -219,9 +219,9 @@ def test_generate_stops_on_sigterm_and_sigint_and_resumes_to_the_same_bytes(
 
 
 # --------------------------------------------------------------------------------------------------- train
-STEPS = 40
+STEPS = 400  # a tiny step takes ~10 ms: enough steps that every stop lands inside the loop
 TRAIN_FLAGS = small_train_flags(
-    depths=3, tokens_per_step=160, steps=STEPS, eval_every=10, save_every=1000, num_workers=1
+    depths=3, tokens_per_step=160, steps=STEPS, eval_every=100, save_every=1000, num_workers=1
 )
 
 
