@@ -36,6 +36,7 @@ from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.layout import CacheMeta
 from peagle_pipeline.cache.writer import CacheWriter, SampleData, SampleRecord
 from peagle_pipeline.config import ExtractConfig, to_dict
+from peagle_pipeline.core import fp8
 from peagle_pipeline.errors import (
     BadConfig,
     BadInput,
@@ -198,7 +199,7 @@ def plan_batches(
 
 
 # ------------------------------------------------------------------------------------------ output dir
-_LOGICAL = {"bf16": "bfloat16", "fp32": "float32"}
+_LOGICAL = {"bf16": "bfloat16", "fp32": "float32", "fp8": layout.FP8}
 
 
 def build_meta(
@@ -374,6 +375,8 @@ def _to_storage(t: Any, logical: str) -> np.ndarray:
     t = t.detach().to("cpu").contiguous()
     if logical == "bfloat16":
         return t.to(torch.bfloat16).view(torch.uint16).numpy()
+    if logical == layout.FP8:
+        return fp8.encode_rows(t).numpy()  # [T, ..., H + 4] uint8
     return t.to(torch.float32).numpy()
 
 
