@@ -81,6 +81,12 @@ BENCHES = [
         VLLM_PY,
     ),
     Bench(
+        "fp8",
+        "bench_fp8.py",
+        ["--samples", "16", "--max-length", "512"],
+        ["--quick"],
+    ),
+    Bench(
         "data_wait",
         "bench_data_wait.py",
         ["--samples", "32", "--max-length", "512", "--steps", "24"],
@@ -299,6 +305,23 @@ def figures(out: Path) -> list[dict[str, Any]]:
             if r
             else missing,
             r and r["ratio"] >= 2.5,
+        )
+    )
+    r = _load(out, "fp8")
+    figs.append(
+        _fig(
+            "fp8 aux storage (`--dtype fp8`): bytes per token vs the lossless cache, and its error",
+            "smaller; error reported (no goal)",
+            "bench_fp8",
+            r and r["fp8_vs_lossless"],
+            f"{r['fp8_vs_lossless']:.3f}x of lossless ({r['bytes_per_token']['ours-fp8']:.0f} vs "
+            f"{r['bytes_per_token']['ours-bf16 (lossless, default)']:.0f} B/token; per-sample "
+            f"{r['bytes_per_token']['per-sample (aux + last hidden)']:.0f}); aux relative L2 error "
+            f"{r['error']['rel_l2']:.4f}"
+            if r
+            else missing,
+            r and r["fp8_vs_lossless"] < 1.0,
+            "lossy opt-in; the quality cost (AL of a draft trained on it) is not measured yet",
         )
     )
     r = _load(out, "dtype")

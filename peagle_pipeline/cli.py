@@ -1,6 +1,6 @@
 """The `peagle-pipeline` command line: parse flags, resolve the config, call a stage. Nothing else.
 
-`main()` is the one error boundary: a `PeagleError` becomes one line on stderr and its exit code, Ctrl-C exit 130,
+`main()` is the one error boundary: a `PeagleError` becomes one line on stderr and its exit code, Ctrl-C exit 130, SIGTERM 143,
 an OS error about a path (disk full, read-only, missing) its `errors.from_os_error` class; set PEAGLE_DEBUG=1 to see
 the traceback instead. Heavy imports (torch, zarr) happen inside commands, so `--help`, `--version` and `plot`
 start without torch. An option of a config field is built by `_opt(Config, "name")`: its help, default and allowed
@@ -19,6 +19,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperCommand
 
+from peagle_pipeline import preemption
 from peagle_pipeline.config import (
     ExtractConfig,
     GenerateConfig,
@@ -421,12 +422,14 @@ def vllm_check(
     )
 
 
-_INTERRUPTED = "interrupted: committed work is kept; re-run the same command to resume"
+_STOPPED = ": committed work is kept; re-run the same command to resume"
+_INTERRUPTED = "interrupted" + _STOPPED
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns (and exits with) the process exit code."""
     debug = os.environ.get("PEAGLE_DEBUG") == "1"
+    preemption.install()  # SIGTERM (preemption) stops a command the way Ctrl-C does; exit 143
     try:
         # standalone_mode=False: typer returns the code of an Exit (and 130 for a Ctrl-C it caught) instead of
         # exiting, and lets PeagleError and click's usage errors through to the handlers below.
@@ -438,10 +441,10 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         code = _report(err)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         if debug:
             raise
-        code = _report(Interrupted(_INTERRUPTED))
+        code = _report(preemption.stop_error(stop, _STOPPED))
     except (
         OSError
     ) as err:  # a path that cannot be used: disk full, read-only, missing, a file for a directory
@@ -453,8 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         if debug or not (hasattr(err, "show") and hasattr(err, "exit_code")):
             if type(err).__name__ == "Exit":
                 code = int(getattr(err, "exit_code", 0))
-            elif type(err).__name__ == "Abort":
-                code = _report(Interrupted(_INTERRUPTED))
+            elif type(err).__name__ == "Abort":  # click's wrapper of a KeyboardInterrupt it caught
+                code = _report(preemption.stop_error(err, _STOPPED))
             else:
                 raise
         else:

@@ -136,7 +136,10 @@ class ExtractConfig:
         None, "Use only the first N conversations of the data (before rank splitting)."
     )
     batch_tokens: int = _f(8192, "Padded tokens per forward batch.")
-    dtype: Literal["bf16", "fp32"] = _f("bf16", "Stored hidden-state dtype (the forward's is compute_dtype).")
+    dtype: Literal["bf16", "fp32", "fp8"] = _f(
+        "bf16",
+        "Stored hidden-state dtype (the forward's is compute_dtype). fp8: lossy, about half the bytes of bf16 (e4m3 with an fp32 scale per token and layer, read back as bf16; see docs/cache-format.md).",
+    )
     compute_dtype: Literal["auto", "bf16", "fp32"] = _f(
         "auto",
         "Target forward dtype. auto: fp32 when dtype is fp32, else bf16 on CUDA and on CPUs with bf16 units (AMX / AVX512-BF16), fp32 on other CPUs (faster there); a resumed cache keeps the dtype it was started with.",

@@ -21,6 +21,7 @@ __all__ = [
     "NumericalFault",
     "OutOfSpace",
     "Interrupted",
+    "Terminated",
     "BackendMismatch",
     "SpeculativeMismatch",
 ]
@@ -102,6 +103,12 @@ class Interrupted(PeagleError):
     """Ctrl-C: committed work is kept; re-run the same command to resume."""
 
     exit_code = 130
+
+
+class Terminated(Interrupted):
+    """SIGTERM (a preemption by SLURM or Kubernetes): committed work is kept; re-run the same command to resume."""
+
+    exit_code = 143
 
 
 _NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)

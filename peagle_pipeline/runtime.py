@@ -12,9 +12,7 @@ import functools
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +28,6 @@ __all__ = [
     "exchange_paths",
     "rank_world_from_env",
     "RankLock",
-    "StopOnSigint",
     "configure_logging",
     "raise_if_no_space",
     "CPU_BF16_ENV",
@@ -205,37 +202,6 @@ class RankLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-class StopOnSigint:
-    """Ctrl-C as a request: the first SIGINT sets `requested` (the loop stops at its next step boundary, after
-    saving); a second one raises KeyboardInterrupt at once. A no-op outside the main thread.
-
-    Use as a context manager around the loop; the previous handler is restored on exit.
-    """
-
-    def __init__(self, notice: str) -> None:
-        self.notice = notice
-        self.requested = False
-        self._previous: Any = None
-        self._installed = False
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        os.write(2, f"\n{self.notice}\n".encode())
-
-    def __enter__(self) -> StopOnSigint:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-            self._installed = True
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous)
-            self._installed = False
 
 
 class _LineHandler(logging.Handler):

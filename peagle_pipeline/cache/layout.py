@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from peagle_pipeline.core import fp8
+
 __all__ = [
     "FORMAT_VERSION",
     "CACHE_META",
@@ -54,6 +56,7 @@ __all__ = [
     "checksum",
     "SHARD_INDEX_ENTRY",
     "HIDDEN_ARRAYS",
+    "FP8",
     "zstd_level",
     "chunk_codec",
 ]
@@ -113,7 +116,9 @@ class CacheMeta:
     vocab_size: int
     aux_layer_ids: list[int]
     topk: int
-    hidden_dtype: str  # "bfloat16" or "float32": logical dtype of aux_hidden / last_hidden
+    # "bfloat16" or "float32" (lossless), or "float8_e4m3" (lossy opt-in, core/fp8.py: e4m3 + an fp32 scale per
+    # token and layer, read back as bfloat16): how aux_hidden / last_hidden are stored
+    hidden_dtype: str
     # "bfloat16" or "float32": the dtype the target forward ran in (resolved, never "auto"). Caches written before
     # this field existed computed in their hidden_dtype, which `from_dict` fills in, so they resume unchanged.
     compute_dtype: str
@@ -153,21 +158,34 @@ HASH = "blake2b-128"
 SHARD_INDEX_ENTRY = 16
 
 
+FP8 = "float8_e4m3"
+# Logical hidden dtype -> stored numpy dtype (Zarr has neither bfloat16 nor float8: both are stored as bits).
+_HIDDEN_STORED = {"bfloat16": "uint16", "float32": "float32", FP8: "uint8"}
+
+
 def array_specs(meta: CacheMeta) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Arrays of a store with their stored dtype and per-token shape (the shape after the token axis).
 
-    Example: SmolLM2 (H=576), 3 aux layers, k=32, bf16 -> aux_hidden ("uint16", (3, 576)), topk_ids ("int32", (32,)).
+    Example: SmolLM2 (H=576), 3 aux layers, k=32, bf16 -> aux_hidden ("uint16", (3, 576)), topk_ids ("int32", (32,));
+    fp8 -> aux_hidden ("uint8", (3, 580)).
+
+    Raises:
+        ValueError: a hidden dtype this version does not know (a cache from a newer version).
     """
-    hidden = "uint16" if meta.hidden_dtype == "bfloat16" else "float32"
+    if meta.hidden_dtype not in _HIDDEN_STORED:
+        raise ValueError(f"unknown hidden dtype {meta.hidden_dtype!r}")
+    hidden, H = _HIDDEN_STORED[meta.hidden_dtype], meta.hidden_size
+    if meta.hidden_dtype == FP8:
+        H = fp8.packed_width(H)  # the fp8 values, then the row's fp32 scale
     specs: dict[str, tuple[str, tuple[int, ...]]] = {
         "input_ids": (ARRAYS["input_ids"], ()),
         "loss_mask": (ARRAYS["loss_mask"], ()),
-        "aux_hidden": (hidden, (len(meta.aux_layer_ids), meta.hidden_size)),
+        "aux_hidden": (hidden, (len(meta.aux_layer_ids), H)),
         "topk_ids": (ARRAYS["topk_ids"], (meta.topk,)),
         "topk_logprobs": (ARRAYS["topk_logprobs"], (meta.topk,)),
     }
     if meta.has_last_hidden:
-        specs["last_hidden"] = (hidden, (meta.hidden_size,))
+        specs["last_hidden"] = (hidden, (H,))
     return specs
 
 
@@ -227,14 +245,20 @@ def to_storage(array: np.ndarray, logical_dtype: str) -> np.ndarray:
         return array
     if logical_dtype == "float32":
         return array.astype(np.float32, copy=False)
+    if logical_dtype == FP8:
+        if array.dtype != np.uint8:
+            raise TypeError(f"fp8 data must arrive packed as uint8 (core/fp8.py), got {array.dtype}")
+        return array
     raise ValueError(f"unknown logical dtype {logical_dtype}")
 
 
 def from_storage(array: np.ndarray, logical_dtype: str) -> Any:
-    """Stored hidden states back to a torch tensor of the logical dtype, without copying (a view)."""
+    """Stored hidden states back to a torch tensor: bf16/fp32 without copying (a view); fp8 decoded to bf16."""
     import torch
 
     tensor = torch.from_numpy(np.ascontiguousarray(array))
     if logical_dtype == "bfloat16":
         return tensor.view(torch.bfloat16)
+    if logical_dtype == FP8:
+        return fp8.decode_rows(tensor)
     return tensor

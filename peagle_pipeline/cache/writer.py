@@ -14,16 +14,12 @@ manifest, so crash tests can kill -9 a writer inside that window. Unset (always,
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
 import logging
 import os
 import shutil
-import signal
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +29,7 @@ import numpy as np
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.layout import CacheMeta
 from peagle_pipeline.errors import CorruptCache, IncompatibleCache, ResumeMismatch
+from peagle_pipeline.preemption import deferred
 from peagle_pipeline.runtime import (
     RankLock,
     atomic_write_bytes,
@@ -383,8 +380,8 @@ class CacheWriter:
 
     # ------------------------------------------------------------------------------------------- commit
     def _flush(self, final: bool) -> None:
-        """Write the buffered whole shards (and at close the partial tail), then commit; Ctrl-C waits for it."""
-        with _sigint_deferred():
+        """Write the buffered whole shards (and at close the partial tail), then commit; a stop signal waits for it."""
+        with deferred():  # a Ctrl-C or SIGTERM acts right after the commit, never inside Zarr's I/O
             self._write_and_commit(final)
 
     def _write_and_commit(self, final: bool) -> None:
@@ -521,27 +518,6 @@ class CacheWriter:
             self.close()
         else:
             self.abort()
-
-
-@contextlib.contextmanager
-def _sigint_deferred() -> Iterator[None]:
-    """Hold SIGINT while a commit is written and raise KeyboardInterrupt right after it.
-
-    An interrupt inside Zarr's I/O would abandon its event-loop tasks mid-write (and print asyncio noise); the
-    commit takes milliseconds, so finishing it first costs nothing and keeps Ctrl-C a clean stop.
-    """
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or previous is None:
-        yield
-        return
-    caught: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught:
-        raise KeyboardInterrupt
 
 
 def _test_pause() -> None:

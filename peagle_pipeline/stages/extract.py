@@ -36,14 +36,15 @@ from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.layout import CacheMeta
 from peagle_pipeline.cache.writer import CacheWriter, SampleData, SampleRecord
 from peagle_pipeline.config import ExtractConfig, to_dict
+from peagle_pipeline.core import fp8
 from peagle_pipeline.errors import (
     BadConfig,
     BadInput,
     IncompatibleCache,
-    Interrupted,
     OutputExists,
     ResumeMismatch,
 )
+from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import atomic_write_text, describe_compute_dtype, fsync_dir, rank_world_from_env
 
 __all__ = [
@@ -198,7 +199,7 @@ def plan_batches(
 
 
 # ------------------------------------------------------------------------------------------ output dir
-_LOGICAL = {"bf16": "bfloat16", "fp32": "float32"}
+_LOGICAL = {"bf16": "bfloat16", "fp32": "float32", "fp8": layout.FP8}
 
 
 def build_meta(
@@ -374,6 +375,8 @@ def _to_storage(t: Any, logical: str) -> np.ndarray:
     t = t.detach().to("cpu").contiguous()
     if logical == "bfloat16":
         return t.to(torch.bfloat16).view(torch.uint16).numpy()
+    if logical == layout.FP8:
+        return fp8.encode_rows(t).numpy()  # [T, ..., H + 4] uint8
     return t.to(torch.float32).numpy()
 
 
@@ -430,7 +433,7 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     """Extract (or resume) this rank's store of the cache at cfg.output. See the module docstring.
 
     Raises:
-        BadInput, BadConfig, OutputExists, IncompatibleCache, ResumeMismatch, Busy, OutOfSpace, Interrupted.
+        BadInput, BadConfig, OutputExists, IncompatibleCache, ResumeMismatch, Busy, OutOfSpace, Interrupted (Ctrl-C), Terminated (SIGTERM).
     """
     from peagle_pipeline.backends.pieces import read_target_info
 
@@ -482,11 +485,11 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
         if writer.next_ordinal == 0 and world == 1:  # (one of several ranks may legitimately get none)
             raise _NoSamples(_no_samples(cfg, writer))  # the store is never committed: a re-run starts afresh
         writer.close()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM (preemption): the committed shards stay
         writer.abort()
-        raise Interrupted(
-            f"interrupted: {writer.committed_samples} samples of {writer.store} are committed; "
-            "re-run the same command to resume"
+        raise stop_error(
+            stop,
+            f": {writer.committed_samples} samples of {writer.store} are committed; re-run the same command to resume",
         ) from None
     except _NoSamples as err:
         writer.abort()

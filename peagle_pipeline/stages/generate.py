@@ -28,7 +28,8 @@ from peagle_pipeline.backends.generation import (
 )
 from peagle_pipeline.config import GenerateConfig
 from peagle_pipeline.data.dialogue import REASON_TOO_LONG, Dialogue, DialogueBuilder
-from peagle_pipeline.errors import BadConfig, BadInput, Interrupted
+from peagle_pipeline.errors import BadConfig, BadInput
+from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import rank_world_from_env, resolve_compute_dtype
 from peagle_pipeline.stages.extract import rank_rows
 from peagle_pipeline.stages.onpolicy_files import (
@@ -240,7 +241,7 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
         echo: where plain progress lines go when stderr is not a terminal (no tqdm bar then).
 
     Raises:
-        BadInput, BadConfig, OutputExists, IncompatibleCache, ResumeMismatch, Busy, OutOfSpace, Interrupted.
+        BadInput, BadConfig, OutputExists, IncompatibleCache, ResumeMismatch, Busy, OutOfSpace, Interrupted (Ctrl-C), Terminated (SIGTERM).
     """
     from transformers import AutoTokenizer
 
@@ -295,10 +296,10 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
         )
         _loop(cfg, builder, settings, sampling, writer, summary, rank, world, echo)
         writer.finish()
-    except KeyboardInterrupt:
-        raise Interrupted(
-            f"interrupted: {writer.state['rows']} rows of {writer.rows_path.name} are committed; "
-            "re-run the same command to resume"
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM (preemption): the committed chunks stay
+        raise stop_error(
+            stop,
+            f": {writer.state['rows']} rows of {writer.rows_path.name} are committed; re-run the same command to resume",
         ) from None
     finally:
         writer.close()

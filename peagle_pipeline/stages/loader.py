@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from peagle_pipeline.errors import BadConfig, CorruptCache
+from peagle_pipeline.preemption import ignore_in_worker
 
 __all__ = [
     "RowPlan",
@@ -384,5 +384,5 @@ def _identity(x: Any) -> Any:
 
 
 def _ignore_sigint(worker_id: int) -> None:
-    """Workers leave Ctrl-C to the training process, which stops at a step boundary and ends them."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Workers leave Ctrl-C and SIGTERM to the training process, which stops at a step boundary and ends them."""
+    ignore_in_worker()

@@ -32,13 +32,12 @@ from peagle_pipeline.errors import (
     BadConfig,
     BadInput,
     CorruptCache,
-    Interrupted,
     NumericalFault,
     ResumeMismatch,
 )
+from peagle_pipeline.preemption import StopRequest, stop_error
 from peagle_pipeline.runtime import (
     RankLock,
-    StopOnSigint,
     configure_logging,
     describe_compute_dtype,
     resolve_compute_dtype,
@@ -394,8 +393,8 @@ class Trainer:
     def fit(self, should_stop: Any = None) -> dict[str, Any]:
         """Run steps until `total_steps`; eval, save and log on their cadences. Returns the final eval record.
 
-        `should_stop()` is asked before every step (Ctrl-C): when true on any rank, the current step is saved
-        and `Interrupted` is raised.
+        `should_stop()` is asked before every step and returns the stop signal received (0 = none): when any
+        rank got one, the current step is saved and `Interrupted` (SIGINT) or `Terminated` (SIGTERM) is raised.
 
         Raises:
             Interrupted: a stop was requested (after the checkpoint is written).
@@ -406,13 +405,15 @@ class Trainer:
         last_eval: dict[str, Any] | None = None
         saved_at = self.step
         while self.step < self.total_steps:
-            if should_stop is not None and self._stop_requested(should_stop()):
+            signum = self._stop_signal(should_stop()) if should_stop is not None else 0
+            if signum:
                 if saved_at != self.step:
                     self.save()
-                raise Interrupted(
-                    f"interrupted at step {self.step} of {self.total_steps}: "
+                raise stop_error(
+                    signum,
+                    f" at step {self.step} of {self.total_steps}: "
                     + (f"checkpoint step-{self.step} saved" if self.step else "nothing trained yet")
-                    + "; re-run with --resume to continue"
+                    + "; re-run with --resume to continue",
                 )
             t0 = time.perf_counter()
             cursor, micro = next(stream)
@@ -456,11 +457,13 @@ class Trainer:
                 saved_at = self.step
         return last_eval or {}
 
-    def _stop_requested(self, local: bool) -> bool:
-        """True when any rank was asked to stop (one tiny all-reduce per step under DDP)."""
+    def _stop_signal(self, local: int) -> int:
+        """The stop signal any rank received, 0 for none (one tiny all-reduce per step under DDP; SIGTERM wins
+        over SIGINT when ranks got different ones)."""
         if self.dist.world == 1:
             return local
-        return float(self.dist.all_sum(torch.tensor([1.0 if local else 0.0]))[0]) > 0
+        got = self.dist.all_sum(torch.tensor([float(local == 15), float(local == 2)]))
+        return 15 if float(got[0]) > 0 else (2 if float(got[1]) > 0 else 0)
 
 
 def _fmt(x: float | None, digits: int = 2) -> str:
@@ -490,7 +493,7 @@ def _check_truncation(split: Any, budget: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- entry
-STOP_NOTICE = "Ctrl-C: stopping after this step and saving a checkpoint (press Ctrl-C again to stop at once)"
+STOP_NOTICE = "stopping after this step and saving a checkpoint (a second Ctrl-C or SIGTERM stops at once)"
 
 
 def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
@@ -498,7 +501,8 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
 
     Order: lock the run folder, check it, build every component (cache, draft, data plan: all the checks), and
     only then write train.yaml/run.json/draft.json, so a start that fails leaves nothing that blocks a retry.
-    Ctrl-C stops at the next step boundary with a checkpoint (`Interrupted`, exit 130).
+    Ctrl-C or SIGTERM stops at the next step boundary with a checkpoint (`Interrupted` exit 130, `Terminated`
+    exit 143).
 
     Raises:
         PeagleError subclasses for every user mistake (see `prepare_output`, `build_draft`, the cache reader).
@@ -541,18 +545,19 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
             why = describe_compute_dtype(cfg.precision, str(dist.device), trainer.precision)
             log.info("%s", why)
             sink.note(why)
-        with StopOnSigint(STOP_NOTICE) as stop:  # Ctrl-C from here on: finish the step, save, stop
-            final = trainer.fit(should_stop=lambda: stop.requested)
+        with StopRequest(STOP_NOTICE) as stop:  # Ctrl-C/SIGTERM from here on: finish the step, save, stop
+            final = trainer.fit(should_stop=lambda: stop.signum)
         if dist.main:
             _finish(cfg, final, sink)
         sink.close()
         dist.barrier()
         return final
-    except KeyboardInterrupt:  # Ctrl-C before the loop, or a second one inside it: stop without saving
-        raise Interrupted(
-            "interrupted: the last complete checkpoint is kept; re-run with --resume to continue"
+    except KeyboardInterrupt as stop:  # a stop before the loop, or a second one inside it: no saving
+        raise stop_error(
+            stop,
+            ": the last complete checkpoint is kept; re-run with --resume to continue"
             if started
-            else "interrupted before training started; re-run the same command to start"
+            else " before training started; re-run the same command to start",
         ) from None
     finally:
         sink.close()

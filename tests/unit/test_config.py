@@ -45,7 +45,7 @@ def test_precedence_flag_over_yaml_over_default(tmp_path):
     [
         ({"topkk": 3}, "did you mean 'topk'"),
         ({"topk": 0}, "topk must be positive"),
-        ({"dtype": "fp8"}, "dtype must be one of"),
+        ({"dtype": "fp16"}, "dtype must be one of"),
         ({"topk": "many"}, "topk must be of type int"),
         ({"layers": "2,-1"}, "layers must be non-negative"),
         ({"shard_tokens": 1000, "chunk_tokens": 512}, "multiple of chunk_tokens"),
