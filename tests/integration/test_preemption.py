@@ -3,7 +3,8 @@ process group of a real `extract`, `generate` and `train` at random moments afte
 exit within seconds with one error line and its code (143 / 130), and re-running the same command after every
 stop must end with exactly the result of an uninterrupted run (cache bytes, rows file bytes, weights and losses).
 
-STOPS (PEAGLE_PREEMPT_STOPS, default 4) stops per stage; moments seeded by PEAGLE_CRASH_SEED. Markers: crash, slow.
+STOPS (PEAGLE_PREEMPT_STOPS, default 2: one SIGTERM, one SIGINT) stops per stage; moments seeded by
+PEAGLE_CRASH_SEED. Markers: crash, slow.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from peagle_pipeline.stages.onpolicy_files import SLEEP_ENV, rejects_file, rows_
 
 pytestmark = [pytest.mark.crash, pytest.mark.slow]
 
-STOPS = int(os.environ.get("PEAGLE_PREEMPT_STOPS", "4"))
+STOPS = int(os.environ.get("PEAGLE_PREEMPT_STOPS", "2"))
 SEED = int(os.environ.get("PEAGLE_CRASH_SEED", "2026"))
 EXIT_WITHIN_S = 15.0  # generous for a loaded 2-core host; a stop takes well under a second here
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
