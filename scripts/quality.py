@@ -46,10 +46,10 @@ BASE = {
     "max_prompt_tokens": 768,
     "max_length": 1024,
     "ablation_steps": 150,
-    "main_steps": 1000,
+    "main_steps": 600,
     "curve_points": 2,
     "eval_max_tokens": 96,
-    "speed_prompts": 80,
+    "speed_prompts": 40,
 }
 # The ablation's AL is read from runs with this many requests in flight (the same AL up to numerics, several times
 # faster than one prompt at a time on a CPU); the main draft is also measured at concurrency 1 (SPEC 4b: the
