@@ -1,5 +1,7 @@
 """Process plumbing shared by the stages: atomic files, rank discovery, per-rank locks, the compute dtype.
 
+The one home of atomic publish (temp + fsync + rename), fsync helpers and the crash-test pause hook
+(`pause_for_crash_test`): every writer (cache, checkpoints, exports, on-policy files) uses these.
 Nothing here knows about models or caches. Importing it has no side effects (torch is imported lazily, the
 environment and /proc/cpuinfo are read only when a function is called).
 """
@@ -26,6 +28,9 @@ __all__ = [
     "atomic_write_json",
     "create_exclusive",
     "fsync_dir",
+    "fsync_file",
+    "atomic_copy",
+    "pause_for_crash_test",
     "make_readable",
     "exchange_paths",
     "rank_world_from_env",
@@ -54,6 +59,28 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """fsync a file's data to disk (after it was written and closed)."""
+    fd = os.open(os.fspath(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pause_for_crash_test(env_var: str) -> None:
+    """Crash-test hook: sleep `$env_var` seconds when that variable is set, else nothing.
+
+    Writers call it between the data of a commit and its marker, so a crash test can kill -9 them in that window.
+    Unset (always, outside tests) it does nothing.
+    """
+    delay = os.environ.get(env_var)
+    if delay:
+        import time
+
+        time.sleep(float(delay))
 
 
 def make_readable(path: str | os.PathLike[str]) -> None:
@@ -111,6 +138,24 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     except OSError as err:
         tmp.unlink(missing_ok=True)
         raise_if_no_space(err, str(path))
+
+
+def atomic_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Copy `src` to `dst` via a temp file + fsync + os.replace, with a plain file's mode (never a half file)."""
+    import shutil
+    import tempfile
+
+    dst = Path(dst)
+    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        shutil.copyfile(src, tmp)
+        make_readable(tmp)
+        fsync_file(tmp)
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

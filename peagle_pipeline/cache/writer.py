@@ -38,12 +38,15 @@ from peagle_pipeline.runtime import (
     atomic_write_bytes,
     atomic_write_json,
     fsync_dir,
+    pause_for_crash_test,
     raise_if_no_space,
 )
 
 __all__ = ["SampleRecord", "SampleData", "CacheWriter", "read_manifest", "file_hash"]
 
 log = logging.getLogger(__name__)
+
+SLEEP_ENV = "PEAGLE_TEST_COMMIT_SLEEP"  # the crash-test hook of the module docstring
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,7 +409,7 @@ class CacheWriter:
                 self._fsync_shards(start, stop)
             except OSError as err:
                 raise_if_no_space(err, f"store {self.store}")
-            _test_pause()
+            pause_for_crash_test(SLEEP_ENV)
             for first in range(start, stop, S):
                 last = min(first + S, stop)
                 self._shards.append(
@@ -542,15 +545,6 @@ def _sigint_deferred() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
     if caught:
         raise KeyboardInterrupt
-
-
-def _test_pause() -> None:
-    """The crash-test hook of the module docstring (a no-op unless PEAGLE_TEST_COMMIT_SLEEP is set)."""
-    delay = os.environ.get("PEAGLE_TEST_COMMIT_SLEEP")
-    if delay:
-        import time
-
-        time.sleep(float(delay))
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:

@@ -29,6 +29,7 @@ from peagle_pipeline.runtime import (
     atomic_write_json,
     exchange_paths,
     fsync_dir,
+    fsync_file,
     make_readable,
     raise_if_no_space,
 )
@@ -282,9 +283,7 @@ def write_export(
         (tmp / CONFIG_FILE).write_text(json.dumps(export_config(spec), indent=2) + "\n")
         (tmp / MARKER_FILE).write_text(json.dumps({**(source or {}), "time": time.time()}, indent=2) + "\n")
         for name in EXPORT_FILES:
-            fd = os.open(tmp / name, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+            fsync_file(tmp / name)
         fsync_dir(tmp)
         if out.exists():
             os.chmod(tmp, stat.S_IMODE(out.stat().st_mode))  # keep the folder's permissions

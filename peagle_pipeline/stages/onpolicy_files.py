@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from peagle_pipeline.runtime import (
     atomic_write_json,
     create_exclusive,
     fsync_dir,
+    pause_for_crash_test,
     raise_if_no_space,
 )
 
@@ -211,9 +211,7 @@ class OnPolicyWriter:
         rejects = b"".join(encode_line(r) for r in chunk.rejects)
         self._append(self.rows_path, rows)
         self._append(self.rejects_path, rejects)
-        delay = os.environ.get(SLEEP_ENV)
-        if delay:
-            time.sleep(float(delay))
+        pause_for_crash_test(SLEEP_ENV)
         st = dict(self.state)
         st["chunks"] += 1
         st["rows"] += len(chunk.rows)
