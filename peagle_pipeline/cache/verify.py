@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from peagle_pipeline.cache import layout
-from peagle_pipeline.cache.writer import file_hash
 
 if TYPE_CHECKING:
     from peagle_pipeline.cache.reader import Cache
@@ -71,7 +70,7 @@ def _verify_store(cache: Cache, name: str, manifest: dict[str, Any], seen: dict[
     )  # tables of an incomplete store rewritten by a commit its manifest does not name yet
     for table, digest in manifest["tables"].items():
         try:
-            ok = file_hash(root.read_bytes(f"{rel}/{table}")) == digest
+            ok = layout.file_hash(root.read_bytes(f"{rel}/{table}")) == digest
         except FileNotFoundError:
             ok = False
         if not ok and manifest.get("complete"):

@@ -15,7 +15,6 @@ manifest, so crash tests can kill -9 a writer inside that window. Unset (always,
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import logging
@@ -42,7 +41,7 @@ from peagle_pipeline.runtime import (
     raise_if_no_space,
 )
 
-__all__ = ["SampleRecord", "SampleData", "CacheWriter", "read_manifest", "file_hash"]
+__all__ = ["SampleRecord", "SampleData", "CacheWriter", "read_manifest"]
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +86,6 @@ class _Pending:
     row: dict[str, Any]
     counted_ids: np.ndarray  # int64 [n_supervised]: supervised token ids, counted on commit
     all_ids: np.ndarray  # int64 [T]: every token id of the sample, counted on commit
-
-
-def file_hash(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 _MANIFEST_KEYS = (
@@ -304,7 +299,7 @@ class CacheWriter:
         (or by a version that did not write it)."""
         path = self.store_dir / table
         raw = path.read_bytes() if path.exists() else b""
-        if file_hash(raw) == manifest["tables"].get(table):
+        if layout.file_hash(raw) == manifest["tables"].get(table):
             return np.load(io.BytesIO(raw)).astype(np.int64)
         return self._recount(supervised_only)
 
@@ -479,7 +474,7 @@ class CacheWriter:
                 "shard_tokens": self.shard_tokens,
                 "chunk_tokens": self.meta.chunk_tokens,
                 "shards": self._shards,
-                "tables": {name: file_hash(blob) for name, blob in tables.items()},
+                "tables": {name: layout.file_hash(blob) for name, blob in tables.items()},
             }
             atomic_write_json(self.store_dir / layout.MANIFEST, manifest)
             fsync_dir(self.store_dir)
