@@ -43,8 +43,8 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from peagle_pipeline.backends.base import get_backend
     from peagle_pipeline.backends.pieces import read_target_info
+    from peagle_pipeline.backends.registry import get_backend
     from peagle_pipeline.data.chat import ChatRenderer
     from peagle_pipeline.data.formats import iter_rows
 

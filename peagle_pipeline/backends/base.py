@@ -2,7 +2,7 @@
 
 The runner hands a backend a batch of token-id lists and gets per-sample outputs in the cache's
 conventions (SPEC section 2): unshifted rows, vLLM layer ids, true top-k log-probs over the full vocabulary.
-The runner never branches on the backend name.
+The runner never branches on the backend name; `registry.get_backend` picks the implementation.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from peagle_pipeline.errors import BadConfig, BadInput
+from peagle_pipeline.errors import BadInput
 from peagle_pipeline.runtime import resolve_compute_dtype
 
 if TYPE_CHECKING:
@@ -22,10 +22,8 @@ __all__ = [
     "TargetInfo",
     "SampleOutputs",
     "TargetBackend",
-    "get_backend",
     "default_layer_ids",
     "validate_layer_ids",
-    "check_target",
     "target_device",
     "forward_dtype",
 ]
@@ -90,21 +88,6 @@ def validate_layer_ids(layer_ids: list[int], num_hidden_layers: int) -> list[int
     return sorted(set(layer_ids))
 
 
-def check_target(cfg: ExtractConfig, layer_ids: list[int]) -> tuple[TargetInfo, list[int]]:
-    """What every backend checks before loading weights: the target's config, the layer ids and top-k.
-
-    Raises:
-        BadInput: unreadable model config, a layer id outside 0..L, top-k larger than the vocabulary.
-    """
-    from peagle_pipeline.backends.pieces import read_target_info
-
-    info = read_target_info(cfg.model)
-    ids = validate_layer_ids(list(layer_ids), info.num_hidden_layers)
-    if cfg.topk > info.vocab_size:
-        raise BadInput(f"topk ({cfg.topk}) is larger than the target vocabulary ({info.vocab_size})")
-    return info, ids
-
-
 def target_device(cfg: ExtractConfig) -> str:
     """The device the target runs on, as a string: `auto` -> "cuda" when CUDA is available, else "cpu"."""
     if cfg.device != "auto":
@@ -120,16 +103,3 @@ def forward_dtype(cfg: ExtractConfig, device: str) -> Literal["bf16", "fp32"]:
     if cfg.compute_dtype == "auto" and cfg.dtype == "fp32":
         return "fp32"
     return resolve_compute_dtype(cfg.compute_dtype, device)
-
-
-def get_backend(cfg: ExtractConfig, layer_ids: list[int]) -> TargetBackend:
-    """Build the backend named by `cfg.backend`, importing it lazily (vLLM is a heavy, optional import)."""
-    if cfg.backend == "hf":
-        from peagle_pipeline.backends.hf import HFBackend
-
-        return HFBackend(cfg, layer_ids)
-    if cfg.backend == "vllm":
-        from peagle_pipeline.backends.vllm import VLLMBackend
-
-        return VLLMBackend(cfg, layer_ids)
-    raise BadConfig(f"unknown backend {cfg.backend!r}; choose hf or vllm")

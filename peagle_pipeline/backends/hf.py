@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from peagle_pipeline.backends.base import SampleOutputs, check_target, forward_dtype
-from peagle_pipeline.backends.pieces import text_config
+from peagle_pipeline.backends.base import SampleOutputs, forward_dtype
+from peagle_pipeline.backends.pieces import check_target, text_config
 from peagle_pipeline.errors import BadInput
 
 if TYPE_CHECKING:

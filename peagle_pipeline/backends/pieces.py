@@ -12,11 +12,14 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from peagle_pipeline.backends.base import TargetInfo
+from peagle_pipeline.backends.base import TargetInfo, validate_layer_ids
 from peagle_pipeline.cache.layout import PIECES_FILE
 from peagle_pipeline.errors import BadInput
+
+if TYPE_CHECKING:
+    from peagle_pipeline.config import ExtractConfig
 
 __all__ = [
     "read_target_info",
@@ -29,6 +32,7 @@ __all__ = [
     "find_piece_names",
     "load_target_pieces_from_model",
     "target_files",
+    "check_target",
     "TOKENIZER_FILES",
 ]
 
@@ -279,3 +283,16 @@ def target_files(model_path: str | os.PathLike[str]) -> list[Path]:
     """
     p = _model_dir(model_path)
     return [p / name for name in (CONFIG_FILE, *TOKENIZER_FILES) if (p / name).is_file()]
+
+
+def check_target(cfg: ExtractConfig, layer_ids: list[int]) -> tuple[TargetInfo, list[int]]:
+    """What every backend checks before loading weights: the target's config, the layer ids and top-k.
+
+    Raises:
+        BadInput: unreadable model config, a layer id outside 0..L, top-k larger than the vocabulary.
+    """
+    info = read_target_info(cfg.model)
+    ids = validate_layer_ids(list(layer_ids), info.num_hidden_layers)
+    if cfg.topk > info.vocab_size:
+        raise BadInput(f"topk ({cfg.topk}) is larger than the target vocabulary ({info.vocab_size})")
+    return info, ids

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from peagle_pipeline.backends.base import SampleOutputs, check_target, forward_dtype, target_device
-from peagle_pipeline.backends.pieces import text_config
+from peagle_pipeline.backends.base import SampleOutputs, forward_dtype, target_device
+from peagle_pipeline.backends.pieces import check_target, text_config
 from peagle_pipeline.errors import BackendMismatch, BadInput
 
 if TYPE_CHECKING:

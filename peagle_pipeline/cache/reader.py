@@ -312,13 +312,6 @@ class Cache:
             lines.append("rejects: 0")
         return "\n".join(lines)
 
-    # ------------------------------------------------------------------------------------------- verify
-    def verify(self) -> list[str]:
-        """Read everything back; one line per problem naming the store (and samples) affected. Empty = ok."""
-        from peagle_pipeline.cache.verify import verify_cache
-
-        return verify_cache(self)
-
 
 def _check_table(store: str, manifest: dict[str, Any], table: str, blob: bytes) -> None:
     """A complete store's tables never change after its last commit: a hash mismatch is damage.

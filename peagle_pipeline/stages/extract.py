@@ -26,9 +26,9 @@ from peagle_pipeline.backends.base import (
     TargetBackend,
     default_layer_ids,
     forward_dtype,
-    get_backend,
     target_device,
 )
+from peagle_pipeline.backends.registry import get_backend
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.layout import CacheMeta
 from peagle_pipeline.cache.location import prepare_cache, recorded_compute_dtype, remove_new_cache

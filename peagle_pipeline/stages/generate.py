@@ -22,10 +22,10 @@ from peagle_pipeline.backends.generation import (
     GenerationBackend,
     GeneratorSettings,
     SamplingSettings,
-    get_generation_backend,
     request_seed,
     vllm_installed,
 )
+from peagle_pipeline.backends.registry import get_generation_backend
 from peagle_pipeline.config import GenerateConfig
 from peagle_pipeline.data.dialogue import REASON_TOO_LONG, Dialogue, DialogueBuilder
 from peagle_pipeline.errors import BadConfig, BadInput, Interrupted

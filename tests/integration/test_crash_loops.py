@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
+from peagle_pipeline.cache.verify import verify_cache
 from peagle_pipeline.stages import metrics
 
 pytestmark = [pytest.mark.crashloop, pytest.mark.slow]
@@ -149,7 +150,7 @@ def test_extraction_survives_kill9_loop(tiny_model: Path, conversations: Path, t
     )
     assert final.returncode == 0, final.stderr[-2000:]
     assert_same_cache(ref, out)
-    assert open_cache(out).verify() == []
+    assert verify_cache(open_cache(out)) == []
     print(
         f"\ncrash loop (extract): survived {kills} kill -9 ({mid_commit} between shard data and manifest) "
         f"in {time.monotonic() - t0:.0f} s; resumed cache bit-identical"

@@ -24,6 +24,7 @@ from cli_argv import PEAGLE
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
+from peagle_pipeline.cache.verify import verify_cache
 
 pytestmark = pytest.mark.slow
 
@@ -132,7 +133,7 @@ def test_clean_extraction(setup, env):
     counts = cache.token_counts()
     assert counts.sum() == cache.samples["num_supervised"].sum()
     assert set(cache.target_pieces()) == set(layout.PIECE_KEYS)
-    assert cache.verify() == []
+    assert verify_cache(cache) == []
     assert "samples 30" in setup["stdout"] and "rejects 3" in setup["stdout"]
 
 
@@ -198,7 +199,7 @@ def test_two_ranks_union_equals_one_rank(setup, env, tmp_path):
             a["loss_mask"], b["loss_mask"]
         )
     assert np.array_equal(two.token_counts(), one.token_counts())
-    assert two.verify() == []
+    assert verify_cache(two) == []
 
 
 def _wait_for_lock(lock: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -254,4 +255,4 @@ def test_kill9_at_random_moments_then_resume_is_bit_identical(setup, env, tmp_pa
     final = extract(setup["model"], setup["data"], out, env)
     assert final.returncode == 0, final.stderr
     assert_same_cache(setup["ref"], out)
-    assert open_cache(out).verify() == []
+    assert verify_cache(open_cache(out)) == []
