@@ -55,6 +55,7 @@ def bench_extraction(args: argparse.Namespace) -> dict[str, float]:
     """Tokens/s of forward + storage conversion per compute dtype, over the same batches."""
     from peagle_pipeline.backends.hf import HFBackend
     from peagle_pipeline.backends.pieces import read_target_info
+    from peagle_pipeline.stages.extract import backend_settings
 
     base = dict(model=args.model, data=[args.data], output="unused", max_samples=args.samples)
     base.update(max_length=args.max_length, batch_tokens=args.batch_tokens, device="cpu")
@@ -63,7 +64,7 @@ def bench_extraction(args: argparse.Namespace) -> dict[str, float]:
     info = read_target_info(args.model)
     layer_ids = stage.resolve_layers(cfgs["bf16"], info.num_hidden_layers)
     meta = stage.build_meta(cfgs["bf16"], info, layer_ids, 1, "bf16")  # only its stored dtypes are used
-    backends = {d: HFBackend(cfgs[d], layer_ids) for d in DTYPES}
+    backends = {d: HFBackend(backend_settings(cfgs[d]), layer_ids) for d in DTYPES}
     for b in backends.values():
         b.forward([s.input_ids for s in batches[0][:1]])  # warm-up (allocator, kernels)
     seconds = dict.fromkeys(DTYPES, 0.0)

@@ -70,7 +70,7 @@ def main() -> None:
             stage.render_rows(rows, renderer, cfg.max_length, cfg.overlong), cfg.batch_tokens
         )
         batches = [b for b in plan if isinstance(b, list)]
-        backend = get_backend(cfg, layer_ids)
+        backend = get_backend(cfg.backend, stage.backend_settings(cfg), layer_ids)
         backend.forward([s.input_ids for s in batches[0][:1]])  # warm-up (allocator, kernels)
         backend.bare_forward([s.input_ids for s in batches[0][:1]])
         writer = CacheWriter(root, meta, 0, 1).open()

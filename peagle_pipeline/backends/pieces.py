@@ -12,14 +12,11 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from peagle_pipeline.backends.base import TargetInfo, validate_layer_ids
 from peagle_pipeline.cache.layout import PIECES_FILE
 from peagle_pipeline.errors import BadInput
-
-if TYPE_CHECKING:
-    from peagle_pipeline.config import ExtractConfig
 
 __all__ = [
     "read_target_info",
@@ -285,14 +282,14 @@ def target_files(model_path: str | os.PathLike[str]) -> list[Path]:
     return [p / name for name in (CONFIG_FILE, *TOKENIZER_FILES) if (p / name).is_file()]
 
 
-def check_target(cfg: ExtractConfig, layer_ids: list[int]) -> tuple[TargetInfo, list[int]]:
+def check_target(model: str, topk: int, layer_ids: list[int]) -> tuple[TargetInfo, list[int]]:
     """What every backend checks before loading weights: the target's config, the layer ids and top-k.
 
     Raises:
         BadInput: unreadable model config, a layer id outside 0..L, top-k larger than the vocabulary.
     """
-    info = read_target_info(cfg.model)
+    info = read_target_info(model)
     ids = validate_layer_ids(list(layer_ids), info.num_hidden_layers)
-    if cfg.topk > info.vocab_size:
-        raise BadInput(f"topk ({cfg.topk}) is larger than the target vocabulary ({info.vocab_size})")
+    if topk > info.vocab_size:
+        raise BadInput(f"topk ({topk}) is larger than the target vocabulary ({info.vocab_size})")
     return info, ids

@@ -12,24 +12,23 @@ from typing import TYPE_CHECKING
 from peagle_pipeline.errors import BadConfig
 
 if TYPE_CHECKING:
-    from peagle_pipeline.backends.base import TargetBackend
+    from peagle_pipeline.backends.base import BackendSettings, TargetBackend
     from peagle_pipeline.backends.generation import GenerationBackend, GeneratorSettings
-    from peagle_pipeline.config import ExtractConfig
 
 __all__ = ["get_backend", "get_generation_backend"]
 
 
-def get_backend(cfg: ExtractConfig, layer_ids: list[int]) -> TargetBackend:
-    """Build the backend named by `cfg.backend`, importing it lazily (vLLM is a heavy, optional import)."""
-    if cfg.backend == "hf":
+def get_backend(name: str, settings: BackendSettings, layer_ids: list[int]) -> TargetBackend:
+    """Build the target backend `name` ("hf" or "vllm"), importing it lazily (vLLM is a heavy, optional import)."""
+    if name == "hf":
         from peagle_pipeline.backends.hf import HFBackend
 
-        return HFBackend(cfg, layer_ids)
-    if cfg.backend == "vllm":
+        return HFBackend(settings, layer_ids)
+    if name == "vllm":
         from peagle_pipeline.backends.vllm import VLLMBackend
 
-        return VLLMBackend(cfg, layer_ids)
-    raise BadConfig(f"unknown backend {cfg.backend!r}; choose hf or vllm")
+        return VLLMBackend(settings, layer_ids)
+    raise BadConfig(f"unknown backend {name!r}; choose hf or vllm")
 
 
 def get_generation_backend(name: str, settings: GeneratorSettings) -> GenerationBackend:

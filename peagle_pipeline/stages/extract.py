@@ -17,17 +17,11 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import numpy as np
 
-from peagle_pipeline.backends.base import (
-    SampleOutputs,
-    TargetBackend,
-    default_layer_ids,
-    forward_dtype,
-    target_device,
-)
+from peagle_pipeline.backends.base import BackendSettings, SampleOutputs, TargetBackend, default_layer_ids
 from peagle_pipeline.backends.registry import get_backend
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.layout import CacheMeta
@@ -40,7 +34,7 @@ from peagle_pipeline.errors import (
     BadInput,
     Interrupted,
 )
-from peagle_pipeline.runtime import describe_compute_dtype, rank_world_from_env
+from peagle_pipeline.runtime import describe_compute_dtype, rank_world_from_env, resolve_compute_dtype
 
 __all__ = [
     "run",
@@ -52,6 +46,9 @@ __all__ = [
     "prepare_output",
     "target_source",
     "choose_compute_dtype",
+    "backend_settings",
+    "target_device",
+    "forward_dtype",
 ]
 
 log = logging.getLogger(__name__)
@@ -237,6 +234,39 @@ def build_meta(
         chunk_tokens=cfg.chunk_tokens,
         compress=cfg.compress,
         extra={"backend": cfg.backend, "peagle_pipeline_version": __version__},
+    )
+
+
+def target_device(cfg: ExtractConfig) -> str:
+    """The device the target runs on, as a string: `auto` -> "cuda" when CUDA is available, else "cpu"."""
+    if cfg.device != "auto":
+        return cfg.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def forward_dtype(cfg: ExtractConfig, device: str) -> Literal["bf16", "fp32"]:
+    """The dtype of the target forward: `cfg.compute_dtype`, where auto means fp32 when the stored dtype is fp32
+    (a bf16 forward stored in fp32 only costs space), else the hardware's choice (`resolve_compute_dtype`)."""
+    if cfg.compute_dtype == "auto" and cfg.dtype == "fp32":
+        return "fp32"
+    return resolve_compute_dtype(cfg.compute_dtype, device)
+
+
+def backend_settings(cfg: ExtractConfig) -> BackendSettings:
+    """The target backend's own settings from the extract section (the forward dtype resolved)."""
+    return BackendSettings(
+        model=cfg.model,
+        compute_dtype=forward_dtype(cfg, target_device(cfg)),
+        topk=cfg.topk,
+        last_hidden=cfg.last_hidden,
+        device=cfg.device,
+        topk_chunk=cfg.topk_chunk,
+        max_length=cfg.max_length,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
     )
 
 
@@ -481,7 +511,7 @@ def _loop(
                 bar.update(len(item))
                 continue
             if backend is None:
-                backend = get_backend(cfg, list(meta.aux_layer_ids))
+                backend = get_backend(cfg.backend, backend_settings(cfg), list(meta.aux_layer_ids))
             outputs = backend.forward([s.input_ids for s in item])
             for sample, out in zip(item, outputs, strict=True):
                 writer.add(sample.ordinal, sample.record, to_sample_data(sample, out, meta))

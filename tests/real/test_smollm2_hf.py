@@ -13,7 +13,7 @@ from peagle_pipeline.cache.target import save_target_pieces
 from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.data.chat import ChatRenderer
 from peagle_pipeline.data.formats import Conversation, iter_rows
-from peagle_pipeline.stages.extract import target_source
+from peagle_pipeline.stages.extract import backend_settings, target_source
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 MAX_TOKENS = 160  # keep CPU time small: two short real samples
@@ -78,7 +78,7 @@ def backend(smollm2_dir):
         last_hidden=True,
     )
     torch.set_num_threads(2)
-    be = HFBackend(cfg, [2, 15, 27, 30])
+    be = HFBackend(backend_settings(cfg), [2, 15, 27, 30])
     yield be
     be.close()
 
