@@ -50,6 +50,7 @@ from peagle_pipeline.stages.draft import build_draft, describe_mask_token, descr
 from peagle_pipeline.stages.export import check_export_target, export_run, run_identity
 from peagle_pipeline.stages.loader import (
     Cursor,
+    LoaderSettings,
     PackedBatch,
     TrainLoader,
     mix_seed,
@@ -68,7 +69,7 @@ from peagle_pipeline.stages.rundir import (
     write_run_files,
 )
 
-__all__ = ["run", "Trainer"]
+__all__ = ["run", "Trainer", "loader_settings"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,17 @@ class Prepared:
     layout: cod.CODLayout
     valid: torch.Tensor  # BoolTensor[N]: elements that carry loss
     segments: list[partition.Segment]
+
+
+def loader_settings(cfg: TrainConfig) -> LoaderSettings:
+    """The training loader's own settings from the train section."""
+    return LoaderSettings(
+        budget=cfg.tokens_per_step,
+        seed=cfg.seed,
+        num_workers=cfg.num_workers,
+        need_last_hidden=cfg.target == "exact",
+        skip_corrupt=cfg.skip_corrupt,
+    )
 
 
 # ------------------------------------------------------------------------------------------------- the trainer
@@ -99,26 +111,12 @@ class Trainer:
             self.ddp = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None
             )
-        self.optimizer = build_optimizer(self.model, cfg)
-        self.cod = cod.CODConfig(
-            depths=cfg.depths,
-            ratio=cfg.down_sample_ratio,
-            ratio_min=cfg.down_sample_ratio_min,
-            max_anchors=cfg.max_anchors,
-        )
+        self.optimizer = build_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.cod = cfg.cod()
         self.split = split_samples(self.cache.samples, cfg.eval_samples, cfg.seed)
         _check_truncation(self.split, cfg.tokens_per_step)
         self.loader = TrainLoader(
-            self.cache,
-            self.split,
-            cfg.tokens_per_step,
-            cfg.seed,
-            dist.rank,
-            dist.world,
-            micro_steps,
-            cfg.num_workers,
-            cfg.target == "exact",
-            cfg.skip_corrupt,
+            self.cache, self.split, loader_settings(cfg), dist.rank, dist.world, micro_steps
         )
         self.total_steps = cfg.steps or sum(self.loader.steps_in_epoch(e) for e in range(cfg.epochs))
         self.ckpt = CheckpointManager(cfg.output, cfg.keep_checkpoints)
