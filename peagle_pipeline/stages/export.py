@@ -44,6 +44,7 @@ __all__ = [
     "CONFIG_FILE",
     "WEIGHTS_FILE",
     "MARKER_FILE",
+    "export_run_dir",
     "EXPORT_FILES",
     "DraftSpec",
     "export_config",
@@ -187,6 +188,15 @@ def run_identity(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     except (OSError, ValueError, AttributeError):
         started = None
     return {"run": str(Path(run_dir).resolve()), "run_started": started}
+
+
+def export_run_dir(export_dir: str | os.PathLike[str]) -> str | None:
+    """The training run an export came from (its marker's "run"), or None (not ours, or no marker)."""
+    try:
+        run = json.loads((Path(export_dir) / MARKER_FILE).read_text()).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run if isinstance(run, str) else None
 
 
 def _same_run(marker: dict[str, Any], source: dict[str, Any] | None) -> bool:
