@@ -363,7 +363,7 @@ def evaluate(
         depths=depths,
         concurrency=concurrency or [1],
         output=output,
-        dtype=dtype,  # type: ignore[arg-type]  (checked by EvalOptions)
+        dtype=dtype,  # type: ignore[arg-type]  # checked by EvalOptions
         seed=seed,
         tensor_parallel_size=tensor_parallel_size,
     )
@@ -405,7 +405,7 @@ def vllm_check(
         max_tokens=max_tokens,
         depths=depths,
         report=report,
-        dtype=dtype,  # type: ignore[arg-type]  (checked by the stage)
+        dtype=dtype,  # type: ignore[arg-type]  # checked by the stage
         tensor_parallel_size=tensor_parallel_size,
         echo=typer.echo,
     )

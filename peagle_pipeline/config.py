@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -39,7 +40,7 @@ _COD = {f.name: f.default for f in dataclasses.fields(CODConfig)}
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
     if isinstance(default, list):
-        return field(default_factory=lambda d=default: list(d), metadata={"help": help, **kw})
+        return field(default_factory=functools.partial(list, default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -463,6 +464,6 @@ def describe_fields(cls: type) -> list[tuple[str, str, Any]]:
     """(name, help, default) of every field: the source of the CLI help and the pipeline-file docs."""
     out = []
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc,operator]
         out.append((f.name, f.metadata.get("help", ""), default))
     return out

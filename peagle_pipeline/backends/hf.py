@@ -62,7 +62,7 @@ class HFBackend:
             model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype)
         except (OSError, ValueError) as err:
             raise BadInput(f"cannot load target model {cfg.model}: {str(err).splitlines()[0]}") from None
-        self.model = model.to(self.device).eval()
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers' typed `to`
         self.base = getattr(model, model.base_model_prefix)
         layers = getattr(self.base, "layers", None)
         self.norm = getattr(self.base, "norm", None)

@@ -211,7 +211,7 @@ def file_hash(data: bytes | memoryview) -> str:
 
 def checksum(array: np.ndarray) -> str:
     """blake2b-128 hex digest of an array's C-order bytes (the per-shard checksum of the manifest)."""
-    return file_hash(memoryview(np.ascontiguousarray(array)).cast("B"))
+    return file_hash(np.ascontiguousarray(array).data.cast("B"))
 
 
 def store_name(rank: int, world_size: int) -> str:

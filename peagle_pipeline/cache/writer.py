@@ -252,7 +252,7 @@ class CacheWriter:
             # zstd frame checksums / crc32c trailers let a reader detect a damaged chunk without the manifest checksum.
             codec = layout.chunk_codec(name, self.meta.compress)
             level = layout.zstd_level(name, self.meta.compress)
-            compressors = {
+            compressors: Any = {
                 "zstd": [ZstdCodec(level=level or 3, checksum=True)],
                 "blosc": [BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"), Crc32cCodec()],
                 "crc32c": [Crc32cCodec()],

@@ -99,7 +99,8 @@ class _Recorder:
     RuntimeError, losing the errno that says "disk full")."""
 
     def __init__(self, f: Any) -> None:
-        self.f, self.error = f, None
+        self.f = f
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:
@@ -117,7 +118,7 @@ def save_torch(obj: Any, path: Path) -> None:
     with open(path, "wb") as f:
         rec = _Recorder(f)
         try:
-            torch.save(obj, rec)
+            torch.save(obj, rec)  # type: ignore[arg-type]  # a binary file-like object
         except RuntimeError:
             if rec.error is not None:
                 raise rec.error from None

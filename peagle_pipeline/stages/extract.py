@@ -192,11 +192,15 @@ def plan_batches(
 
 
 # ------------------------------------------------------------------------------------------ output dir
-_LOGICAL = {"bf16": "bfloat16", "fp32": "float32"}
+_LOGICAL: dict[Literal["bf16", "fp32"], str] = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 def build_meta(
-    cfg: ExtractConfig, info: Any, layer_ids: list[int], world_size: int, compute_dtype: str | None = None
+    cfg: ExtractConfig,
+    info: Any,
+    layer_ids: list[int],
+    world_size: int,
+    compute_dtype: Literal["bf16", "fp32"] | None = None,
 ) -> CacheMeta:
     """The cache metadata for these settings (compared field by field on resume).
 
@@ -270,7 +274,7 @@ def backend_settings(cfg: ExtractConfig) -> BackendSettings:
     )
 
 
-def choose_compute_dtype(cfg: ExtractConfig, device: str) -> tuple[str, str]:
+def choose_compute_dtype(cfg: ExtractConfig, device: str) -> tuple[Literal["bf16", "fp32"], str]:
     """The forward dtype ("bf16"/"fp32") for this run and the line that says why.
 
     Under `compute_dtype: auto`, a cache that already exists keeps the dtype it was started with (one cache never
@@ -289,7 +293,7 @@ def choose_compute_dtype(cfg: ExtractConfig, device: str) -> tuple[str, str]:
     return chosen, describe_compute_dtype(cfg.compute_dtype, device, chosen)
 
 
-def _recorded_compute_dtype(root: Path) -> str | None:
+def _recorded_compute_dtype(root: Path) -> Literal["bf16", "fp32"] | None:
     """The compute dtype ("bf16"/"fp32") recorded in the cache at root, if readable."""
     return {v: k for k, v in _LOGICAL.items()}.get(recorded_compute_dtype(root) or "")
 

@@ -253,7 +253,7 @@ def cache_split_settings(cache: Path, run_dir: str | Path | None) -> tuple[int, 
 
     from peagle_pipeline.config import TrainConfig
 
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    defaults: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     return int(defaults["seed"]), int(defaults["eval_samples"])
 
 

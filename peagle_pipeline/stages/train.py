@@ -128,7 +128,7 @@ class Trainer:
             None  # total_steps of the checkpoint restored (None: fresh or older run)
         )
         self.precision = resolve_compute_dtype(cfg.precision, str(dist.device))  # auto -> from the hardware
-        self.autocast = dict(
+        self.autocast: dict[str, Any] = dict(
             device_type=dist.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"
         )
         if cfg.target == "exact":
@@ -155,7 +155,7 @@ class Trainer:
         if ckpt is None:
             return False
         self.model.load_state_dict({k: v.to(self.dist.device) for k, v in ckpt.model.items()}, strict=True)
-        self.optimizer.load_state_dict(ckpt.optimizer)
+        self.optimizer.load_state_dict(ckpt.optimizer)  # type: ignore[arg-type]  # loaded with_optimizer
         s = ckpt.state
         self.step, self.cursor = int(s["step"]), Cursor(int(s["epoch"]), int(s["epoch_step"]))
         self.bad_steps, self.best, self.skipped_corrupt = (
@@ -260,7 +260,7 @@ class Trainer:
                 return loss.kl_exact(
                     hidden,
                     head,
-                    p.batch.last_hidden[rows],
+                    p.batch.last_hidden[rows],  # type: ignore[index]  # read when target is exact
                     self.target_norm,
                     self.target_eps,
                     w,
@@ -294,7 +294,7 @@ class Trainer:
             work = [(p, s) for p in prepared for s in p.segments]
             for i, (p, seg) in enumerate(work):
                 sync = i == len(work) - 1
-                ctx = self.ddp.no_sync() if (self.dist.world > 1 and not sync) else contextlib.nullcontext()
+                ctx = self.ddp.no_sync() if (self.dist.world > 1 and not sync) else contextlib.nullcontext()  # type: ignore[operator]
                 with ctx:
                     out = self.forward_segment(p, seg, self.ddp)
                     (out.loss_sum * scale).backward()
