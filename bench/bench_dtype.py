@@ -14,7 +14,6 @@ at least as fast as the other (ratio chosen / other >= 1.0) for both. Prints a M
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_io import write_result  # noqa: E402
 from bench_step import build_setup  # noqa: E402
 
 from peagle_pipeline.config import ExtractConfig  # noqa: E402
@@ -164,9 +164,7 @@ def main() -> None:
     ):
         rates = result[f"{key}_tokens_per_s"]
         print(f"| {name} | {rates['bf16']:.0f} | {rates['fp32']:.0f} | {result[f'{key}_ratio']:.2f} |")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

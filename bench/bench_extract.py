@@ -13,7 +13,6 @@ Prints a Markdown table; writes JSON to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -22,6 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench_io import write_result  # noqa: E402
 
 from peagle_pipeline.cache import layout  # noqa: E402
 from peagle_pipeline.cache.writer import CacheWriter  # noqa: E402
@@ -127,9 +128,7 @@ def main() -> None:
             f"| extraction (hooks + top-k + cache write) | {result['extract_tokens_per_s']:.0f} | "
             f"{result['ratio']:.3f} |"
         )
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
