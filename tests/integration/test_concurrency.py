@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_argv import PEAGLE
+from cli_argv import PEAGLE, extract_argv
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
@@ -93,21 +93,7 @@ def _digest(arrays: dict[str, np.ndarray]) -> str:
 
 
 def _extract(model: Path, data: Path, out: Path, rank: int, env: dict[str, str]) -> subprocess.Popen[str]:
-    cmd = [
-        *PEAGLE,
-        "extract",
-        "--model",
-        str(model),
-        "--data",
-        str(data),
-        "--output",
-        str(out),
-        *SETTINGS,
-        "--rank",
-        str(rank),
-        "--world-size",
-        str(WORLD),
-    ]
+    cmd = extract_argv(model, data, out, *SETTINGS, "--rank", str(rank), "--world-size", str(WORLD))
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

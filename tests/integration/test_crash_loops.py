@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from cache_compare import assert_same_cache
-from cli_argv import PEAGLE, small_train_flags
+from cli_argv import extract_argv, small_train_flags, train_argv
 from safetensors.torch import load_file
 
 from peagle_pipeline.cache import layout
@@ -90,17 +90,7 @@ def _kill_when(
 
 # ------------------------------------------------------------------------------------------------- extract
 def _extract_cmd(model: Path, data: Path, out: Path) -> list[str]:
-    return [
-        *PEAGLE,
-        "extract",
-        "--model",
-        str(model),
-        "--data",
-        str(data),
-        "--output",
-        str(out),
-        *EXTRACT_SETTINGS,
-    ]
+    return extract_argv(model, data, out, *EXTRACT_SETTINGS)
 
 
 def _manifest(out: Path) -> dict | None:
@@ -160,16 +150,7 @@ def test_extraction_survives_kill9_loop(tiny_model: Path, conversations: Path, t
 
 # --------------------------------------------------------------------------------------------------- train
 def _train_cmd(cache: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        *PEAGLE,
-        "train",
-        "--cache",
-        str(cache),
-        "--output",
-        str(out),
-        *TRAIN_FLAGS,
-        *extra,
-    ]
+    return train_argv(cache, out, *TRAIN_FLAGS, *extra)
 
 
 def _steps(out: Path) -> list[int]:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cache_compare import assert_same_cache
-from cli_argv import PEAGLE
+from cli_argv import PEAGLE, extract_argv
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
@@ -66,18 +66,7 @@ def _write_data(path: Path) -> None:
 def extract(
     model: Path, data: Path, out: Path, env: dict[str, str], *extra: str, wait: bool = True
 ) -> subprocess.CompletedProcess | subprocess.Popen:
-    cmd = [
-        *PEAGLE,
-        "extract",
-        "--model",
-        str(model),
-        "--data",
-        str(data),
-        "--output",
-        str(out),
-        *SMALL,
-        *extra,
-    ]
+    cmd = extract_argv(model, data, out, *SMALL, *extra)
     if not wait:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
