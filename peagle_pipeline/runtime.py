@@ -34,6 +34,7 @@ __all__ = [
     "make_readable",
     "exchange_paths",
     "rank_world_from_env",
+    "writer_rank",
     "RankLock",
     "StopOnSigint",
     "configure_logging",
@@ -54,15 +55,15 @@ _BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """fsync a directory so a rename inside it survives a power loss."""
-    fd = os.open(os.fspath(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(path)
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:
     """fsync a file's data to disk (after it was written and closed)."""
+    _fsync(path)
+
+
+def _fsync(path: str | os.PathLike[str]) -> None:
     fd = os.open(os.fspath(path), os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -196,6 +197,18 @@ def rank_world_from_env(rank: int | None, world_size: int | None) -> tuple[int, 
     if world_size is None:
         world_size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
     return rank, world_size
+
+
+def writer_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world size) of a writer process (`rank_world_from_env`), checked.
+
+    Raises:
+        BadConfig: world size below 1 or rank outside 0..world_size-1.
+    """
+    rank, world = rank_world_from_env(rank, world_size)
+    if world < 1 or not 0 <= rank < world:
+        raise BadConfig(f"rank must be in 0..world_size-1, got rank {rank} of {world}")
+    return rank, world
 
 
 class RankLock:

@@ -30,11 +30,10 @@ from peagle_pipeline.cache.target import TargetSource
 from peagle_pipeline.cache.writer import CacheWriter, SampleData, SampleRecord
 from peagle_pipeline.config import ExtractConfig, to_dict
 from peagle_pipeline.errors import (
-    BadConfig,
     BadInput,
     Interrupted,
 )
-from peagle_pipeline.runtime import describe_compute_dtype, rank_world_from_env, resolve_compute_dtype
+from peagle_pipeline.runtime import describe_compute_dtype, resolve_compute_dtype, writer_rank
 
 __all__ = [
     "run",
@@ -384,9 +383,7 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     """
     from peagle_pipeline.backends.pieces import read_target_info
 
-    rank, world = rank_world_from_env(cfg.rank, cfg.world_size)
-    if world < 1 or not 0 <= rank < world:
-        raise BadConfig(f"rank must be in 0..world_size-1, got rank {rank} of {world}")
+    rank, world = writer_rank(cfg.rank, cfg.world_size)
     info = read_target_info(cfg.model)
     layer_ids = resolve_layers(cfg, info.num_hidden_layers)
     if cfg.topk > info.vocab_size:
