@@ -20,13 +20,14 @@ import threading
 from pathlib import Path
 from typing import Any, Literal
 
-from peagle_pipeline.errors import BadConfig, Busy, OutOfSpace, from_os_error
+from peagle_pipeline.errors import BadConfig, Busy, OutOfSpace, OutputExists, from_os_error
 
 __all__ = [
     "atomic_write_bytes",
     "atomic_write_text",
     "atomic_write_json",
     "create_exclusive",
+    "claim_output_dir",
     "fsync_dir",
     "fsync_file",
     "atomic_copy",
@@ -187,6 +188,25 @@ def create_exclusive(path: str | os.PathLike[str], text: str) -> bool:
         raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def claim_output_dir(root: Path, marker: str, what: str) -> None:
+    """Create the output directory `root`, or accept it when it is empty or already holds `marker` (the file a
+    first run writes there); files named `.peagle-*` (our temporaries) do not count.
+
+    Raises:
+        OutputExists: `root` is a file, or a directory holding something else (`what`: "a peagle cache", ...).
+    """
+    if root.exists() and not root.is_dir():
+        raise OutputExists(f"output {root} exists and is not a directory; choose another --output")
+    if root.exists() and not (root / marker).exists():
+        foreign = [p.name for p in root.iterdir() if not p.name.startswith(".peagle-")]
+        if foreign:
+            raise OutputExists(
+                f"output {root} exists and is not {what} (it holds {foreign[0]!r}, ...); "
+                "choose an empty or new directory"
+            )
+    root.mkdir(parents=True, exist_ok=True)
 
 
 def rank_world_from_env(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -17,8 +17,8 @@ from typing import Any
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.layout import CacheMeta
 from peagle_pipeline.cache.target import TargetSource, save_target_pieces
-from peagle_pipeline.errors import IncompatibleCache, OutputExists, ResumeMismatch
-from peagle_pipeline.runtime import atomic_write_text, create_exclusive, fsync_dir
+from peagle_pipeline.errors import IncompatibleCache, ResumeMismatch
+from peagle_pipeline.runtime import atomic_write_text, claim_output_dir, create_exclusive, fsync_dir
 
 __all__ = ["prepare_cache", "check_meta", "recorded_compute_dtype", "remove_new_cache"]
 
@@ -40,17 +40,8 @@ def prepare_cache(
         ResumeMismatch: a cache made with other settings (the message names them).
     """
     root = Path(root)
-    if root.exists() and not root.is_dir():
-        raise OutputExists(f"output {root} exists and is not a directory; choose another --output")
+    claim_output_dir(root, layout.CACHE_META, "a peagle cache")
     meta_path = root / layout.CACHE_META
-    if root.exists() and not meta_path.exists():
-        foreign = [p.name for p in root.iterdir() if not p.name.startswith(".peagle-")]
-        if foreign:
-            raise OutputExists(
-                f"output {root} exists and is not a peagle cache (it holds {foreign[0]!r}, ...); "
-                "choose an empty or new directory"
-            )
-    root.mkdir(parents=True, exist_ok=True)
     if not meta_path.exists():
         create_exclusive(meta_path, json.dumps(meta.to_dict(), indent=2, sort_keys=True) + "\n")
     check_meta(meta_path, meta)
