@@ -80,9 +80,11 @@ test-crash: setup
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
 
+# ruff on everything; mypy type-checks the package (settings in pyproject.toml's [tool.mypy]).
 lint: setup
 	$(VENV)/bin/ruff check peagle_pipeline tests bench scripts
 	$(VENV)/bin/ruff format --check peagle_pipeline tests bench scripts
+	$(VENV)/bin/mypy
 
 fmt: setup
 	$(VENV)/bin/ruff format peagle_pipeline tests bench scripts

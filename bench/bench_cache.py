@@ -31,6 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_io import write_result  # noqa: E402
+
 from peagle_pipeline.cache import layout  # noqa: E402
 from peagle_pipeline.cache.layout import CacheMeta  # noqa: E402
 from peagle_pipeline.cache.reader import open_cache  # noqa: E402
@@ -223,9 +225,7 @@ def main() -> None:
                 f"| {k} | {size[k]:.0f} | {result['size_ratio'][k]:.3f} | {reads[k]:.0f} | "
                 f"{result['read_ratio'][k]:.2f} | {cold[k]:.0f} | {result['cold_read_ratio'][k]:.2f} |"
             )
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result)
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)

@@ -14,7 +14,6 @@ at least as fast as the other (ratio chosen / other >= 1.0) for both. Prints a M
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_io import write_result  # noqa: E402
 from bench_step import build_setup  # noqa: E402
 
 from peagle_pipeline.config import ExtractConfig  # noqa: E402
@@ -55,6 +55,7 @@ def bench_extraction(args: argparse.Namespace) -> dict[str, float]:
     """Tokens/s of forward + storage conversion per compute dtype, over the same batches."""
     from peagle_pipeline.backends.hf import HFBackend
     from peagle_pipeline.backends.pieces import read_target_info
+    from peagle_pipeline.stages.extract import backend_settings
 
     base = dict(model=args.model, data=[args.data], output="unused", max_samples=args.samples)
     base.update(max_length=args.max_length, batch_tokens=args.batch_tokens, device="cpu")
@@ -63,7 +64,7 @@ def bench_extraction(args: argparse.Namespace) -> dict[str, float]:
     info = read_target_info(args.model)
     layer_ids = stage.resolve_layers(cfgs["bf16"], info.num_hidden_layers)
     meta = stage.build_meta(cfgs["bf16"], info, layer_ids, 1, "bf16")  # only its stored dtypes are used
-    backends = {d: HFBackend(cfgs[d], layer_ids) for d in DTYPES}
+    backends = {d: HFBackend(backend_settings(cfgs[d]), layer_ids) for d in DTYPES}
     for b in backends.values():
         b.forward([s.input_ids for s in batches[0][:1]])  # warm-up (allocator, kernels)
     seconds = dict.fromkeys(DTYPES, 0.0)
@@ -163,9 +164,7 @@ def main() -> None:
     ):
         rates = result[f"{key}_tokens_per_s"]
         print(f"| {name} | {rates['bf16']:.0f} | {rates['fp32']:.0f} | {result[f'{key}_ratio']:.2f} |")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

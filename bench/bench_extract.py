@@ -13,7 +13,6 @@ Prints a Markdown table; writes JSON to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -22,6 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench_io import write_result  # noqa: E402
 
 from peagle_pipeline.cache import layout  # noqa: E402
 from peagle_pipeline.cache.writer import CacheWriter  # noqa: E402
@@ -43,8 +44,8 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from peagle_pipeline.backends.base import get_backend
     from peagle_pipeline.backends.pieces import read_target_info
+    from peagle_pipeline.backends.registry import get_backend
     from peagle_pipeline.data.chat import ChatRenderer
     from peagle_pipeline.data.formats import iter_rows
 
@@ -70,7 +71,7 @@ def main() -> None:
             stage.render_rows(rows, renderer, cfg.max_length, cfg.overlong), cfg.batch_tokens
         )
         batches = [b for b in plan if isinstance(b, list)]
-        backend = get_backend(cfg, layer_ids)
+        backend = get_backend(cfg.backend, stage.backend_settings(cfg), layer_ids)
         backend.forward([s.input_ids for s in batches[0][:1]])  # warm-up (allocator, kernels)
         backend.bare_forward([s.input_ids for s in batches[0][:1]])
         writer = CacheWriter(root, meta, 0, 1).open()
@@ -127,9 +128,7 @@ def main() -> None:
             f"| extraction (hooks + top-k + cache write) | {result['extract_tokens_per_s']:.0f} | "
             f"{result['ratio']:.3f} |"
         )
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -24,6 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_io import write_result  # noqa: E402
+
 from peagle_pipeline.config import GenerateConfig  # noqa: E402
 from peagle_pipeline.stages import generate as stage  # noqa: E402
 
@@ -165,9 +167,7 @@ def main() -> None:
                 f"| generate (hf) | {result['hf_generated_tokens']} | {hf_rate:.1f} | {hf_rate / bare_rate:.3f} |"
             )
         print(f"\nreplies identical to the bare run's: {same}/{len(prompts)}")
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -127,12 +127,13 @@ def extraction_throughput(
     from peagle_pipeline.cache.writer import SampleRecord
     from peagle_pipeline.config import ExtractConfig
     from peagle_pipeline.stages import extract as stage
+    from peagle_pipeline.stages.extract import backend_settings
 
     g = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = random_target(Path(tmp) / "target")
         cfg = ExtractConfig(model=str(model_dir), data=["unused"], output="unused", device=device)
-        backend = HFBackend(cfg, [2, 15, 27])
+        backend = HFBackend(backend_settings(cfg), [2, 15, 27])
         # to_sample_data reads only these fields of the cache metadata (stored bf16, top-32, no last hidden)
         meta = SimpleNamespace(topk=cfg.topk, hidden_dtype="bfloat16", has_last_hidden=False)
         plan = []

@@ -1,6 +1,7 @@
 """peagle-pipeline: offline extraction and training of P-EAGLE draft models for vLLM.
 
-Importing the package is cheap: heavy modules (torch, zarr) load only when `open_cache` is called.
+Importing the package is cheap: heavy modules (torch, zarr) load only when `open_cache` or `verify_cache`
+is called.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "open_cache"]
+__all__ = ["__version__", "open_cache", "verify_cache"]
 
 if TYPE_CHECKING:
     from peagle_pipeline.cache.reader import Cache
@@ -19,3 +20,10 @@ def open_cache(path: str, **kwargs: Any) -> Cache:
     from peagle_pipeline.cache.reader import open_cache as _open
 
     return _open(path, **kwargs)
+
+
+def verify_cache(cache: Cache) -> list[str]:
+    """Read an opened cache back; one line per problem (see `peagle_pipeline.cache.verify.verify_cache`)."""
+    from peagle_pipeline.cache.verify import verify_cache as _verify
+
+    return _verify(cache)

@@ -270,9 +270,10 @@ def inspect(
 def verify(cache: Annotated[str, typer.Argument(metavar="CACHE", help="Cache directory.")]) -> None:
     """Read every store back and report any inconsistency by store and sample (exit 4 if any; 3 if incomplete)."""
     from peagle_pipeline.cache.reader import open_cache
+    from peagle_pipeline.cache.verify import verify_cache
     from peagle_pipeline.errors import CorruptCache, IncompatibleCache
 
-    problems = open_cache(cache, check=False).verify()
+    problems = verify_cache(open_cache(cache, check=False))
     for line in problems:
         typer.echo(line)
     damage = [p for p in problems if getattr(p, "kind", "damage") == "damage"]
@@ -374,7 +375,7 @@ def evaluate(
         concurrency=concurrency or [1],
         acceptance_concurrency=acceptance_concurrency,
         output=output,
-        dtype=dtype,  # type: ignore[arg-type]  (checked by EvalOptions)
+        dtype=dtype,  # type: ignore[arg-type]  # checked by EvalOptions
         seed=seed,
         tensor_parallel_size=tensor_parallel_size,
     )
@@ -416,7 +417,7 @@ def vllm_check(
         max_tokens=max_tokens,
         depths=depths,
         report=report,
-        dtype=dtype,  # type: ignore[arg-type]  (checked by the stage)
+        dtype=dtype,  # type: ignore[arg-type]  # checked by the stage
         tensor_parallel_size=tensor_parallel_size,
         echo=typer.echo,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from peagle_pipeline.core.settings import CODConfig
 from peagle_pipeline.errors import BadConfig
 
 __all__ = [
@@ -32,9 +34,13 @@ __all__ = [
 ]
 
 
+# The COD defaults are CODConfig's (defined once, in core/settings.py).
+_COD = {f.name: f.default for f in dataclasses.fields(CODConfig)}
+
+
 def _f(default: Any, help: str, **kw: Any) -> Any:
     if isinstance(default, list):
-        return field(default_factory=lambda d=default: list(d), metadata={"help": help, **kw})
+        return field(default_factory=functools.partial(list, default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -204,7 +210,7 @@ class TrainConfig:
     cache: str = _f("", "Cache directory written by `peagle-pipeline extract`.")
     output: str = _f("", "Run directory (checkpoints, metrics, plots, export).")
     draft_layers: int = _f(1, "Decoder layers of the draft (the first is the fused EAGLE-3 layer).")
-    depths: int = _f(8, "K: tokens drafted in parallel (COD depths 0..K-1).")
+    depths: int = _f(_COD["depths"], "K: tokens drafted in parallel (COD depths 0..K-1).")
     draft_vocab_size: int = _f(
         32000, "Draft vocabulary size (most frequent supervised tokens); capped at the target vocabulary."
     )
@@ -218,9 +224,9 @@ class TrainConfig:
     schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "Learning-rate decay after warm-up.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     grad_clip: float = _f(1.0, "Gradient-norm clip (0 disables).")
-    down_sample_ratio: float = _f(0.7, "COD ratio r: depth d keeps about r**d of the anchors.")
-    down_sample_ratio_min: float = _f(0.2, "COD floor r_min of the kept fraction per depth.")
-    max_anchors: int = _f(512, "At most this many COD seeds per sample (depth >= 1 only).")
+    down_sample_ratio: float = _f(_COD["ratio"], "COD ratio r: depth d keeps about r**d of the anchors.")
+    down_sample_ratio_min: float = _f(_COD["ratio_min"], "COD floor r_min of the kept fraction per depth.")
+    max_anchors: int = _f(_COD["max_anchors"], "At most this many COD seeds per sample (depth >= 1 only).")
     sequence_partitions: int = _f(
         1, "Split each packed row into this many segments (forward+backward each) to cut memory."
     )
@@ -264,11 +270,9 @@ class TrainConfig:
         _positive(
             self,
             "draft_layers",
-            "depths",
             "draft_vocab_size",
             "tokens_per_step",
             "epochs",
-            "max_anchors",
             "sequence_partitions",
             "eval_every",
             "save_every",
@@ -283,11 +287,19 @@ class TrainConfig:
             raise BadConfig(f"mask_token_id must be a token id (>= 0), got {self.mask_token_id}")
         if self.lr <= 0:
             raise BadConfig(f"lr must be positive, got {self.lr}")
-        if not 0.0 < self.down_sample_ratio <= 1.0 or not 0.0 <= self.down_sample_ratio_min <= 1.0:
-            raise BadConfig("down_sample_ratio must be in (0, 1] and down_sample_ratio_min in [0, 1]")
+        self.cod()  # depths, down_sample_ratio(_min) and max_anchors are checked by CODConfig
         for name in ("warmup", "eval_samples", "num_workers", "grad_clip", "weight_decay"):
             if getattr(self, name) < 0:
                 raise BadConfig(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def cod(self) -> CODConfig:
+        """The COD sampling settings of this run (core.cod's own section)."""
+        return CODConfig(
+            depths=self.depths,
+            ratio=self.down_sample_ratio,
+            ratio_min=self.down_sample_ratio_min,
+            max_anchors=self.max_anchors,
+        )
 
 
 def _require(value: Any, name: str, flag: str) -> None:
@@ -455,6 +467,6 @@ def describe_fields(cls: type) -> list[tuple[str, str, Any]]:
     """(name, help, default) of every field: the source of the CLI help and the pipeline-file docs."""
     out = []
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc,operator]
         out.append((f.name, f.metadata.get("help", ""), default))
     return out

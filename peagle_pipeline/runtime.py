@@ -1,5 +1,7 @@
 """Process plumbing shared by the stages: atomic files, rank discovery, per-rank locks, the compute dtype.
 
+The one home of atomic publish (temp + fsync + rename), fsync helpers and the crash-test pause hook
+(`pause_for_crash_test`): every writer (cache, checkpoints, exports, on-policy files) uses these.
 Nothing here knows about models or caches. Importing it has no side effects (torch is imported lazily, the
 environment and /proc/cpuinfo are read only when a function is called).
 """
@@ -16,17 +18,22 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from peagle_pipeline.errors import BadConfig, Busy, OutOfSpace, from_os_error
+from peagle_pipeline.errors import BadConfig, Busy, OutOfSpace, OutputExists, from_os_error
 
 __all__ = [
     "atomic_write_bytes",
     "atomic_write_text",
     "atomic_write_json",
     "create_exclusive",
+    "claim_output_dir",
     "fsync_dir",
+    "fsync_file",
+    "atomic_copy",
+    "pause_for_crash_test",
     "make_readable",
     "exchange_paths",
     "rank_world_from_env",
+    "writer_rank",
     "RankLock",
     "configure_logging",
     "raise_if_no_space",
@@ -46,11 +53,33 @@ _BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """fsync a directory so a rename inside it survives a power loss."""
+    _fsync(path)
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """fsync a file's data to disk (after it was written and closed)."""
+    _fsync(path)
+
+
+def _fsync(path: str | os.PathLike[str]) -> None:
     fd = os.open(os.fspath(path), os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def pause_for_crash_test(env_var: str) -> None:
+    """Crash-test hook: sleep `$env_var` seconds when that variable is set, else nothing.
+
+    Writers call it between the data of a commit and its marker, so a crash test can kill -9 them in that window.
+    Unset (always, outside tests) it does nothing.
+    """
+    delay = os.environ.get(env_var)
+    if delay:
+        import time
+
+        time.sleep(float(delay))
 
 
 def make_readable(path: str | os.PathLike[str]) -> None:
@@ -110,6 +139,24 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
         raise_if_no_space(err, str(path))
 
 
+def atomic_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Copy `src` to `dst` via a temp file + fsync + os.replace, with a plain file's mode (never a half file)."""
+    import shutil
+    import tempfile
+
+    dst = Path(dst)
+    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        shutil.copyfile(src, tmp)
+        make_readable(tmp)
+        fsync_file(tmp)
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
@@ -140,6 +187,25 @@ def create_exclusive(path: str | os.PathLike[str], text: str) -> bool:
         tmp.unlink(missing_ok=True)
 
 
+def claim_output_dir(root: Path, marker: str, what: str) -> None:
+    """Create the output directory `root`, or accept it when it is empty or already holds `marker` (the file a
+    first run writes there); files named `.peagle-*` (our temporaries) do not count.
+
+    Raises:
+        OutputExists: `root` is a file, or a directory holding something else (`what`: "a peagle cache", ...).
+    """
+    if root.exists() and not root.is_dir():
+        raise OutputExists(f"output {root} exists and is not a directory; choose another --output")
+    if root.exists() and not (root / marker).exists():
+        foreign = [p.name for p in root.iterdir() if not p.name.startswith(".peagle-")]
+        if foreign:
+            raise OutputExists(
+                f"output {root} exists and is not {what} (it holds {foreign[0]!r}, ...); "
+                "choose an empty or new directory"
+            )
+    root.mkdir(parents=True, exist_ok=True)
+
+
 def rank_world_from_env(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """Explicit values win; else torchrun (RANK/WORLD_SIZE), then SLURM (SLURM_PROCID/SLURM_NTASKS); else (0, 1)."""
     env = os.environ
@@ -148,6 +214,18 @@ def rank_world_from_env(rank: int | None, world_size: int | None) -> tuple[int, 
     if world_size is None:
         world_size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
     return rank, world_size
+
+
+def writer_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world size) of a writer process (`rank_world_from_env`), checked.
+
+    Raises:
+        BadConfig: world size below 1 or rank outside 0..world_size-1.
+    """
+    rank, world = rank_world_from_env(rank, world_size)
+    if world < 1 or not 0 <= rank < world:
+        raise BadConfig(f"rank must be in 0..world_size-1, got rank {rank} of {world}")
+    return rank, world
 
 
 class RankLock:

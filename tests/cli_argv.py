@@ -10,6 +10,16 @@ PEAGLE = [sys.executable, "-m", "peagle_pipeline.cli"]
 """`peagle-pipeline` run with this interpreter: PEAGLE + ["train", ...]."""
 
 
+def extract_argv(model: object, data: object, out: object, *extra: str) -> list[str]:
+    """`peagle-pipeline extract --model MODEL --data DATA --output OUT EXTRA...` with this interpreter."""
+    return [*PEAGLE, "extract", "--model", str(model), "--data", str(data), "--output", str(out), *extra]
+
+
+def train_argv(cache: object, out: object, *extra: str) -> list[str]:
+    """`peagle-pipeline train --cache CACHE --output OUT EXTRA...` with this interpreter."""
+    return [*PEAGLE, "train", "--cache", str(cache), "--output", str(out), *extra]
+
+
 def flags(**options: object) -> list[str]:
     """CLI flags from keyword options, in order: depths=3 -> ["--depths", "3"]; True -> "--name",
     False -> "--no-name"; underscores become dashes."""

@@ -7,6 +7,7 @@ Built from scratch in a second; no hub, no mocks. Used by conftest fixtures and 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 CHAT_TEMPLATES = {
@@ -138,3 +139,32 @@ def add_stop_bias(model_dir: str | Path, logit: float = 5.0, token: str | None =
         model.lm_head.weight[eot] = (logit * mu / mu.dot(mu)).to(model.lm_head.weight.dtype)
     model.save_pretrained(str(model_dir))
     return Path(model_dir)
+
+
+CHAT_WORDS = (
+    "hello world the quick brown fox jumps over lazy dog speculative decoding drafts tokens target model "
+    "verifies parallel capital france paris answer question helpful assistant"
+).split()
+
+
+def write_conversations(
+    path: Path, n: int, seed: int = 0, words: list[str] = CHAT_WORDS, max_reply_words: int = 30
+) -> Path:
+    """n OpenAI-style conversations (1-3 turns each: 3-12 random words asked, 5..max_reply_words answered) as
+    JSONL; the same file for the same arguments."""
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(n):
+            messages = []
+            for _ in range(rng.randint(1, 3)):
+                messages.append(
+                    {"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(3, 12)))}
+                )
+                messages.append(
+                    {
+                        "role": "assistant",
+                        "content": " ".join(rng.choices(words, k=rng.randint(5, max_reply_words))),
+                    }
+                )
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return path

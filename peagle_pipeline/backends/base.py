@@ -2,7 +2,7 @@
 
 The runner hands a backend a batch of token-id lists and gets per-sample outputs in the cache's
 conventions (SPEC section 2): unshifted rows, vLLM layer ids, true top-k log-probs over the full vocabulary.
-The runner never branches on the backend name.
+The runner never branches on the backend name; `registry.get_backend` picks the implementation.
 """
 
 from __future__ import annotations
@@ -10,25 +10,46 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from peagle_pipeline.errors import BadConfig, BadInput
-from peagle_pipeline.runtime import resolve_compute_dtype
+from peagle_pipeline.errors import BadInput
 
 if TYPE_CHECKING:
     import torch
 
-    from peagle_pipeline.config import ExtractConfig
-
 __all__ = [
+    "BackendSettings",
     "TargetInfo",
     "SampleOutputs",
     "TargetBackend",
-    "get_backend",
     "default_layer_ids",
     "validate_layer_ids",
-    "check_target",
-    "target_device",
-    "forward_dtype",
 ]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BackendSettings:
+    """A target backend's own settings; the extract stage builds them from its section (`backend_settings`),
+    where every default is defined."""
+
+    model: str
+    """Local HF model directory (config.json + safetensors + tokenizer)."""
+    compute_dtype: Literal["bf16", "fp32"]
+    """The forward's dtype, resolved (never auto)."""
+    topk: int
+    """Top log-probabilities kept per token."""
+    last_hidden: bool
+    """Also return the pre-norm last hidden state (layer id L)."""
+    device: str
+    """hf: auto, cpu, cuda, cuda:N."""
+    topk_chunk: int
+    """hf: tokens per chunk of the log-softmax/top-k computation."""
+    max_length: int
+    """vllm: the longest sample (the engine's context is one more)."""
+    tensor_parallel_size: int
+    """vllm: tensor parallel size."""
+    gpu_memory_utilization: float
+    """vllm: GPU memory fraction."""
+    max_num_batched_tokens: int | None
+    """vllm: scheduler token budget per step (None: vLLM's default)."""
 
 
 @dataclass(frozen=True)
@@ -88,48 +109,3 @@ def validate_layer_ids(layer_ids: list[int], num_hidden_layers: int) -> list[int
             f"aux layer ids must be in 0..{num_hidden_layers} (vLLM convention, 0 = embeddings); got {layer_ids}"
         )
     return sorted(set(layer_ids))
-
-
-def check_target(cfg: ExtractConfig, layer_ids: list[int]) -> tuple[TargetInfo, list[int]]:
-    """What every backend checks before loading weights: the target's config, the layer ids and top-k.
-
-    Raises:
-        BadInput: unreadable model config, a layer id outside 0..L, top-k larger than the vocabulary.
-    """
-    from peagle_pipeline.backends.pieces import read_target_info
-
-    info = read_target_info(cfg.model)
-    ids = validate_layer_ids(list(layer_ids), info.num_hidden_layers)
-    if cfg.topk > info.vocab_size:
-        raise BadInput(f"topk ({cfg.topk}) is larger than the target vocabulary ({info.vocab_size})")
-    return info, ids
-
-
-def target_device(cfg: ExtractConfig) -> str:
-    """The device the target runs on, as a string: `auto` -> "cuda" when CUDA is available, else "cpu"."""
-    if cfg.device != "auto":
-        return cfg.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def forward_dtype(cfg: ExtractConfig, device: str) -> Literal["bf16", "fp32"]:
-    """The dtype of the target forward: `cfg.compute_dtype`, where auto means fp32 when the stored dtype is fp32
-    (a bf16 forward stored in fp32 only costs space), else the hardware's choice (`resolve_compute_dtype`)."""
-    if cfg.compute_dtype == "auto" and cfg.dtype == "fp32":
-        return "fp32"
-    return resolve_compute_dtype(cfg.compute_dtype, device)
-
-
-def get_backend(cfg: ExtractConfig, layer_ids: list[int]) -> TargetBackend:
-    """Build the backend named by `cfg.backend`, importing it lazily (vLLM is a heavy, optional import)."""
-    if cfg.backend == "hf":
-        from peagle_pipeline.backends.hf import HFBackend
-
-        return HFBackend(cfg, layer_ids)
-    if cfg.backend == "vllm":
-        from peagle_pipeline.backends.vllm import VLLMBackend
-
-        return VLLMBackend(cfg, layer_ids)
-    raise BadConfig(f"unknown backend {cfg.backend!r}; choose hf or vllm")

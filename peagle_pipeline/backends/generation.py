@@ -12,14 +12,11 @@ import importlib.metadata
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from peagle_pipeline.errors import BadConfig
-
 __all__ = [
     "SamplingSettings",
     "GeneratedReply",
     "GeneratorSettings",
     "GenerationBackend",
-    "get_generation_backend",
     "vllm_installed",
     "request_seed",
     "combine_seeds",
@@ -108,16 +105,3 @@ def split_reply(ids: list[int], stop_token_ids: tuple[int, ...], max_new_tokens:
     if len(ids) < max_new_tokens:
         raise RuntimeError(f"reply of {len(ids)} < {max_new_tokens} tokens ended without a stop token")
     return GeneratedReply(list(ids), "length")
-
-
-def get_generation_backend(name: str, settings: GeneratorSettings) -> GenerationBackend:
-    """Build the backend `name` ("hf" or "vllm"), importing it lazily (vLLM is a heavy, optional import)."""
-    if name == "hf":
-        from peagle_pipeline.backends.hf_generate import HFGenerator
-
-        return HFGenerator(settings)
-    if name == "vllm":
-        from peagle_pipeline.backends.vllm_generate import VLLMGenerator
-
-        return VLLMGenerator(settings)
-    raise BadConfig(f"unknown generation backend {name!r}; choose hf or vllm")

@@ -10,16 +10,13 @@ vocabulary) are kept. Never keeps all layers (`output_hidden_states` is not used
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from peagle_pipeline.backends.base import SampleOutputs, check_target, forward_dtype
-from peagle_pipeline.backends.pieces import text_config
+from peagle_pipeline.backends.base import BackendSettings, SampleOutputs
+from peagle_pipeline.backends.pieces import check_target, text_config
 from peagle_pipeline.errors import BadInput
-
-if TYPE_CHECKING:
-    from peagle_pipeline.config import ExtractConfig
 
 __all__ = ["HFBackend", "resolve_device"]
 
@@ -43,30 +40,29 @@ class HFBackend:
     """The target model in transformers, returning `SampleOutputs` in the cache's conventions.
 
     Args:
-        cfg: extraction settings (model, dtype, compute_dtype, device, topk, topk_chunk, last_hidden); the
-            forward runs in `forward_dtype(cfg, device)`.
+        cfg: the backend's settings (model, compute_dtype, device, topk, topk_chunk, last_hidden).
         layer_ids: aux layer ids (vLLM convention), each in 0..L.
 
     Raises:
         BadInput: bad layer ids, top-k larger than the vocabulary, unloadable model, unknown device.
     """
 
-    def __init__(self, cfg: ExtractConfig, layer_ids: list[int]) -> None:
+    def __init__(self, cfg: BackendSettings, layer_ids: list[int]) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.info, self.layer_ids = check_target(cfg, layer_ids)
+        self.info, self.layer_ids = check_target(cfg.model, cfg.topk, layer_ids)
         L = self.info.num_hidden_layers
         self.topk = cfg.topk
         self.topk_chunk = cfg.topk_chunk
         self.want_last_hidden = cfg.last_hidden
         self.pass_attention_mask = False  # see forward(); True gives the classic padded-mask forward
         self.device = resolve_device(cfg.device)
-        self.dtype = torch.bfloat16 if forward_dtype(cfg, str(self.device)) == "bf16" else torch.float32
+        self.dtype = torch.bfloat16 if cfg.compute_dtype == "bf16" else torch.float32
         try:
             model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype)
         except (OSError, ValueError) as err:
             raise BadInput(f"cannot load target model {cfg.model}: {str(err).splitlines()[0]}") from None
-        self.model = model.to(self.device).eval()
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers' typed `to`
         self.base = getattr(model, model.base_model_prefix)
         layers = getattr(self.base, "layers", None)
         self.norm = getattr(self.base, "norm", None)

@@ -48,7 +48,7 @@ class HFGenerator:
         model.generation_config = (
             GenerationConfig()
         )  # no checkpoint defaults (top_k, temperature, ...) leak in
-        self.model = model.to(self.device).eval()
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers' typed `to`
 
     def generate(
         self, prompts: list[list[int]], seeds: list[int], sampling: SamplingSettings

@@ -1,8 +1,9 @@
-"""What the cache keeps of the target besides activations: its identity, hashes and the few tensors training needs.
+"""The target model directory read without loading the model: its identity, hashes and the few tensors training needs.
 
-`read_target_info` reads config.json only; `save_target_pieces` copies config and tokenizer files and writes
-`pieces.safetensors` (embedding, lm_head, final norm) read straight from the model's safetensors files.
-Never instantiates the model and never loads more than these three tensors.
+`read_target_info` reads config.json only; `load_target_pieces_from_model` reads the embedding, lm_head and final
+norm straight from the model's safetensors files; `target_files` lists the config and tokenizer files a cache
+copies (`cache/target.py` writes them). Never instantiates the model, never writes, never loads more than these
+three tensors.
 """
 
 from __future__ import annotations
@@ -10,12 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from peagle_pipeline.backends.base import TargetInfo
+from peagle_pipeline.backends.base import TargetInfo, validate_layer_ids
+from peagle_pipeline.cache.layout import PIECES_FILE
 from peagle_pipeline.errors import BadInput
 
 __all__ = [
@@ -28,12 +28,11 @@ __all__ = [
     "read_chat_template",
     "find_piece_names",
     "load_target_pieces_from_model",
-    "save_target_pieces",
+    "target_files",
+    "check_target",
     "TOKENIZER_FILES",
-    "PIECES_FILE",
 ]
 
-PIECES_FILE = "pieces.safetensors"
 CONFIG_FILE = "config.json"
 # Files copied next to the pieces (whichever exist); the tokenizer loads from them alone.
 TOKENIZER_FILES = (
@@ -273,62 +272,24 @@ def load_target_pieces_from_model(model_path: str | os.PathLike[str]) -> dict[st
     return pieces
 
 
-def save_target_pieces(model_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
-    """Write config.json, the tokenizer files and pieces.safetensors of the target into `out_dir`.
-
-    Every file is written to a temporary name and renamed, so a crash never leaves a half file.
-
-    Returns:
-        `out_dir` as a Path.
+def target_files(model_path: str | os.PathLike[str]) -> list[Path]:
+    """config.json and the tokenizer files present in the model directory (what a cache's target/ copies).
 
     Raises:
-        BadInput: missing/unreadable model directory or missing tensors.
+        BadInput: missing directory or config.json.
     """
-    from safetensors.torch import save_file
-
     p = _model_dir(model_path)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    pieces = load_target_pieces_from_model(p)
-    for name in (CONFIG_FILE, *TOKENIZER_FILES):
-        if (p / name).is_file():
-            _atomic_copy(p / name, out / name)
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{PIECES_FILE}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(pieces, tmp, metadata={"source": str(p)})
-        _make_readable(tmp)
-        _fsync_path(tmp)
-        os.replace(tmp, out / PIECES_FILE)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    return [p / name for name in (CONFIG_FILE, *TOKENIZER_FILES) if (p / name).is_file()]
 
 
-def _atomic_copy(src: Path, dst: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        _make_readable(tmp)
-        _fsync_path(tmp)
-        os.replace(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+def check_target(model: str, topk: int, layer_ids: list[int]) -> tuple[TargetInfo, list[int]]:
+    """What every backend checks before loading weights: the target's config, the layer ids and top-k.
 
-
-def _make_readable(path: str | Path) -> None:
-    """mkstemp and safetensors create files 0600; give them the mode of a plain new file (0666 less the umask).
-
-    (The same rule as `runtime.make_readable`, which `backends/` may not import.)
+    Raises:
+        BadInput: unreadable model config, a layer id outside 0..L, top-k larger than the vocabulary.
     """
-    mask = os.umask(0o022)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
-
-
-def _fsync_path(path: str | Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+    info = read_target_info(model)
+    ids = validate_layer_ids(list(layer_ids), info.num_hidden_layers)
+    if topk > info.vocab_size:
+        raise BadInput(f"topk ({topk}) is larger than the target vocabulary ({info.vocab_size})")
+    return info, ids

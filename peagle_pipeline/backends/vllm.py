@@ -24,14 +24,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from peagle_pipeline.backends.base import SampleOutputs, check_target, forward_dtype, target_device
-from peagle_pipeline.backends.pieces import text_config
+from peagle_pipeline.backends.base import BackendSettings, SampleOutputs
+from peagle_pipeline.backends.pieces import check_target, text_config
 from peagle_pipeline.errors import BackendMismatch, BadInput
 
 if TYPE_CHECKING:
     from vllm import LLM
-
-    from peagle_pipeline.config import ExtractConfig
 
 __all__ = [
     "VLLMBackend",
@@ -199,16 +197,16 @@ class VLLMBackend:
     """The target model in vLLM, returning the same `SampleOutputs` as the HF backend.
 
     Args:
-        cfg: extraction settings (model, dtype, compute_dtype, device, topk, last_hidden, max_length,
-            tensor_parallel_size, gpu_memory_utilization, max_num_batched_tokens).
+        cfg: the backend's settings (model, compute_dtype, topk, last_hidden, max_length, tensor_parallel_size,
+            gpu_memory_utilization, max_num_batched_tokens).
         layer_ids: aux layer ids (vLLM convention), each in 0..L.
 
     Raises:
         BadInput: bad layer ids, top-k larger than the vocabulary, vLLM missing or refusing the model.
     """
 
-    def __init__(self, cfg: ExtractConfig, layer_ids: list[int]) -> None:
-        self.info, self.layer_ids = check_target(cfg, layer_ids)
+    def __init__(self, cfg: BackendSettings, layer_ids: list[int]) -> None:
+        self.info, self.layer_ids = check_target(cfg.model, cfg.topk, layer_ids)
         L = self.info.num_hidden_layers
         self.topk = cfg.topk
         self.want_last_hidden = cfg.last_hidden
@@ -224,7 +222,7 @@ class VLLMBackend:
         max_pos = text_config(self.info.config).get("max_position_embeddings") or cfg.max_length + 1
         settings = EngineSettings(
             model=cfg.model,
-            dtype=forward_dtype(cfg, target_device(cfg)),
+            dtype=cfg.compute_dtype,
             max_model_len=min(cfg.max_length + 1, max_pos),
             tensor_parallel_size=cfg.tensor_parallel_size,
             gpu_memory_utilization=cfg.gpu_memory_utilization,

@@ -54,6 +54,7 @@ __all__ = [
     "array_specs",
     "HASH",
     "checksum",
+    "file_hash",
     "SHARD_INDEX_ENTRY",
     "HIDDEN_ARRAYS",
     "FP8",
@@ -219,11 +220,16 @@ def chunk_codec(name: str, compress: str) -> str:
     return "blosc" if name == "topk_ids" else "zstd"
 
 
-def checksum(array: np.ndarray) -> str:
-    """blake2b-128 hex digest of an array's C-order bytes (the per-shard checksum of the manifest)."""
+def file_hash(data: bytes | memoryview) -> str:
+    """blake2b-128 hex digest of bytes: the manifest's checksum of a table file (and of array bytes, `checksum`)."""
     import hashlib
 
-    return hashlib.blake2b(memoryview(np.ascontiguousarray(array)).cast("B"), digest_size=16).hexdigest()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def checksum(array: np.ndarray) -> str:
+    """blake2b-128 hex digest of an array's C-order bytes (the per-shard checksum of the manifest)."""
+    return file_hash(np.ascontiguousarray(array).data.cast("B"))
 
 
 def store_name(rank: int, world_size: int) -> str:
@@ -234,21 +240,20 @@ def lock_name(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}.lock"
 
 
-def to_storage(array: np.ndarray, logical_dtype: str) -> np.ndarray:
-    """Hidden states to their stored form: bf16 bit patterns as uint16 (Zarr has no bfloat16), fp32 as is.
-
-    `array` is what `torch_tensor.view(torch.uint16).numpy()` gives for bf16 tensors; no copy is made.
+def to_storage(tensor: Any, logical_dtype: str) -> np.ndarray:
+    """Hidden states (a torch tensor, any device and float dtype) to their stored form on the CPU: bf16 bit
+    patterns as uint16 (Zarr has no bfloat16), float32, or fp8 rows (core/fp8.py). The one conversion the writer's
+    inputs go through.
     """
+    import torch
+
+    t = tensor.detach().to("cpu").contiguous()
     if logical_dtype == "bfloat16":
-        if array.dtype != np.uint16:
-            raise TypeError(f"bf16 data must arrive as uint16 bit patterns, got {array.dtype}")
-        return array
+        return t.to(torch.bfloat16).view(torch.uint16).numpy()
     if logical_dtype == "float32":
-        return array.astype(np.float32, copy=False)
+        return t.to(torch.float32).numpy()
     if logical_dtype == FP8:
-        if array.dtype != np.uint8:
-            raise TypeError(f"fp8 data must arrive packed as uint8 (core/fp8.py), got {array.dtype}")
-        return array
+        return fp8.encode_rows(t).numpy()  # [..., H + 4] uint8: e4m3 bytes and an fp32 scale per row
     raise ValueError(f"unknown logical dtype {logical_dtype}")
 
 

@@ -19,7 +19,6 @@ import numpy as np
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.layout import CacheMeta
 from peagle_pipeline.cache.store_reader import StoreReader, StoreRoot
-from peagle_pipeline.cache.writer import file_hash
 from peagle_pipeline.errors import BadInput, CorruptCache, IncompatibleCache
 
 if TYPE_CHECKING:
@@ -313,20 +312,13 @@ class Cache:
             lines.append("rejects: 0")
         return "\n".join(lines)
 
-    # ------------------------------------------------------------------------------------------- verify
-    def verify(self) -> list[str]:
-        """Read everything back; one line per problem naming the store (and samples) affected. Empty = ok."""
-        from peagle_pipeline.cache.verify import verify_cache
-
-        return verify_cache(self)
-
 
 def _check_table(store: str, manifest: dict[str, Any], table: str, blob: bytes) -> None:
     """A complete store's tables never change after its last commit: a hash mismatch is damage.
 
     (An incomplete store's table may legitimately run ahead of its manifest while a writer commits.)
     """
-    if manifest.get("complete") and file_hash(blob) != manifest.get("tables", {}).get(table):
+    if manifest.get("complete") and layout.file_hash(blob) != manifest.get("tables", {}).get(table):
         raise CorruptCache(
             f"store {store}: {table} does not match its manifest checksum; run `peagle-pipeline verify`"
         )

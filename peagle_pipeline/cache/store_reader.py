@@ -83,7 +83,7 @@ _ZSTD = (
 )  # one reusable decompression context per thread (creating one per chunk costs ~10 us)
 
 
-def _zstd_decompress(frame: memoryview, nbytes: int) -> bytes:
+def _zstd_decompress(frame: memoryview | bytes, nbytes: int) -> bytes:
     """One zstd frame (as zarr's zstd codec writes it) decoded to exactly `nbytes` bytes, else ValueError."""
     dctx = getattr(_ZSTD, "dctx", None)
     if dctx is None:
@@ -301,7 +301,7 @@ class StoreReader:
                 # Raw chunks laid out back to back: read exactly the rows needed, straight into `out`.
                 dest = out[lo_row - start : hi_row - start].reshape(-1).view(np.uint8)
                 pos = int(span[0, 0]) + (lo_row - chunk * C) * row_bytes
-                if os.preadv(self._fd(info, shard), [dest], pos) != dest.nbytes:
+                if os.preadv(self._fd(info, shard), [dest], pos) != dest.nbytes:  # type: ignore[list-item]
                     raise CorruptCache(f"store {self.name}: shard {shard} of {info.name} is truncated")
                 chunk = last + 1
                 continue
@@ -319,7 +319,7 @@ class StoreReader:
                     dest[...] = info.fill_value
                     continue
                 off, n = int(span[j, 0]) - base, int(span[j, 1])
-                raw = memoryview(blob)[off : off + n]
+                raw: memoryview | bytes = memoryview(blob)[off : off + n]
                 try:
                     if info.zstd:
                         raw = _zstd_decompress(raw, C * row_bytes)
@@ -359,7 +359,7 @@ class StoreReader:
         views: list[np.ndarray] = []
         for j in range(n):
             views += [flat[j * chunk_bytes : (j + 1) * chunk_bytes], trailers[4 * j : 4 * j + 4]]
-        if os.preadv(self._fd(info, shard), views, int(span[0, 0])) != n * (chunk_bytes + 4):
+        if os.preadv(self._fd(info, shard), views, int(span[0, 0])) != n * (chunk_bytes + 4):  # type: ignore[arg-type]
             raise CorruptCache(f"store {self.name}: shard {shard} of {info.name} is truncated")
         expected = trailers.view("<u4")
         for j in range(n):

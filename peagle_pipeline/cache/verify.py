@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from peagle_pipeline.cache import layout
-from peagle_pipeline.cache.writer import file_hash
 
 if TYPE_CHECKING:
     from peagle_pipeline.cache.reader import Cache
@@ -63,22 +62,44 @@ def _samples_in(table: Any, start: int, stop: int) -> str:
 
 
 def _verify_store(cache: Cache, name: str, manifest: dict[str, Any], seen: dict[int, str]) -> list[str]:
-    root = cache._root
+    """Problems of one store: its tables, its samples table, its arrays' shards, then the values they hold."""
+    out, ahead = _check_tables(cache, name, manifest)
+    samples = cache.samples[cache.samples["store"] == name].reset_index(drop=True)
+    out += _check_samples(cache, name, manifest, samples, seen)
+    try:
+        group = cache._root.zarr_group(f"{layout.STORES_DIR}/{name}")
+    except Exception as err:  # a damaged zarr.json: zarr raises several types
+        return [
+            *out,
+            f"{name}: Zarr group unreadable ({type(err).__name__}); affects every sample of the store",
+        ]
+    problems, data = _check_arrays(cache, name, manifest, samples, group)
+    return out + problems + _verify_values(cache, name, samples, data, ahead)
+
+
+def _check_tables(cache: Cache, name: str, manifest: dict[str, Any]) -> tuple[list[str], set[str]]:
+    """Table files against their manifest checksums; also returns the tables of an incomplete store rewritten by
+    a commit its manifest does not name yet (checked for consistency with the committed part instead)."""
     rel = f"{layout.STORES_DIR}/{name}"
     out: list[str] = []
-    ahead: set[str] = (
-        set()
-    )  # tables of an incomplete store rewritten by a commit its manifest does not name yet
+    ahead: set[str] = set()
     for table, digest in manifest["tables"].items():
         try:
-            ok = file_hash(root.read_bytes(f"{rel}/{table}")) == digest
+            ok = layout.file_hash(cache._root.read_bytes(f"{rel}/{table}")) == digest
         except FileNotFoundError:
             ok = False
         if not ok and manifest.get("complete"):
             out.append(f"{name}: {table} does not match its manifest checksum (missing or changed)")
         elif not ok:
-            ahead.add(table)  # checked for consistency with the committed part below instead
-    samples = cache.samples[cache.samples["store"] == name].reset_index(drop=True)
+            ahead.add(table)
+    return out, ahead
+
+
+def _check_samples(
+    cache: Cache, name: str, manifest: dict[str, Any], samples: Any, seen: dict[int, str]
+) -> list[str]:
+    """The samples table of a store: count, contiguous offsets, lengths, ranks, no sample in two stores."""
+    out: list[str] = []
     if len(samples) != int(manifest["committed_samples"]):
         out.append(
             f"{name}: samples table holds {len(samples)} of the {manifest['committed_samples']} committed samples"
@@ -106,13 +127,16 @@ def _verify_store(cache: Cache, name: str, manifest: dict[str, Any], seen: dict[
         seen[sid] = name
         if sid % cache.meta.world_size != rank:
             out.append(f"{name}: sample {sid} does not belong to rank {rank}")
-    try:
-        group = root.zarr_group(rel)
-    except Exception as err:  # a damaged zarr.json: zarr raises several types
-        return [
-            *out,
-            f"{name}: Zarr group unreadable ({type(err).__name__}); affects every sample of the store",
-        ]
+    return out
+
+
+def _check_arrays(
+    cache: Cache, name: str, manifest: dict[str, Any], samples: Any, group: Any
+) -> tuple[list[str], dict[str, np.ndarray]]:
+    """Every array's shape and every committed shard's checksum, read through Zarr; also returns the committed
+    input_ids, loss_mask and topk_ids (zeros where a shard is unreadable) for `_verify_values`."""
+    out: list[str] = []
+    n_tokens = int(manifest["committed_tokens"])
     covered = 0
     data: dict[str, np.ndarray] = {}
     for array, (dtype, inner) in cache.specs.items():
@@ -129,29 +153,42 @@ def _verify_store(cache: Cache, name: str, manifest: dict[str, Any], seen: dict[
             continue
         parts = []
         for shard in manifest["shards"]:
-            start, stop = int(shard["start"]), int(shard["stop"])
-            try:
-                values = np.asarray(arr[start:stop])
-            except Exception as err:  # a damaged shard: zarr raises codec/crc errors of several types
-                out.append(
-                    f"{name}: {array} shard {shard['index']} unreadable ({type(err).__name__}); "
-                    f"affects {_samples_in(samples, start, stop)}"
-                )
-                values = np.zeros((stop - start, *inner), dtype=dtype)
-            else:
-                if layout.checksum(values) != shard["checksums"].get(array):
-                    out.append(
-                        f"{name}: {array} shard {shard['index']} (tokens {start}..{stop}) fails its "
-                        f"checksum; affects {_samples_in(samples, start, stop)}"
-                    )
-            parts.append(values)
-            covered = max(covered, stop)
+            parts.append(_read_shard(arr, array, shard, name, samples, dtype, inner, out))
+            covered = max(covered, int(shard["stop"]))
         if array in ("input_ids", "loss_mask", "topk_ids"):
             data[array] = np.concatenate(parts) if parts else np.zeros((0, *inner), dtype=dtype)
     if covered != n_tokens:
         out.append(f"{name}: manifest shards cover {covered} tokens, committed {n_tokens}")
-    out += _verify_values(cache, name, samples, data, ahead)
-    return out
+    return out, data
+
+
+def _read_shard(
+    arr: Any,
+    array: str,
+    shard: dict[str, Any],
+    name: str,
+    samples: Any,
+    dtype: str,
+    inner: tuple[int, ...],
+    out: list[str],
+) -> np.ndarray:
+    """The rows of one committed shard of `arr`, checked against the manifest checksum (problems go to `out`);
+    zeros when the shard cannot be decoded."""
+    start, stop = int(shard["start"]), int(shard["stop"])
+    try:
+        values = np.asarray(arr[start:stop])
+    except Exception as err:  # a damaged shard: zarr raises codec/crc errors of several types
+        out.append(
+            f"{name}: {array} shard {shard['index']} unreadable ({type(err).__name__}); "
+            f"affects {_samples_in(samples, start, stop)}"
+        )
+        return np.zeros((stop - start, *inner), dtype=dtype)
+    if layout.checksum(values) != shard["checksums"].get(array):
+        out.append(
+            f"{name}: {array} shard {shard['index']} (tokens {start}..{stop}) fails its "
+            f"checksum; affects {_samples_in(samples, start, stop)}"
+        )
+    return values
 
 
 def _verify_values(

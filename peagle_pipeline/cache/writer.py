@@ -14,7 +14,6 @@ manifest, so crash tests can kill -9 a writer inside that window. Unset (always,
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -35,12 +34,15 @@ from peagle_pipeline.runtime import (
     atomic_write_bytes,
     atomic_write_json,
     fsync_dir,
+    pause_for_crash_test,
     raise_if_no_space,
 )
 
-__all__ = ["SampleRecord", "SampleData", "CacheWriter", "read_manifest", "file_hash"]
+__all__ = ["SampleRecord", "SampleData", "CacheWriter", "read_manifest"]
 
 log = logging.getLogger(__name__)
+
+SLEEP_ENV = "PEAGLE_TEST_COMMIT_SLEEP"  # the crash-test hook of the module docstring
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,10 +83,6 @@ class _Pending:
     row: dict[str, Any]
     counted_ids: np.ndarray  # int64 [n_supervised]: supervised token ids, counted on commit
     all_ids: np.ndarray  # int64 [T]: every token id of the sample, counted on commit
-
-
-def file_hash(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 _MANIFEST_KEYS = (
@@ -251,7 +249,7 @@ class CacheWriter:
             # zstd frame checksums / crc32c trailers let a reader detect a damaged chunk without the manifest checksum.
             codec = layout.chunk_codec(name, self.meta.compress)
             level = layout.zstd_level(name, self.meta.compress)
-            compressors = {
+            compressors: Any = {
                 "zstd": [ZstdCodec(level=level or 3, checksum=True)],
                 "blosc": [BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"), Crc32cCodec()],
                 "crc32c": [Crc32cCodec()],
@@ -298,7 +296,7 @@ class CacheWriter:
         (or by a version that did not write it)."""
         path = self.store_dir / table
         raw = path.read_bytes() if path.exists() else b""
-        if file_hash(raw) == manifest["tables"].get(table):
+        if layout.file_hash(raw) == manifest["tables"].get(table):
             return np.load(io.BytesIO(raw)).astype(np.int64)
         return self._recount(supervised_only)
 
@@ -403,7 +401,7 @@ class CacheWriter:
                 self._fsync_shards(start, stop)
             except OSError as err:
                 raise_if_no_space(err, f"store {self.store}")
-            _test_pause()
+            pause_for_crash_test(SLEEP_ENV)
             for first in range(start, stop, S):
                 last = min(first + S, stop)
                 self._shards.append(
@@ -473,7 +471,7 @@ class CacheWriter:
                 "shard_tokens": self.shard_tokens,
                 "chunk_tokens": self.meta.chunk_tokens,
                 "shards": self._shards,
-                "tables": {name: file_hash(blob) for name, blob in tables.items()},
+                "tables": {name: layout.file_hash(blob) for name, blob in tables.items()},
             }
             atomic_write_json(self.store_dir / layout.MANIFEST, manifest)
             fsync_dir(self.store_dir)
@@ -518,15 +516,6 @@ class CacheWriter:
             self.close()
         else:
             self.abort()
-
-
-def _test_pause() -> None:
-    """The crash-test hook of the module docstring (a no-op unless PEAGLE_TEST_COMMIT_SLEEP is set)."""
-    delay = os.environ.get("PEAGLE_TEST_COMMIT_SLEEP")
-    if delay:
-        import time
-
-        time.sleep(float(delay))
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:

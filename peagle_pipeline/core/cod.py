@@ -21,33 +21,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from peagle_pipeline.errors import BadConfig, BadInput
+from peagle_pipeline.core.settings import CODConfig
+from peagle_pipeline.errors import BadInput
 
 __all__ = ["CODConfig", "CODLayout", "depth_sizes", "sample_chains", "full_chains", "build_layout"]
-
-
-@dataclass(frozen=True, slots=True)
-class CODConfig:
-    """COD sampling settings (SPEC §5.1)."""
-
-    depths: int = 8
-    """K: elements per chain (depth 0 .. K-1)."""
-    ratio: float = 0.7
-    """r: depth d keeps about r**d of the seeds."""
-    ratio_min: float = 0.2
-    """r_min: floor of the kept fraction per depth."""
-    max_anchors: int | None = 512
-    """At most this many seeds per sample (bounds depths >= 1 only); None = no bound."""
-
-    def __post_init__(self) -> None:
-        if self.depths < 1:
-            raise BadConfig(f"depths must be >= 1, got {self.depths}")
-        if not 0.0 < self.ratio <= 1.0 or not 0.0 <= self.ratio_min <= 1.0:
-            raise BadConfig(
-                f"COD ratio must be in (0, 1] and ratio_min in [0, 1], got {self.ratio}, {self.ratio_min}"
-            )
-        if self.max_anchors is not None and self.max_anchors < 1:
-            raise BadConfig(f"max_anchors must be positive, got {self.max_anchors}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,7 +91,7 @@ def build_block_mask(layout: CODLayout, device: torch.device | str, query: torch
         query = query.to(device)
     n_q = len(layout) if query is None else int(query.numel())
     mod = mask_mod(layout, query)
-    args = dict(B=None, H=None, Q_LEN=n_q, KV_LEN=len(layout), device=device)
+    args: dict[str, Any] = dict(B=None, H=None, Q_LEN=n_q, KV_LEN=len(layout), device=device)
     if torch.device(device).type == "cuda":
         try:
             if _compiled_create is None:

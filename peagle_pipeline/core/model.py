@@ -330,6 +330,8 @@ class PEagleDraft(nn.Module):
         grad_checkpointing: recompute each layer in backward.
     """
 
+    inv_freq: torch.Tensor  # [head_dim / 2] RoPE inverse frequencies (a non-persistent buffer)
+
     def __init__(
         self,
         cfg: DraftConfig,
@@ -478,7 +480,7 @@ class PEagleDraft(nn.Module):
         sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         embeds, stream = self._layer0_inputs(ids, aux, is_mask, aux_index, None)
-        return self.layers[0].kv(stream, embeds, cos, sin)
+        return self.layers[0].kv(stream, embeds, cos, sin)  # type: ignore[operator]  # a DecoderLayer
 
     def _checkpoint(self, fn: Any, *args: Any) -> Any:
         if torch.is_grad_enabled():

@@ -104,7 +104,7 @@ def forward_segment(
     device = tokens.device
     sub = layout.select(segment.index).to(device)
     out_index = segment.out_index.to(device)
-    layers = len(getattr(model, "module", model).layers)
+    layers = len(getattr(model, "module", model).layers)  # type: ignore[arg-type]  # nn.ModuleList
     full = build_mask(sub, device) if layers > 1 else None
     out_mask = build_mask(sub, device, query=out_index)
     hidden = model(

@@ -147,12 +147,12 @@ def choose_mask_token_id(
         for tid in sorted(set(c.special_ids)):
             if 0 <= tid < min(rows, counts.numel()) and tid not in c.reserved_ids and int(counts[tid]) == 0:
                 return MaskTokenChoice(int(tid), "the lowest unused special token")
-    for name, tid in (("pad", c.pad_id), ("eos", c.eos_id)):
-        if tid is not None and 0 <= tid < rows:
+    for name, fallback in (("pad", c.pad_id), ("eos", c.eos_id)):
+        if fallback is not None and 0 <= fallback < rows:
             return MaskTokenChoice(
-                int(tid),
+                int(fallback),
                 f"the {name} token",
-                f"no mask token, unused embedding row or unused special token; using the {name} token ({tid}) "
+                f"no mask token, unused embedding row or unused special token; using the {name} token ({fallback}) "
                 "as mask_token_id, which also occurs as a real token: set mask_token_id to a better id",
             )
     raise BadInput(

@@ -32,7 +32,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from peagle_pipeline.errors import BadInput, CorruptCache
-from peagle_pipeline.runtime import atomic_write_text, fsync_dir, make_readable, raise_if_no_space
+from peagle_pipeline.runtime import (
+    atomic_write_text,
+    fsync_dir,
+    fsync_file,
+    make_readable,
+    pause_for_crash_test,
+    raise_if_no_space,
+)
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -87,20 +94,13 @@ class Checkpoint:
     path: Path
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class _Recorder:
     """A file wrapper that remembers the OSError of a failed write (torch.save reports it as a bare
     RuntimeError, losing the errno that says "disk full")."""
 
     def __init__(self, f: Any) -> None:
-        self.f, self.error = f, None
+        self.f = f
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:
@@ -118,7 +118,7 @@ def save_torch(obj: Any, path: Path) -> None:
     with open(path, "wb") as f:
         rec = _Recorder(f)
         try:
-            torch.save(obj, rec)
+            torch.save(obj, rec)  # type: ignore[arg-type]  # a binary file-like object
         except RuntimeError:
             if rec.error is not None:
                 raise rec.error from None
@@ -139,13 +139,7 @@ def save_tensors(
         if code is None:
             raise
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
-    _fsync_file(path)
-
-
-def _test_pause() -> None:
-    delay = os.environ.get(SLEEP_ENV)
-    if delay:
-        time.sleep(float(delay))
+    fsync_file(path)
 
 
 class CheckpointManager:
@@ -230,9 +224,9 @@ class CheckpointManager:
             weights = {k: v.detach().to("cpu").contiguous() for k, v in model.items()}
             save_tensors(weights, tmp / MODEL_FILE)
             make_readable(tmp / MODEL_FILE)  # safetensors writes 0600
-            _test_pause()
+            pause_for_crash_test(SLEEP_ENV)
             save_torch(optimizer, tmp / OPTIMIZER_FILE)
-            _test_pause()
+            pause_for_crash_test(SLEEP_ENV)
             save_torch(state, tmp / STATE_FILE)
             with open(tmp / META_FILE, "w") as f:
                 f.write(json.dumps({"step": step, "time": time.time(), **meta}, indent=2))

@@ -29,6 +29,7 @@ from peagle_pipeline.runtime import (
     atomic_write_json,
     exchange_paths,
     fsync_dir,
+    fsync_file,
     make_readable,
     raise_if_no_space,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "CONFIG_FILE",
     "WEIGHTS_FILE",
     "MARKER_FILE",
+    "export_run_dir",
     "EXPORT_FILES",
     "DraftSpec",
     "export_config",
@@ -188,6 +190,15 @@ def run_identity(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return {"run": str(Path(run_dir).resolve()), "run_started": started}
 
 
+def export_run_dir(export_dir: str | os.PathLike[str]) -> str | None:
+    """The training run an export came from (its marker's "run"), or None (not ours, or no marker)."""
+    try:
+        run = json.loads((Path(export_dir) / MARKER_FILE).read_text()).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run if isinstance(run, str) else None
+
+
 def _same_run(marker: dict[str, Any], source: dict[str, Any] | None) -> bool:
     if source is None:
         return False
@@ -282,9 +293,7 @@ def write_export(
         (tmp / CONFIG_FILE).write_text(json.dumps(export_config(spec), indent=2) + "\n")
         (tmp / MARKER_FILE).write_text(json.dumps({**(source or {}), "time": time.time()}, indent=2) + "\n")
         for name in EXPORT_FILES:
-            fd = os.open(tmp / name, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+            fsync_file(tmp / name)
         fsync_dir(tmp)
         if out.exists():
             os.chmod(tmp, stat.S_IMODE(out.stat().st_mode))  # keep the folder's permissions

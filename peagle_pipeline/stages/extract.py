@@ -9,43 +9,35 @@ holds the first uncommitted sample, and the writer drops tokens it already has. 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import errno
 import logging
-import os
-import shutil
 import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import numpy as np
 
-from peagle_pipeline.backends.base import (
-    SampleOutputs,
-    TargetBackend,
-    default_layer_ids,
-    forward_dtype,
-    get_backend,
-    target_device,
-)
+from peagle_pipeline.backends.base import BackendSettings, SampleOutputs, TargetBackend, default_layer_ids
+from peagle_pipeline.backends.registry import get_backend
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.layout import CacheMeta
+from peagle_pipeline.cache.location import prepare_cache, recorded_compute_dtype, remove_new_cache
+from peagle_pipeline.cache.target import TargetSource
 from peagle_pipeline.cache.writer import CacheWriter, SampleData, SampleRecord
 from peagle_pipeline.config import ExtractConfig, to_dict
-from peagle_pipeline.core import fp8
 from peagle_pipeline.errors import (
-    BadConfig,
     BadInput,
-    IncompatibleCache,
-    OutputExists,
-    ResumeMismatch,
 )
 from peagle_pipeline.preemption import stop_error
-from peagle_pipeline.runtime import atomic_write_text, describe_compute_dtype, fsync_dir, rank_world_from_env
+from peagle_pipeline.runtime import (
+    describe_compute_dtype,
+    resolve_compute_dtype,
+    writer_rank,
+)
 
 __all__ = [
     "run",
@@ -55,7 +47,11 @@ __all__ = [
     "plan_batches",
     "build_meta",
     "prepare_output",
+    "target_source",
     "choose_compute_dtype",
+    "backend_settings",
+    "target_device",
+    "forward_dtype",
 ]
 
 log = logging.getLogger(__name__)
@@ -199,11 +195,19 @@ def plan_batches(
 
 
 # ------------------------------------------------------------------------------------------ output dir
-_LOGICAL = {"bf16": "bfloat16", "fp32": "float32", "fp8": layout.FP8}
+_LOGICAL: dict[Literal["bf16", "fp32", "fp8"], str] = {
+    "bf16": "bfloat16",
+    "fp32": "float32",
+    "fp8": layout.FP8,
+}
 
 
 def build_meta(
-    cfg: ExtractConfig, info: Any, layer_ids: list[int], world_size: int, compute_dtype: str | None = None
+    cfg: ExtractConfig,
+    info: Any,
+    layer_ids: list[int],
+    world_size: int,
+    compute_dtype: Literal["bf16", "fp32"] | None = None,
 ) -> CacheMeta:
     """The cache metadata for these settings (compared field by field on resume).
 
@@ -244,7 +248,40 @@ def build_meta(
     )
 
 
-def choose_compute_dtype(cfg: ExtractConfig, device: str) -> tuple[str, str]:
+def target_device(cfg: ExtractConfig) -> str:
+    """The device the target runs on, as a string: `auto` -> "cuda" when CUDA is available, else "cpu"."""
+    if cfg.device != "auto":
+        return cfg.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def forward_dtype(cfg: ExtractConfig, device: str) -> Literal["bf16", "fp32"]:
+    """The dtype of the target forward: `cfg.compute_dtype`, where auto means fp32 when the stored dtype is fp32
+    (a bf16 forward stored in fp32 only costs space), else the hardware's choice (`resolve_compute_dtype`)."""
+    if cfg.compute_dtype == "auto" and cfg.dtype == "fp32":
+        return "fp32"
+    return resolve_compute_dtype(cfg.compute_dtype, device)
+
+
+def backend_settings(cfg: ExtractConfig) -> BackendSettings:
+    """The target backend's own settings from the extract section (the forward dtype resolved)."""
+    return BackendSettings(
+        model=cfg.model,
+        compute_dtype=forward_dtype(cfg, target_device(cfg)),
+        topk=cfg.topk,
+        last_hidden=cfg.last_hidden,
+        device=cfg.device,
+        topk_chunk=cfg.topk_chunk,
+        max_length=cfg.max_length,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+    )
+
+
+def choose_compute_dtype(cfg: ExtractConfig, device: str) -> tuple[Literal["bf16", "fp32"], str]:
     """The forward dtype ("bf16"/"fp32") for this run and the line that says why.
 
     Under `compute_dtype: auto`, a cache that already exists keeps the dtype it was started with (one cache never
@@ -263,123 +300,40 @@ def choose_compute_dtype(cfg: ExtractConfig, device: str) -> tuple[str, str]:
     return chosen, describe_compute_dtype(cfg.compute_dtype, device, chosen)
 
 
-def _recorded_compute_dtype(root: Path) -> str | None:
-    """The compute dtype ("bf16"/"fp32") in root/cache.json, if readable (old caches: their hidden dtype)."""
-    import json
-
-    try:
-        found = json.loads((root / layout.CACHE_META).read_text(encoding="utf-8"))
-        logical = found.get("compute_dtype") or found.get("hidden_dtype")
-    except (OSError, ValueError, AttributeError):
-        return None  # absent or damaged: prepare_output says what is wrong
-    return {v: k for k, v in _LOGICAL.items()}.get(logical)
+def _recorded_compute_dtype(root: Path) -> Literal["bf16", "fp32"] | None:
+    """The compute dtype ("bf16"/"fp32") recorded in the cache at root, if readable."""
+    return {v: k for k, v in _LOGICAL.items()}.get(recorded_compute_dtype(root) or "")
 
 
-def _explain(old: CacheMeta, new: CacheMeta, names: list[str]) -> str:
-    a, b = old.to_dict(), new.to_dict()
-    return "; ".join(f"{n}: {a[n]!r} in the cache, {b[n]!r} now" for n in names)
+def target_source(model: str) -> TargetSource:
+    """Where a cache's target/ comes from: the model's config and tokenizer files, and its pieces (read from its
+    safetensors only when target/ is written).
+
+    Raises:
+        BadInput: missing model directory or config.json.
+    """
+    from peagle_pipeline.backends import pieces
+
+    return TargetSource(
+        source=str(Path(model)),
+        files=tuple(pieces.target_files(model)),
+        load_pieces=lambda: pieces.load_target_pieces_from_model(model),
+    )
 
 
 def prepare_output(cfg: ExtractConfig, meta: CacheMeta) -> Path:
-    """Create or check the cache directory: cache.json (first writer, exclusive), extract.yaml, target/.
+    """Create or check the cache directory at cfg.output (`cache.location.prepare_cache`).
 
     Raises:
-        OutputExists: the directory holds something that is not a cache.
-        IncompatibleCache: a cache of another format version.
-        ResumeMismatch: a cache made with other settings (the message names them).
+        OutputExists, IncompatibleCache, ResumeMismatch: see `prepare_cache`.
     """
-    root = Path(cfg.output)
-    if root.exists() and not root.is_dir():
-        raise OutputExists(f"output {root} exists and is not a directory; choose another --output")
-    meta_path = root / layout.CACHE_META
-    if root.exists() and not meta_path.exists():
-        foreign = [p.name for p in root.iterdir() if not p.name.startswith(".peagle-")]
-        if foreign:
-            raise OutputExists(
-                f"output {root} exists and is not a peagle cache (it holds {foreign[0]!r}, ...); "
-                "choose an empty or new directory"
-            )
-    root.mkdir(parents=True, exist_ok=True)
-    if not meta_path.exists():
-        _create_exclusive(meta_path, _json(meta.to_dict()))
-    _check_meta(meta_path, meta)
-    yaml_path = root / layout.EXTRACT_YAML
-    if not yaml_path.exists():
-        import yaml
+    import yaml
 
-        atomic_write_text(yaml_path, yaml.safe_dump({"extract": to_dict(cfg)}, sort_keys=False))
-    target = root / layout.TARGET_DIR
-    if not target.exists():
-        from peagle_pipeline.backends.pieces import save_target_pieces
-
-        tmp = root / f".peagle-target-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_target_pieces(cfg.model, tmp)
-        try:
-            os.rename(tmp, target)  # atomic; fails if another rank got there first
-            fsync_dir(root)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not target.exists():
-                raise
-    return root
-
-
-def _json(obj: Any) -> str:
-    import json
-
-    return json.dumps(obj, indent=2, sort_keys=True) + "\n"
-
-
-def _create_exclusive(path: Path, text: str) -> None:
-    """Write `path` only if absent, atomically (temp + link): concurrent first writers cannot interleave."""
-    tmp = path.with_name(f".peagle-{path.name}-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    try:
-        os.link(tmp, path)
-        fsync_dir(path.parent)
-    except FileExistsError:
-        pass
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _check_meta(meta_path: Path, meta: CacheMeta) -> None:
-    import json
-
-    try:
-        found = json.loads(meta_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
-        raise IncompatibleCache(f"{meta_path} is damaged; use a new output directory") from None
-    if found.get("format_version") != layout.FORMAT_VERSION:
-        raise IncompatibleCache(
-            f"{meta_path.parent} is a cache of format {found.get('format_version')}; this "
-            f"version writes {layout.FORMAT_VERSION}: use a new output directory"
-        )
-    old = CacheMeta.from_dict(found)
-    diffs = old.differences(meta)
-    if diffs:
-        raise ResumeMismatch(
-            f"{meta_path.parent} was extracted with other settings ({_explain(old, meta, diffs)}); "
-            "use the original settings to resume, or a new output directory"
-        )
+    settings = yaml.safe_dump({"extract": to_dict(cfg)}, sort_keys=False)
+    return prepare_cache(cfg.output, meta, settings, target_source(cfg.model))
 
 
 # ------------------------------------------------------------------------------------------------- run
-def _to_storage(t: Any, logical: str) -> np.ndarray:
-    import torch
-
-    t = t.detach().to("cpu").contiguous()
-    if logical == "bfloat16":
-        return t.to(torch.bfloat16).view(torch.uint16).numpy()
-    if logical == layout.FP8:
-        return fp8.encode_rows(t).numpy()  # [T, ..., H + 4] uint8
-    return t.to(torch.float32).numpy()
-
-
 def to_sample_data(sample: PlannedSample, out: SampleOutputs, meta: CacheMeta) -> SampleData:
     """Backend outputs [T, ...] -> stored dtypes (bf16 bits as uint16, int32 ids, float16 log-probs)."""
     T = len(sample.input_ids)
@@ -391,10 +345,10 @@ def to_sample_data(sample: PlannedSample, out: SampleOutputs, meta: CacheMeta) -
     return SampleData(
         input_ids=np.asarray(sample.input_ids, dtype=np.int32),
         loss_mask=np.asarray(sample.loss_mask, dtype=bool),
-        aux_hidden=_to_storage(out.aux_hidden, meta.hidden_dtype),
+        aux_hidden=layout.to_storage(out.aux_hidden, meta.hidden_dtype),
         topk_ids=out.topk_ids.detach().to("cpu").to(dtype=_torch().int32).numpy(),
         topk_logprobs=out.topk_logprobs.detach().to("cpu").float().numpy().astype(np.float16),
-        last_hidden=_to_storage(out.last_hidden, meta.hidden_dtype) if meta.has_last_hidden else None,
+        last_hidden=layout.to_storage(out.last_hidden, meta.hidden_dtype) if meta.has_last_hidden else None,
     )
 
 
@@ -437,9 +391,7 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     """
     from peagle_pipeline.backends.pieces import read_target_info
 
-    rank, world = rank_world_from_env(cfg.rank, cfg.world_size)
-    if world < 1 or not 0 <= rank < world:
-        raise BadConfig(f"rank must be in 0..world_size-1, got rank {rank} of {world}")
+    rank, world = writer_rank(cfg.rank, cfg.world_size)
     info = read_target_info(cfg.model)
     layer_ids = resolve_layers(cfg, info.num_hidden_layers)
     if cfg.topk > info.vocab_size:
@@ -494,7 +446,7 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     except _NoSamples as err:
         writer.abort()
         if created:  # nothing else is in it: leave the output as it was before this call
-            _remove_new_cache(root, existed)
+            remove_new_cache(root, existed)
         raise BadInput(str(err)) from None
     except OSError as err:  # (disk full is already OutOfSpace, raised by the writer)
         writer.abort()
@@ -534,17 +486,6 @@ def _no_samples(cfg: ExtractConfig, writer: CacheWriter) -> str:
     return f"no usable samples in {data}: all {writer.num_rejects} rows were rejected ({top}{more}); nothing was written"
 
 
-def _remove_new_cache(root: Path, existed: bool) -> None:
-    """Remove the cache files this call created in `root` (it held nothing else), and `root` if it is new."""
-    for name in (layout.CACHE_META, layout.EXTRACT_YAML):
-        (root / name).unlink(missing_ok=True)
-    for name in (layout.TARGET_DIR, layout.STORES_DIR):
-        shutil.rmtree(root / name, ignore_errors=True)
-    if not existed:
-        with contextlib.suppress(OSError):
-            root.rmdir()
-
-
 def _loop(
     cfg: ExtractConfig,
     meta: CacheMeta,
@@ -579,7 +520,7 @@ def _loop(
                 bar.update(len(item))
                 continue
             if backend is None:
-                backend = get_backend(cfg, list(meta.aux_layer_ids))
+                backend = get_backend(cfg.backend, backend_settings(cfg), list(meta.aux_layer_ids))
             outputs = backend.forward([s.input_ids for s in item])
             for sample, out in zip(item, outputs, strict=True):
                 writer.add(sample.ordinal, sample.record, to_sample_data(sample, out, meta))

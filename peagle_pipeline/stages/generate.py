@@ -22,15 +22,15 @@ from peagle_pipeline.backends.generation import (
     GenerationBackend,
     GeneratorSettings,
     SamplingSettings,
-    get_generation_backend,
     request_seed,
     vllm_installed,
 )
+from peagle_pipeline.backends.registry import get_generation_backend
 from peagle_pipeline.config import GenerateConfig
 from peagle_pipeline.data.dialogue import REASON_TOO_LONG, Dialogue, DialogueBuilder
 from peagle_pipeline.errors import BadConfig, BadInput
 from peagle_pipeline.preemption import stop_error
-from peagle_pipeline.runtime import rank_world_from_env, resolve_compute_dtype
+from peagle_pipeline.runtime import resolve_compute_dtype, writer_rank
 from peagle_pipeline.stages.extract import rank_rows
 from peagle_pipeline.stages.onpolicy_files import (
     FORMAT,
@@ -249,9 +249,7 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
     from peagle_pipeline.data.chat import ChatRenderer
     from peagle_pipeline.data.formats import iter_rows
 
-    rank, world = rank_world_from_env(cfg.rank, cfg.world_size)
-    if world < 1 or not 0 <= rank < world:
-        raise BadConfig(f"rank must be in 0..world_size-1, got rank {rank} of {world}")
+    rank, world = writer_rank(cfg.rank, cfg.world_size)
     info = read_target_info(cfg.model)
     context = text_config(info.config).get("max_position_embeddings")
     max_model_len = cfg.max_prompt_tokens + cfg.max_new_tokens

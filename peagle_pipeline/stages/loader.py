@@ -42,6 +42,7 @@ __all__ = [
     "pack_epoch",
     "shift_sample",
     "PackedRows",
+    "LoaderSettings",
     "TrainLoader",
 ]
 
@@ -289,43 +290,52 @@ def read_packed(
     )
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoaderSettings:
+    """The training loader's own settings (built from the train section by `stages.train.loader_settings`)."""
+
+    budget: int
+    """Shifted tokens per packed row (`tokens_per_step`)."""
+    seed: int
+    """Shuffle seed."""
+    num_workers: int
+    """DataLoader worker processes (0 = read in the training process)."""
+    need_last_hidden: bool
+    """Read the stored last hidden state too (exact targets); see `read_packed`."""
+    skip_corrupt: bool
+    """Skip samples failing their checksum instead of stopping; see `read_packed`."""
+
+
 class TrainLoader:
     """This rank's stream of optimizer steps: each item is the list of `micro_steps` PackedBatches of one step.
 
     Args:
         cache: the opened cache (`cache.reader.Cache`; pickled into workers, which reopen files lazily).
         split: from `split_samples`.
-        budget: shifted tokens per packed row (`tokens_per_step`).
-        seed: shuffle seed.
+        settings: budget, seed, workers and what to read (`LoaderSettings`).
         rank, world_size: data-parallel position.
         micro_steps: packed rows per rank per optimizer step (gradient accumulation).
-        num_workers: DataLoader worker processes (0 = read in the training process).
-        need_last_hidden, skip_corrupt: see `read_packed`.
     """
 
     def __init__(
         self,
         cache: Any,
         split: DataSplit,
-        budget: int,
-        seed: int,
+        settings: LoaderSettings,
         rank: int = 0,
         world_size: int = 1,
         micro_steps: int = 1,
-        num_workers: int = 0,
-        need_last_hidden: bool = False,
-        skip_corrupt: bool = False,
     ) -> None:
         self.cache = cache
         self.split = split
-        self.budget = budget
-        self.seed = seed
+        self.budget = budget = settings.budget
+        self.seed = settings.seed
         self.rank = rank
         self.world_size = world_size
         self.micro_steps = micro_steps
-        self.num_workers = num_workers
-        self.need_last_hidden = need_last_hidden
-        self.skip_corrupt = skip_corrupt
+        self.num_workers = settings.num_workers
+        self.need_last_hidden = settings.need_last_hidden
+        self.skip_corrupt = settings.skip_corrupt
         self._plans: dict[int, list[RowPlan]] = {}
         if len(split.train_ids) == 0:
             raise BadConfig("no training samples with supervised tokens in the cache")

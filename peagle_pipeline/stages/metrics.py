@@ -298,9 +298,22 @@ def plot(run_dir: str | os.PathLike[str]) -> list[Path]:
     evals = [r for r in records if r.get("kind") == "eval"]
     out_dir = Path(run_dir) / PLOTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
+    figures = (
+        ("loss.png", _plot_loss, (train, evals)),
+        ("agreement.png", _plot_agreement, (train, evals)),
+        ("acceptance.png", _plot_acceptance, (evals,)),
+    )
     written = []
+    for name, draw, args in figures:
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+        draw(ax, *args)
+        ax.grid(alpha=0.3)
+        written.append(_save(fig, out_dir / name))
+    return written
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+
+def _plot_loss(ax: Any, train: list[dict[str, Any]], evals: list[dict[str, Any]]) -> None:
+    """Train loss per logged window (red lines: windows with skipped steps) and held-out loss."""
     trained = [r for r in train if r.get("loss") is not None]  # None: every step of the window was skipped
     ax.plot([r["step"] for r in trained], [r["loss"] for r in trained], label="train")
     for i, step in enumerate(
@@ -311,12 +324,12 @@ def plot(run_dir: str | os.PathLike[str]) -> list[Path]:
     if scored:
         ax.plot([r["step"] for r in scored], [r["loss"] for r in scored], "o-", label="held-out")
     ax.set(xlabel="optimizer step", ylabel="KL(target || draft) per element", title="Loss")
-    ax.grid(alpha=0.3)
     ax.legend()
-    written.append(_save(fig, out_dir / "loss.png"))
 
+
+def _plot_agreement(ax: Any, train: list[dict[str, Any]], evals: list[dict[str, Any]]) -> None:
+    """Per-depth top-1 agreement, held-out when evaluated, else train."""
     source = evals or train
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     depths = max((len(r.get("agreement", [])) for r in source), default=0)
     for d in range(depths):
         pts = [
@@ -332,12 +345,12 @@ def plot(run_dir: str | os.PathLike[str]) -> list[Path]:
         ylim=(0, 1),
         title=f"Per-depth top-1 agreement ({'held-out' if evals else 'train'})",
     )
-    ax.grid(alpha=0.3)
     if depths:
         ax.legend(ncol=2, fontsize="small")
-    written.append(_save(fig, out_dir / "agreement.png"))
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+
+def _plot_acceptance(ax: Any, evals: list[dict[str, Any]]) -> None:
+    """The estimated acceptance length of every evaluation."""
     pts = [(r["step"], r["acceptance"]) for r in evals if r.get("acceptance") is not None]
     if pts:
         ax.plot(*zip(*pts, strict=True), "o-", color="tab:green")
@@ -347,9 +360,6 @@ def plot(run_dir: str | os.PathLike[str]) -> list[Path]:
         ylabel="tokens per verification (est.)",
         title="Estimated acceptance length (held-out, full-depth chains)",
     )
-    ax.grid(alpha=0.3)
-    written.append(_save(fig, out_dir / "acceptance.png"))
-    return written
 
 
 def _save(fig: Any, path: Path) -> Path:

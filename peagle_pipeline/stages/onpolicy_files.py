@@ -12,17 +12,18 @@ from __future__ import annotations
 import collections
 import json
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peagle_pipeline.errors import IncompatibleCache, OutputExists, ResumeMismatch
+from peagle_pipeline.errors import IncompatibleCache, ResumeMismatch
 from peagle_pipeline.runtime import (
     RankLock,
     atomic_write_json,
+    claim_output_dir,
     create_exclusive,
     fsync_dir,
+    pause_for_crash_test,
     raise_if_no_space,
 )
 
@@ -75,17 +76,8 @@ def prepare_output(root: Path, meta: dict[str, Any]) -> Path:
         IncompatibleCache: generate.json is damaged or of another format.
         ResumeMismatch: the output was started with other settings (the message names them).
     """
-    if root.exists() and not root.is_dir():
-        raise OutputExists(f"output {root} exists and is not a directory; choose another --output")
+    claim_output_dir(root, META_FILE, "a generate output")
     meta_path = root / META_FILE
-    if root.exists() and not meta_path.exists():
-        foreign = [p.name for p in root.iterdir() if not p.name.startswith(".peagle-")]
-        if foreign:
-            raise OutputExists(
-                f"output {root} exists and is not a generate output (it holds {foreign[0]!r}, ...); "
-                "choose an empty or new directory"
-            )
-    root.mkdir(parents=True, exist_ok=True)
     create_exclusive(meta_path, json.dumps(meta, indent=2, sort_keys=True) + "\n")
     try:
         found = json.loads(meta_path.read_text(encoding="utf-8"))
@@ -211,9 +203,7 @@ class OnPolicyWriter:
         rejects = b"".join(encode_line(r) for r in chunk.rejects)
         self._append(self.rows_path, rows)
         self._append(self.rejects_path, rejects)
-        delay = os.environ.get(SLEEP_ENV)
-        if delay:
-            time.sleep(float(delay))
+        pause_for_crash_test(SLEEP_ENV)
         st = dict(self.state)
         st["chunks"] += 1
         st["rows"] += len(chunk.rows)

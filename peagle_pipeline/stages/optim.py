@@ -6,15 +6,14 @@ import math
 
 import torch
 
-from peagle_pipeline.config import TrainConfig
-
 __all__ = ["build_optimizer", "lr_at"]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters (the lm_head is frozen), betas (0.9, 0.95), the run's weight decay."""
+def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (the lm_head is frozen), betas (0.9, 0.95), peak `lr` and `weight_decay`
+    (the run's `lr` and `weight_decay` settings)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
 
 
 def lr_at(step: int, peak: float, warmup: int, total: int, schedule: str) -> float:

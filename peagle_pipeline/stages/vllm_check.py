@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from peagle_pipeline.backends.base import TargetInfo
 from peagle_pipeline.backends.pieces import read_target_info, text_config
 from peagle_pipeline.backends.vllm import EngineSettings, require_vllm
 from peagle_pipeline.errors import BadInput, SpeculativeMismatch
@@ -30,6 +31,7 @@ from peagle_pipeline.stages.acceptance import (
     spec_counters,
     speculative_config,
 )
+from peagle_pipeline.stages.export import export_run_dir
 from peagle_pipeline.stages.prompts import DEFAULT_PROMPTS, load_prompts
 
 __all__ = [
@@ -148,28 +150,8 @@ def run(
         BadInput: not an export, draft/target mismatch, bad options, vLLM refused to start.
         SpeculativeMismatch: speculative greedy output differs from plain greedy output.
     """
-    try:
-        import vllm  # noqa: F401  (imported below anyway; a missing or broken install is a setup problem)
-    except ImportError as err:
-        raise BadInput(
-            f"vllm-check needs vLLM, which {sys.executable} cannot import ({err}): install it (`make setup-vllm` "
-            "creates .venv-vllm) and run vllm-check with that environment's peagle-pipeline"
-        ) from None
-    config = read_draft_config(draft_dir)
-    info = read_target_info(target)
-    draft_vocab = int(config.get("transformer_layer_config", {}).get("vocab_size", info.vocab_size))
-    if draft_vocab != info.vocab_size:
-        raise BadInput(
-            f"draft {draft_dir} was trained for a vocabulary of {draft_vocab}, target {target} has "
-            f"{info.vocab_size}: give the target the draft was trained on"
-        )
-    K = depths if depths is not None else draft_depths(config)
-    if K <= 0 or max_tokens <= 0:
-        raise BadInput(f"depths and max_tokens must be positive, got {K} and {max_tokens}")
-    if dtype not in ("bf16", "fp32"):
-        raise BadInput(f"--dtype must be bf16 or fp32, got {dtype!r}")
-    require_vllm()
-    ids = load_prompts(prompts, target, num_prompts)
+    K, info = _check_request(draft_dir, target, depths, max_tokens, dtype)
+    ids = load_prompts(prompts, target, num_prompts, run_dir=export_run_dir(draft_dir))
     max_pos = int(text_config(info.config).get("max_position_embeddings") or 4096)
     settings = EngineSettings(
         model=target,
@@ -201,6 +183,48 @@ def run(
         speculative_seconds=spec.seconds,
     )
     (echo or log.info)(result.table())
+    _publish(result, report)
+    return result
+
+
+def _check_request(
+    draft_dir: str, target: str, depths: int | None, max_tokens: int, dtype: str
+) -> tuple[int, TargetInfo]:
+    """Everything `run` checks before starting vLLM; returns K (num_speculative_tokens) and the target's info.
+
+    Raises:
+        BadInput: vLLM not importable, not an export, draft/target vocabulary mismatch, bad options.
+    """
+    try:
+        import vllm  # noqa: F401  (imported below anyway; a missing or broken install is a setup problem)
+    except ImportError as err:
+        raise BadInput(
+            f"vllm-check needs vLLM, which {sys.executable} cannot import ({err}): install it (`make setup-vllm` "
+            "creates .venv-vllm) and run vllm-check with that environment's peagle-pipeline"
+        ) from None
+    config = read_draft_config(draft_dir)
+    info = read_target_info(target)
+    draft_vocab = int(config.get("transformer_layer_config", {}).get("vocab_size", info.vocab_size))
+    if draft_vocab != info.vocab_size:
+        raise BadInput(
+            f"draft {draft_dir} was trained for a vocabulary of {draft_vocab}, target {target} has "
+            f"{info.vocab_size}: give the target the draft was trained on"
+        )
+    K = depths if depths is not None else draft_depths(config)
+    if K <= 0 or max_tokens <= 0:
+        raise BadInput(f"depths and max_tokens must be positive, got {K} and {max_tokens}")
+    if dtype not in ("bf16", "fp32"):
+        raise BadInput(f"--dtype must be bf16 or fp32, got {dtype!r}")
+    require_vllm()
+    return K, info
+
+
+def _publish(result: CheckReport, report: str | None) -> None:
+    """Write the JSON report (also when the outputs differ), then raise if they differ.
+
+    Raises:
+        SpeculativeMismatch: speculative greedy output differs from plain greedy output.
+    """
     if report is not None:
         Path(report).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(report, result.to_json())
@@ -208,7 +232,6 @@ def run(
         first = result.mismatches[0]
         raise SpeculativeMismatch(
             f"speculative greedy output differs from plain greedy output on {len(result.mismatches)} of "
-            f"{len(ids)} prompts (first: prompt {first['prompt']} at token {first['first_difference']})"
+            f"{result.prompts} prompts (first: prompt {first['prompt']} at token {first['first_difference']})"
             + (f"; details in {report}" if report else "")
         )
-    return result

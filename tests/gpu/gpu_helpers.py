@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import random
 from pathlib import Path
+
+from tiny import write_conversations
 
 
 def conversations(path: Path, n: int = 24) -> Path:
-    rng = random.Random(0)
+    """n conversations of this tier's own words (replies up to 40 words), as JSONL."""
     words = "the quick brown fox jumps over lazy dog paris capital answer question model draft token".split()
-    with open(path, "w", encoding="utf-8") as f:
-        for _ in range(n):
-            messages = []
-            for _ in range(rng.randint(1, 3)):
-                messages.append(
-                    {"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(3, 12)))}
-                )
-                messages.append(
-                    {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(5, 40)))}
-                )
-            f.write(json.dumps({"messages": messages}) + "\n")
-    return path
+    return write_conversations(path, n, seed=0, words=words, max_reply_words=40)
 
 
 def extract_tiny(model: Path, data: Path, out: Path, *flags: str) -> Path:

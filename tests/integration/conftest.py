@@ -4,35 +4,11 @@ tiny model, from JSONL conversations generated here; and a helper to run the CLI
 
 from __future__ import annotations
 
-import json
-import random
 from pathlib import Path
 
 import pytest
 from cli_argv import run_peagle
-
-WORDS = (
-    "hello world the quick brown fox jumps over lazy dog speculative decoding drafts tokens target model "
-    "verifies parallel capital france paris answer question helpful assistant"
-).split()
-
-
-def write_conversations(path: Path, n: int, seed: int = 0) -> Path:
-    """n OpenAI-style conversations (1-3 turns each, random words) as JSONL."""
-    rng = random.Random(seed)
-    with open(path, "w", encoding="utf-8") as f:
-        for _ in range(n):
-            messages = []
-            for _ in range(rng.randint(1, 3)):
-                messages.append(
-                    {"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(3, 12)))}
-                )
-                messages.append(
-                    {"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(5, 30)))}
-                )
-            f.write(json.dumps({"messages": messages}) + "\n")
-    return path
-
+from tiny import write_conversations
 
 cli = run_peagle  # `peagle-pipeline ARGS` to completion (tests/cli_argv.py)
 

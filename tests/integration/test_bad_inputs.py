@@ -42,6 +42,7 @@ from cli_argv import PEAGLE, run_peagle
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
+from peagle_pipeline.cache.verify import verify_cache
 
 pytestmark = pytest.mark.slow
 
@@ -375,10 +376,10 @@ def test_bad_input(
     if mode in ("sigint", "rlimit_fsize"):  # nothing lost: the plain re-run equals the uninterrupted run
         if mode == "sigint":
             partial = open_cache(out, check=False)
-            assert len(partial.samples) > 0 and partial.verify() == [
+            assert len(partial.samples) > 0 and verify_cache(partial) == [
                 f"{STORE}: incomplete ({len(partial.samples)} samples committed); re-run extract to finish it"
             ]
         again = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
         assert again.returncode == 0, again.stderr[-3000:]
         assert_same_cache(tiny_cache, out)
-        assert open_cache(out).verify() == []
+        assert verify_cache(open_cache(out)) == []

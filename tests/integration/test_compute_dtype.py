@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from peagle_pipeline.backends.base import forward_dtype
 from peagle_pipeline.backends.hf import HFBackend
 from peagle_pipeline.cache.reader import open_cache
 from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.errors import ResumeMismatch
 from peagle_pipeline.runtime import CPU_BF16_ENV
 from peagle_pipeline.stages import extract as stage
+from peagle_pipeline.stages.extract import backend_settings, forward_dtype
 
 
 def _data(path: Path, n: int = 2) -> Path:
@@ -78,7 +78,9 @@ def test_extraction_computes_in_the_chosen_dtype_and_stores_bf16(tiny_model, tmp
     ids, stored = _stored_aux(tmp_path / "c")
     outs = {}
     for dtype in ("bf16", "fp32"):  # the same forward in each dtype, rounded to bf16 as the cache stores it
-        backend = HFBackend(_cfg(tiny_model, data, tmp_path / "x", compute_dtype=dtype), meta.aux_layer_ids)
+        backend = HFBackend(
+            backend_settings(_cfg(tiny_model, data, tmp_path / "x", compute_dtype=dtype)), meta.aux_layer_ids
+        )
         outs[dtype] = backend.forward([ids])[0].aux_hidden.to(torch.bfloat16)
         backend.close()
     assert not torch.equal(outs["bf16"], outs["fp32"])  # so the check below can tell them apart

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_argv import PEAGLE
+from cli_argv import PEAGLE, extract_argv
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
+from peagle_pipeline.cache.verify import verify_cache
 
 pytestmark = pytest.mark.slow
 
@@ -92,21 +93,7 @@ def _digest(arrays: dict[str, np.ndarray]) -> str:
 
 
 def _extract(model: Path, data: Path, out: Path, rank: int, env: dict[str, str]) -> subprocess.Popen[str]:
-    cmd = [
-        *PEAGLE,
-        "extract",
-        "--model",
-        str(model),
-        "--data",
-        str(data),
-        "--output",
-        str(out),
-        *SETTINGS,
-        "--rank",
-        str(rank),
-        "--world-size",
-        str(WORLD),
-    ]
+    cmd = extract_argv(model, data, out, *SETTINGS, "--rank", str(rank), "--world-size", str(WORLD))
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -178,7 +165,7 @@ def test_four_ranks_one_reader_one_intruder(
     seen = json.loads(report.read_text())
 
     final, one = open_cache(out), open_cache(tiny_cache)
-    assert final.verify() == []
+    assert verify_cache(final) == []
     # The reader: consistent at every poll, each sample identical in every poll and in the final cache.
     assert seen["errors"] == [], seen["errors"][:5]
     assert seen["polls"] >= 3 and seen["partial"] >= 1, seen

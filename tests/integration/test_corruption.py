@@ -21,6 +21,7 @@ from cli_argv import run_peagle
 from peagle_pipeline import cli
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
+from peagle_pipeline.cache.verify import verify_cache
 from peagle_pipeline.stages import metrics
 
 pytestmark = pytest.mark.slow
@@ -193,7 +194,7 @@ def _poison_aux(cache: Path, sample_ids: list[int] | None) -> None:
     for shard in manifest["shards"]:
         shard["checksums"]["aux_hidden"] = layout.checksum(np.asarray(arr[shard["start"] : shard["stop"]]))
     atomic_write_json(store / layout.MANIFEST, manifest)
-    assert open_cache(cache).verify() == []
+    assert verify_cache(open_cache(cache)) == []
 
 
 def test_nan_steps_are_skipped_and_reported_then_stop_with_exit_8(pristine: Path, tmp_path: Path) -> None:

@@ -23,11 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 from cache_compare import assert_same_cache
-from cli_argv import PEAGLE, small_train_flags
+from cli_argv import extract_argv, small_train_flags, train_argv
 from safetensors.torch import load_file
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
+from peagle_pipeline.cache.verify import verify_cache
 from peagle_pipeline.stages import metrics
 
 pytestmark = [pytest.mark.crashloop, pytest.mark.slow]
@@ -89,17 +90,7 @@ def _kill_when(
 
 # ------------------------------------------------------------------------------------------------- extract
 def _extract_cmd(model: Path, data: Path, out: Path) -> list[str]:
-    return [
-        *PEAGLE,
-        "extract",
-        "--model",
-        str(model),
-        "--data",
-        str(data),
-        "--output",
-        str(out),
-        *EXTRACT_SETTINGS,
-    ]
+    return extract_argv(model, data, out, *EXTRACT_SETTINGS)
 
 
 def _manifest(out: Path) -> dict | None:
@@ -149,7 +140,7 @@ def test_extraction_survives_kill9_loop(tiny_model: Path, conversations: Path, t
     )
     assert final.returncode == 0, final.stderr[-2000:]
     assert_same_cache(ref, out)
-    assert open_cache(out).verify() == []
+    assert verify_cache(open_cache(out)) == []
     print(
         f"\ncrash loop (extract): survived {kills} kill -9 ({mid_commit} between shard data and manifest) "
         f"in {time.monotonic() - t0:.0f} s; resumed cache bit-identical"
@@ -159,16 +150,7 @@ def test_extraction_survives_kill9_loop(tiny_model: Path, conversations: Path, t
 
 # --------------------------------------------------------------------------------------------------- train
 def _train_cmd(cache: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        *PEAGLE,
-        "train",
-        "--cache",
-        str(cache),
-        "--output",
-        str(out),
-        *TRAIN_FLAGS,
-        *extra,
-    ]
+    return train_argv(cache, out, *TRAIN_FLAGS, *extra)
 
 
 def _steps(out: Path) -> list[int]:

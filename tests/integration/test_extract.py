@@ -20,10 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cache_compare import assert_same_cache
-from cli_argv import PEAGLE
+from cli_argv import PEAGLE, extract_argv
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
+from peagle_pipeline.cache.verify import verify_cache
 
 pytestmark = pytest.mark.slow
 
@@ -65,18 +66,7 @@ def _write_data(path: Path) -> None:
 def extract(
     model: Path, data: Path, out: Path, env: dict[str, str], *extra: str, wait: bool = True
 ) -> subprocess.CompletedProcess | subprocess.Popen:
-    cmd = [
-        *PEAGLE,
-        "extract",
-        "--model",
-        str(model),
-        "--data",
-        str(data),
-        "--output",
-        str(out),
-        *SMALL,
-        *extra,
-    ]
+    cmd = extract_argv(model, data, out, *SMALL, *extra)
     if not wait:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -132,7 +122,7 @@ def test_clean_extraction(setup, env):
     counts = cache.token_counts()
     assert counts.sum() == cache.samples["num_supervised"].sum()
     assert set(cache.target_pieces()) == set(layout.PIECE_KEYS)
-    assert cache.verify() == []
+    assert verify_cache(cache) == []
     assert "samples 30" in setup["stdout"] and "rejects 3" in setup["stdout"]
 
 
@@ -198,7 +188,7 @@ def test_two_ranks_union_equals_one_rank(setup, env, tmp_path):
             a["loss_mask"], b["loss_mask"]
         )
     assert np.array_equal(two.token_counts(), one.token_counts())
-    assert two.verify() == []
+    assert verify_cache(two) == []
 
 
 def _wait_for_lock(lock: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -254,4 +244,4 @@ def test_kill9_at_random_moments_then_resume_is_bit_identical(setup, env, tmp_pa
     final = extract(setup["model"], setup["data"], out, env)
     assert final.returncode == 0, final.stderr
     assert_same_cache(setup["ref"], out)
-    assert open_cache(out).verify() == []
+    assert verify_cache(open_cache(out)) == []

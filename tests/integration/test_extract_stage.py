@@ -105,7 +105,7 @@ def patch_backend(monkeypatch):
     made: list[FakeBackend] = []
 
     def use(stop_at: int | None = None):
-        def factory(cfg, layer_ids):
+        def factory(name, cfg, layer_ids):
             from peagle_pipeline.backends.pieces import read_target_info
 
             info = read_target_info(cfg.model)

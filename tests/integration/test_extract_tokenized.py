@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from peagle_pipeline.cache.reader import open_cache
+from peagle_pipeline.cache.verify import verify_cache
 from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.stages import extract as stage
 from peagle_pipeline.stages.draft import choose_mask_token
@@ -47,7 +48,7 @@ def test_token_id_rows_round_trip_unchanged(tiny_model, tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in [*rows, text]))
     _extract(tiny_model, data, tmp_path / "c", max_length=24)
     cache = open_cache(tmp_path / "c")
-    assert cache.verify() == []
+    assert verify_cache(cache) == []
     rejects = dict(zip(cache.rejects["sample_id"], cache.rejects["reason"], strict=True))
     assert "outside the tokenizer" in rejects[5]
     all_ids = []

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_argv import PEAGLE, small_train_flags
+from cli_argv import small_train_flags, train_argv
 from safetensors.torch import load_file
 
 from peagle_pipeline.stages import metrics
@@ -24,16 +24,7 @@ FLAGS = small_train_flags(depths=4, tokens_per_step=200, steps=STEPS, eval_every
 
 
 def _cmd(cache: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        *PEAGLE,
-        "train",
-        "--cache",
-        str(cache),
-        "--output",
-        str(out),
-        *FLAGS,
-        *extra,
-    ]
+    return train_argv(cache, out, *FLAGS, *extra)
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from peagle_pipeline.backends.hf import HFBackend
-from peagle_pipeline.backends.pieces import read_target_info, save_target_pieces
+from peagle_pipeline.backends.pieces import read_target_info
+from peagle_pipeline.cache.target import save_target_pieces
 from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.data.chat import ChatRenderer
 from peagle_pipeline.data.formats import Conversation, iter_rows
+from peagle_pipeline.stages.extract import backend_settings, target_source
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 MAX_TOKENS = 160  # keep CPU time small: two short real samples
@@ -76,7 +78,7 @@ def backend(smollm2_dir):
         last_hidden=True,
     )
     torch.set_num_threads(2)
-    be = HFBackend(cfg, [2, 15, 27, 30])
+    be = HFBackend(backend_settings(cfg), [2, 15, 27, 30])
     yield be
     be.close()
 
@@ -112,7 +114,7 @@ def test_layer_convention_and_topk_on_real_samples(backend, tokenizer, conversat
 def test_pieces_of_tied_smollm2(smollm2_dir, backend, tmp_path):
     from safetensors.torch import load_file
 
-    pieces = load_file(str(save_target_pieces(smollm2_dir, tmp_path) / "pieces.safetensors"))
+    pieces = load_file(str(save_target_pieces(tmp_path, target_source(smollm2_dir)) / "pieces.safetensors"))
     emb = backend.model.get_input_embeddings().weight
     assert torch.equal(pieces["embed_tokens.weight"], emb) and torch.equal(pieces["lm_head.weight"], emb)
     assert torch.equal(pieces["norm.weight"], backend.norm.weight)

@@ -1,4 +1,9 @@
-"""The architecture, checked: imports point inward (STYLE.md), core stays pure, importing is cheap."""
+"""The architecture, checked: imports point inward (STYLE.md, docs/architecture.md), no import circles, core stays
+pure, importing is cheap.
+
+Every import counts, wherever it stands (module level, inside a function, under TYPE_CHECKING) and in every form
+(`import peagle_pipeline.x`, `from peagle_pipeline.x import y`, `from peagle_pipeline import x`, relative imports).
+"""
 
 from __future__ import annotations
 
@@ -8,19 +13,21 @@ import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "peagle_pipeline"
+ROOT = "peagle_pipeline"
 
-# Which top-level parts each part may import (besides itself).
+# Which parts each part may import (besides itself). A part is a subpackage or a top-level module; "__init__" is
+# the package itself (`from peagle_pipeline import __version__`). A dotted entry allows that one module only.
 ALLOWED = {
+    "errors": set(),
+    "runtime": {"errors"},
     "core": {"errors"},
     "data": {"errors"},
-    "backends": {"errors", "config", "data", "runtime"},
-    "cache": {"core", "runtime", "errors", "config", "backends", "data", "preemption"},
-    "stages": {"cache", "backends", "data", "core", "runtime", "config", "errors", "preemption"},
-    "cli": {"config", "errors", "stages", "cache", "preemption"},
-    "preemption": {"errors"},
-    "config": {"errors"},
-    "runtime": {"errors"},
-    "errors": set(),
+    "preemption": {"errors"},  # SIGTERM/SIGINT handling, shared by the stages and the cache writer's commit
+    "config": {"errors", "core.settings"},  # the COD defaults and checks, defined once (torch-free)
+    "backends": {"errors", "runtime", "cache.layout"},  # the cache contract's file names
+    "cache": {"core", "runtime", "errors", "preemption"},
+    "stages": {"__init__", "cache", "backends", "data", "core", "runtime", "config", "errors", "preemption"},
+    "cli": {"__init__", "config", "errors", "stages", "cache", "runtime", "preemption"},
     "__init__": {"cache"},
 }
 FORBIDDEN_IN_CORE = {
@@ -37,31 +44,102 @@ FORBIDDEN_IN_CORE = {
 }
 
 
-def _imports(path: Path) -> set[str]:
-    found = set()
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _is_module(name: str) -> bool:
+    """Whether `name` (peagle_pipeline.a.b) is a module or package of ours (not an attribute)."""
+    rel = Path(*name.split(".")[1:]) if "." in name else Path()
+    return (PKG / rel).with_suffix(".py").is_file() or (PKG / rel / "__init__.py").is_file()
+
+
+def _imports(path: Path, me: str | None = None) -> set[str]:
+    """Every module named by an import in `path` (ours resolved to the module: `from a import b` -> a.b when b
+    is a module, else a). `me`: the module name of `path` (default: from its place in the package)."""
+    found: set[str] = set()
+    me = me or _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            if base == ROOT or base.startswith(ROOT + "."):
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    found.add(sub if _is_module(sub) else base)
+            elif base:
+                found.add(base)
     return found
 
 
-def _part(path: Path) -> str:
-    rel = path.relative_to(PKG)
-    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _ours() -> dict[str, set[str]]:
+    """Our module -> the modules of ours it imports."""
+    graph = {}
+    for path in PKG.rglob("*.py"):
+        graph[_module_name(path)] = {m for m in _imports(path) if m == ROOT or m.startswith(ROOT + ".")}
+    return graph
 
 
 def test_imports_point_inward():
     bad = []
-    for path in PKG.rglob("*.py"):
-        part = _part(path)
-        for mod in _imports(path):
-            if mod.startswith("peagle_pipeline."):
-                target = mod.split(".")[1]
-                if target != part and target not in ALLOWED.get(part, set()):
-                    bad.append(f"{path.relative_to(PKG)} imports {mod}")
-    assert not bad, "\n".join(bad)
+    for module, targets in _ours().items():
+        part = _part(module)
+        for target in targets:
+            other = _part(target)
+            dotted = ".".join(target.split(".")[1:3])
+            if other != part and other not in ALLOWED[part] and dotted not in ALLOWED[part]:
+                bad.append(f"{module} imports {target}")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_no_import_circles():
+    graph = _ours()
+    cycles: set[tuple[str, ...]] = set()
+
+    def visit(node: str, stack: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in stack:
+                cycle = stack[stack.index(nxt) :]
+                k = cycle.index(min(cycle))
+                cycles.add(tuple(cycle[k:] + cycle[:k]))
+            elif nxt not in done:
+                visit(nxt, [*stack, nxt])
+        done.add(node)
+
+    done: set[str] = set()
+    for start in sorted(graph):
+        if start not in done:
+            visit(start, [start])
+    assert not cycles, "\n".join(" -> ".join([*c, c[0]]) for c in sorted(cycles))
+
+
+def test_the_checks_see_every_import_form(tmp_path):
+    """The resolver itself: `from peagle_pipeline import x` and relative imports name the module imported."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from peagle_pipeline import config\nfrom . import layout\nfrom ..stages import train\n"
+        "import peagle_pipeline.backends.base\nfrom peagle_pipeline import __version__\n"
+    )
+    found = _imports(probe, me="peagle_pipeline.cache.probe")
+    assert {
+        "peagle_pipeline.config",
+        "peagle_pipeline.cache.layout",
+        "peagle_pipeline.stages.train",
+        "peagle_pipeline.backends.base",
+        "peagle_pipeline",
+    } <= found
 
 
 def test_core_is_pure():
@@ -77,7 +155,7 @@ def test_core_is_pure():
     assert not bad, "\n".join(bad)
 
 
-def test_importing_package_and_cli_does_not_import_torch():
-    code = "import sys, peagle_pipeline, peagle_pipeline.cli; print('torch' in sys.modules)"
+def test_importing_package_config_and_cli_does_not_import_torch():
+    code = "import sys, peagle_pipeline, peagle_pipeline.config, peagle_pipeline.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

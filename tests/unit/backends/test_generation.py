@@ -10,10 +10,10 @@ from peagle_pipeline.backends.generation import (
     GeneratorSettings,
     SamplingSettings,
     combine_seeds,
-    get_generation_backend,
     request_seed,
     split_reply,
 )
+from peagle_pipeline.backends.registry import get_generation_backend
 from peagle_pipeline.errors import BadConfig
 
 

@@ -8,13 +8,14 @@ import torch
 from peagle_pipeline.backends.hf import HFBackend
 from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.errors import BadInput
+from peagle_pipeline.stages.extract import backend_settings
 
 L = 6  # layers of the default tiny model
 
 
 def make_backend(model, layer_ids=(0, 2, L), **kw) -> HFBackend:
     cfg = ExtractConfig(model=str(model), data=["unused"], output="unused", device="cpu", **kw)
-    return HFBackend(cfg, list(layer_ids))
+    return HFBackend(backend_settings(cfg), list(layer_ids))
 
 
 def random_batch(lengths, seed=0) -> list[list[int]]:

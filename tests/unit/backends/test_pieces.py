@@ -1,4 +1,5 @@
-"""backends.pieces: target info from config.json, hashes, and the pieces read straight from safetensors."""
+"""backends.pieces: target info from config.json, hashes, and the pieces read straight from safetensors (written
+by cache.target into a cache's target/)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,16 @@ from peagle_pipeline.backends.pieces import (
     chat_template_sha256,
     config_sha256,
     read_target_info,
-    save_target_pieces,
     tokenizer_sha256,
 )
+from peagle_pipeline.cache.target import save_target_pieces
 from peagle_pipeline.errors import BadInput
+from peagle_pipeline.stages.extract import target_source
+
+
+def _save(model, out):
+    """A cache's target/ from a model directory, as `extract` writes it."""
+    return save_target_pieces(out, target_source(model))
 
 
 def test_target_info_and_hashes(tiny_model, tmp_path):
@@ -55,7 +62,7 @@ def test_nested_text_config(tmp_path):
 def test_pieces_equal_model_weights(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    out = save_target_pieces(tiny_model, tmp_path / "target")
+    out = _save(tiny_model, tmp_path / "target")
     pieces = load_file(str(out / "pieces.safetensors"))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.bfloat16)
     assert torch.equal(pieces["embed_tokens.weight"], model.model.embed_tokens.weight)
@@ -92,7 +99,7 @@ def test_sharded_tied_checkpoint_with_layer_norms(tmp_path):
             }
         )
     )
-    pieces = load_file(str(save_target_pieces(tmp_path, tmp_path / "out") / "pieces.safetensors"))
+    pieces = load_file(str(_save(tmp_path, tmp_path / "out") / "pieces.safetensors"))
     assert torch.equal(pieces["embed_tokens.weight"], embed) and torch.equal(pieces["lm_head.weight"], embed)
     assert torch.equal(pieces["norm.weight"], norm)
 
@@ -101,7 +108,7 @@ def test_bad_model_paths(tmp_path):
     with pytest.raises(BadInput, match="not found"):
         read_target_info(tmp_path / "nope")
     with pytest.raises(BadInput, match="no config.json"):
-        save_target_pieces(tmp_path, tmp_path / "out")
+        _save(tmp_path, tmp_path / "out")
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(BadInput, match="cannot read"):
         read_target_info(tmp_path)
@@ -109,10 +116,10 @@ def test_bad_model_paths(tmp_path):
         json.dumps({"num_hidden_layers": 1, "hidden_size": 4, "vocab_size": 10})
     )
     with pytest.raises(BadInput, match="no \\*.safetensors"):
-        save_target_pieces(tmp_path, tmp_path / "out")
+        _save(tmp_path, tmp_path / "out")
     save_file(
         {"model.embed_tokens.weight": torch.zeros(10, 4), "model.norm.weight": torch.ones(4)},
         str(tmp_path / "model.safetensors"),
     )
     with pytest.raises(BadInput, match="no lm_head"):
-        save_target_pieces(tmp_path, tmp_path / "out")
+        _save(tmp_path, tmp_path / "out")

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
+from peagle_pipeline.cache.verify import verify_cache
 from peagle_pipeline.errors import PeagleError
 
 STORE = layout.store_name(0, 1)
@@ -38,7 +39,7 @@ def original(tmp_path_factory) -> tuple[Path, list[str], dict[int, dict[str, np.
     root = tmp_path_factory.mktemp("fuzz-reader") / "cache"
     write_cache(root, fake_meta(compress="zstd", has_last_hidden=True))
     cache = open_cache(root)
-    assert cache.verify() == []
+    assert verify_cache(cache) == []
     arrays = {int(s): cache.read_arrays(int(s)) for s in cache.samples["sample_id"]}
     files = sorted(
         str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not p.name.endswith(".lock")
@@ -109,7 +110,7 @@ def test_damaged_cache_reads_right_or_raises(
                 cache.token_counts()
             except PeagleError:
                 raised = True
-            problems = cache.verify()
+            problems = verify_cache(cache)
             assert all(isinstance(p, str) and "\n" not in p for p in problems)
         except PeagleError:
             raised = True

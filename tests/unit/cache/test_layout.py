@@ -13,7 +13,7 @@ from peagle_pipeline.cache.layout import CacheMeta
 def test_bf16_round_trip_bit_exact_including_specials():
     x = torch.randn(257, 3, 16).to(torch.bfloat16)
     x[0, 0, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0])
-    stored = layout.to_storage(x.view(torch.uint16).numpy(), "bfloat16")
+    stored = layout.to_storage(x, "bfloat16")
     assert stored.dtype == np.uint16
     back = layout.from_storage(stored, "bfloat16")
     assert back.dtype == torch.bfloat16
@@ -27,9 +27,13 @@ def test_from_storage_is_a_view():
     assert t[0, 0].item() == 1.0
 
 
-def test_to_storage_refuses_float_for_bf16():
-    with pytest.raises(TypeError):
-        layout.to_storage(np.zeros(3, dtype=np.float32), "bfloat16")
+def test_to_storage_rounds_float_to_bf16_bits_or_keeps_fp32():
+    x = torch.randn(5, 7, dtype=torch.float32)
+    assert np.array_equal(layout.to_storage(x, "bfloat16"), x.to(torch.bfloat16).view(torch.uint16).numpy())
+    kept = layout.to_storage(x, "float32")
+    assert kept.dtype == np.float32 and np.array_equal(kept, x.numpy())
+    with pytest.raises(ValueError, match="unknown logical dtype"):
+        layout.to_storage(x, "float16")
 
 
 def test_array_specs(meta):

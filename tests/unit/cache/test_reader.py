@@ -14,6 +14,7 @@ from fakes import fake_meta
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
+from peagle_pipeline.cache.verify import verify_cache
 from peagle_pipeline.errors import BadInput, CorruptCache, IncompatibleCache
 
 STORE = layout.store_name(0, 1)
@@ -42,7 +43,7 @@ def test_missing_rank_store_refused_and_two_ranks_union(tmp_path):
     cache = open_cache(tmp_path / "c")
     assert sorted(cache.samples["sample_id"]) == sorted([0, 2, 4, 6, 8, 10, 1, 3, 5, 7, 9, 11])
     assert set(cache.samples["store"]) == {layout.store_name(0, 2), layout.store_name(1, 2)}
-    assert len(cache.rejects) == 2 and cache.verify() == []
+    assert len(cache.rejects) == 2 and verify_cache(cache) == []
     assert cache.read_sample(3).input_ids.shape == (LENGTHS[7],)  # rank 1's second sample
 
 
@@ -94,7 +95,7 @@ def test_verify_names_store_and_samples_of_a_damaged_shard(tmp_path):
     blob[40] ^= 0xFF  # inside the first chunk's compressed bytes
     shard.write_bytes(bytes(blob))
     cache = open_cache(tmp_path / "c")
-    problems = cache.verify()
+    problems = verify_cache(cache)
     assert problems and all(STORE in p for p in problems)
     assert any("aux_hidden shard 1" in p and "samples 3" in p for p in problems), problems
     with pytest.raises(CorruptCache):  # the zstd frame checksum / size check catches it on the fast path
@@ -107,7 +108,7 @@ def test_verify_detects_table_changes(tmp_path):
     counts = np.load(path)
     counts[3] += 1
     np.save(path, counts)
-    problems = open_cache(tmp_path / "c").verify()
+    problems = verify_cache(open_cache(tmp_path / "c"))
     assert any("token_counts.npy does not match its manifest" in p for p in problems)
     assert any("disagrees with the supervised tokens" in p for p in problems)
 
@@ -155,7 +156,7 @@ def test_verify_of_a_cache_being_written_reports_only_that_it_is_incomplete(tmp_
     assert 0 < early["committed_samples"] < 10
     cache = open_cache(tmp_path / "c", check=False)
     assert len(cache.samples) == early["committed_samples"]
-    assert cache.verify() == [
+    assert verify_cache(cache) == [
         f"{STORE}: incomplete ({early['committed_samples']} samples committed); re-run extract to finish it"
     ]
     assert main(["verify", str(tmp_path / "c")]) == 3  # incomplete (IncompatibleCache), not corrupt (4)
@@ -176,7 +177,7 @@ def test_verify_still_finds_damage_in_the_committed_part_of_a_store_being_writte
     blob = bytearray(shard.read_bytes())
     blob[40] ^= 0xFF
     shard.write_bytes(bytes(blob))
-    problems = open_cache(tmp_path / "c", check=False).verify()
+    problems = verify_cache(open_cache(tmp_path / "c", check=False))
     assert any("aux_hidden shard 0" in p for p in problems), problems
     assert any("token_counts.npy counts fewer" in p for p in problems), problems
     assert main(["verify", str(tmp_path / "c")]) == 4

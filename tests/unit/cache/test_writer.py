@@ -17,6 +17,7 @@ from peagle_pipeline.cache import layout
 from peagle_pipeline.cache import writer as writer_mod
 from peagle_pipeline.cache.layout import CacheMeta
 from peagle_pipeline.cache.reader import open_cache
+from peagle_pipeline.cache.verify import verify_cache
 from peagle_pipeline.cache.writer import CacheWriter, read_manifest
 from peagle_pipeline.errors import Busy, IncompatibleCache, OutOfSpace, ResumeMismatch
 
@@ -47,7 +48,7 @@ def test_round_trip_fast_and_zarr(tmp_path, over):
     s = cache.read_sample(3)
     assert s.aux_hidden.shape == (90, 3, 8) and s.topk_ids.dtype.is_floating_point is False
     assert (s.last_hidden is not None) == meta.has_last_hidden
-    assert cache.verify() == []
+    assert verify_cache(cache) == []
     counts = np.zeros(meta.vocab_size, dtype=np.int64)
     for _, d in samples:
         counts += np.bincount(d.input_ids[d.loss_mask], minlength=meta.vocab_size)
@@ -99,7 +100,7 @@ def test_resume_when_tables_are_ahead_of_manifest(tmp_path, meta):
     (store / "aux_hidden" / "c" / "9" / "0" / "0").write_bytes(b"garbage past the committed end")
     write_cache(tmp_path / "res")
     assert_same_cache(tmp_path / "ref", tmp_path / "res")
-    assert open_cache(tmp_path / "res").verify() == []
+    assert verify_cache(open_cache(tmp_path / "res")) == []
 
 
 def test_rerun_of_complete_store_is_noop(tmp_path, meta):
@@ -163,7 +164,7 @@ def test_enospc_keeps_committed_data(tmp_path, meta, monkeypatch):
     assert read_manifest(root / "stores" / STORE) == before  # the last commit is still the truth
     cache = open_cache(root, check=False)
     assert len(cache.samples) == before["committed_samples"]
-    assert [p for p in cache.verify() if "incomplete" not in p] == []
+    assert [p for p in verify_cache(cache) if "incomplete" not in p] == []
     write_cache(root)  # space is back: resume finishes
     write_cache(tmp_path / "ref")
     assert_same_cache(tmp_path / "ref", root)

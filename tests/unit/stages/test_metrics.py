@@ -110,3 +110,37 @@ def test_plain_progress_lines_when_there_is_no_terminal(tmp_path, capsys) -> Non
     assert lines[0].startswith("step 1/3 (33%): loss 1.5000, lr 0.001, 100 tok/s")
     assert lines[1].startswith("step 3/3 (100%)")  # step 2 came within LINE_EVERY_S of step 1
     assert lines[2] == "eval at step 3: loss 1.4000, acceptance length 1.250, agreement per depth [0.50 -]"
+
+
+def test_plot_parts_draw_what_the_records_hold() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [
+        {"kind": "train", "step": 5, "loss": 2.0, "agreement": [0.1, 0.05]},
+        {"kind": "train", "step": 10, "loss": None, "skipped_steps": 5},  # every step of the window skipped
+        {"kind": "train", "step": 15, "loss": 1.5, "skipped_steps": 1},
+    ]
+    evals = [
+        {"kind": "eval", "step": 10, "loss": 1.8, "agreement": [0.5, 0.4], "acceptance": 1.9},
+        {"kind": "eval", "step": 15, "loss": None, "agreement": [0.6, None], "acceptance": None},
+    ]
+    fig, ax = plt.subplots()
+    metrics._plot_loss(ax, train, evals)
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    assert list(lines["train"].get_xdata()) == [5, 15] and list(lines["held-out"].get_xdata()) == [10]
+    assert [ln.get_xdata()[0] for ln in ax.get_lines() if ln.get_color() == "tab:red"] == [10, 15]
+    fig, ax = plt.subplots()
+    metrics._plot_agreement(ax, train, evals)
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    assert sorted(lines) == ["depth 0", "depth 1"] and list(lines["depth 1"].get_ydata()) == [0.4]
+    assert "held-out" in ax.get_title()
+    fig, ax = plt.subplots()
+    metrics._plot_agreement(ax, train, [])  # no evaluation yet: the train windows
+    assert "train" in ax.get_title() and len(ax.get_lines()) == 2
+    fig, ax = plt.subplots()
+    metrics._plot_acceptance(ax, evals)
+    assert [list(ln.get_ydata()) for ln in ax.get_lines()][0] == [1.9]
+    plt.close("all")

@@ -16,6 +16,7 @@ from peagle_pipeline.errors import BadInput
 from peagle_pipeline.stages.loader import split_samples
 from peagle_pipeline.stages.prompts import (
     MT_BENCH,
+    cache_split_settings,
     chat_prompt,
     load_prompt_set,
     mt_bench_file,
@@ -127,3 +128,25 @@ def test_heldout_errors(tmp_path: Path) -> None:
     )
     with pytest.raises(BadInput, match=r"the cache of run .* \(nowhere, from its train.yaml\) is not found"):
         load_prompt_set(f"heldout:{tmp_path}", None, 3)
+
+
+def test_cache_prompts_use_the_runs_recorded_split(tmp_path: Path) -> None:
+    """A cache directory as the prompt source: the split of the run that trained the draft on it, not defaults."""
+    cache = tmp_path / "cache"
+    write_cache(cache, lengths=[9, 30, 12, 40, 25, 16, 50, 33, 21, 18, 27, 44])
+    run = tmp_path / "run"
+    write_run_files(TrainConfig(cache=str(cache), output=str(run), eval_samples=5, seed=7), 1, 1, False, 10)
+    assert cache_split_settings(cache, run) == (7, 5)
+    defaults = TrainConfig(cache=str(cache), output=str(run))
+    assert cache_split_settings(cache, None) == (defaults.seed, defaults.eval_samples)
+    assert cache_split_settings(cache, tmp_path / "not-a-run") == (defaults.seed, defaults.eval_samples)
+    other = tmp_path / "other"
+    write_cache(other, lengths=[10, 20, 30])
+    assert cache_split_settings(other, run) == (
+        defaults.seed,
+        defaults.eval_samples,
+    )  # the run used another cache
+    via_run = load_prompt_set(str(cache), None, 100, run_dir=run)
+    via_heldout = load_prompt_set(f"heldout:{run}", None, 100)
+    assert via_run.prompts == via_heldout.prompts and via_run.prompts
+    assert load_prompt_set(str(cache), None, 100).prompts != via_run.prompts  # defaults draw another split

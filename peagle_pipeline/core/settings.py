@@ -1,0 +1,36 @@
+"""Settings of the pure core as small frozen dataclasses: importable without torch, so `config.py` takes their
+defaults and checks from here (each defined once). Pure: no I/O, no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from peagle_pipeline.errors import BadConfig
+
+__all__ = ["CODConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class CODConfig:
+    """COD sampling settings (SPEC §5.1)."""
+
+    depths: int = 8
+    """K: elements per chain (depth 0 .. K-1)."""
+    ratio: float = 0.7
+    """r: depth d keeps about r**d of the seeds."""
+    ratio_min: float = 0.2
+    """r_min: floor of the kept fraction per depth."""
+    max_anchors: int | None = 512
+    """At most this many seeds per sample (bounds depths >= 1 only); None = no bound."""
+
+    def __post_init__(self) -> None:
+        # Messages name the pipeline-file settings (`TrainConfig` validates through this class).
+        if self.depths < 1:
+            raise BadConfig(f"depths must be positive, got {self.depths}")
+        if not 0.0 < self.ratio <= 1.0 or not 0.0 <= self.ratio_min <= 1.0:
+            raise BadConfig(
+                "down_sample_ratio must be in (0, 1] and down_sample_ratio_min in [0, 1], "
+                f"got {self.ratio}, {self.ratio_min}"
+            )
+        if self.max_anchors is not None and self.max_anchors < 1:
+            raise BadConfig(f"max_anchors must be positive, got {self.max_anchors}")

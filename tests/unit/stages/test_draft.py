@@ -1,0 +1,117 @@
+"""stages.draft: the draft of a run built from a real tiny cache alone (pieces, token counts, tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from peagle_pipeline.cache.reader import open_cache
+from peagle_pipeline.config import ExtractConfig, TrainConfig
+from peagle_pipeline.core import vocab
+from peagle_pipeline.errors import BadConfig
+from peagle_pipeline.stages import draft, extract
+
+TEXTS = ["hello world", "the quick brown fox", "capital of france is paris", "speculative decoding drafts"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("draft")
+    data = root / "chat.jsonl"
+    with open(data, "w", encoding="utf-8") as f:
+        for i in range(8):
+            q, a = TEXTS[i % 4], " ".join(TEXTS[(i + 1) % 4 :] * 2)
+            f.write(
+                json.dumps(
+                    {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+                )
+            )
+            f.write("\n")
+    cfg = ExtractConfig(
+        model=str(tiny_model),
+        data=[str(data)],
+        output=str(root / "cache"),
+        topk=8,
+        dtype="fp32",
+        batch_tokens=512,
+    )
+    extract.run(cfg)
+    return root / "cache"
+
+
+def _cfg(cache: Path, **over) -> TrainConfig:
+    return TrainConfig(cache=str(cache), output="run", **over)
+
+
+def test_the_draft_follows_the_cache_and_the_settings(cache_dir: Path) -> None:
+    cache = open_cache(cache_dir)
+    model, spec, keep = draft.build_draft(
+        cache, _cfg(cache_dir, draft_vocab_size=64, draft_layers=2, depths=3)
+    )
+    assert keep is not None and keep.size == 64  # the 64 most frequent supervised tokens (and ids to fill up)
+    assert model.lm_head.weight.shape == (64, cache.meta.hidden_size) and len(model.layers) == 2
+    assert (spec.draft_vocab_size, spec.draft_layers, spec.depths) == (64, 2, 3)
+    assert (
+        spec.aux_layer_ids == cache.meta.aux_layer_ids
+        and spec.verifier_name_or_path == cache.meta.target_name_or_path
+    )
+    pieces = cache.target_pieces()
+    assert torch.equal(
+        model.embed_tokens.weight.to(pieces["embed_tokens.weight"].dtype), pieces["embed_tokens.weight"]
+    )
+    again, _, _ = draft.build_draft(cache, _cfg(cache_dir, draft_vocab_size=64, draft_layers=2, depths=3))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True)
+    )
+    other, _, _ = draft.build_draft(
+        cache, _cfg(cache_dir, draft_vocab_size=64, draft_layers=2, depths=3, seed=1)
+    )
+    assert not torch.equal(model.fc.weight, other.fc.weight)  # the seed draws the init
+
+
+def test_the_vocabulary_size_is_capped_only_when_not_asked_for(cache_dir: Path, caplog) -> None:
+    cache = open_cache(cache_dir)
+    V = cache.meta.vocab_size
+    with caplog.at_level(logging.WARNING, logger="peagle_pipeline.stages.draft"):
+        _, spec, keep = draft.build_draft(cache, _cfg(cache_dir))  # default 32000 > V = 512: capped
+    assert spec.draft_vocab_size == V and keep is None and "exceeds the target vocabulary" in caplog.text
+    with pytest.raises(
+        BadConfig, match=f"draft_vocab_size 1000 is larger than the target vocabulary \\({V}\\)"
+    ):
+        draft.build_draft(cache, _cfg(cache_dir, draft_vocab_size=1000))
+    with pytest.raises(BadConfig, match="target=exact needs last hidden states"):
+        draft.build_draft(cache, _cfg(cache_dir, target="exact"))
+
+
+def test_mask_token_override_and_rule(cache_dir: Path) -> None:
+    cache = open_cache(cache_dir)
+    rows = int(cache.target_pieces()["embed_tokens.weight"].shape[0])
+    assert draft.choose_mask_token(cache, rows, 5).token_id == 5
+    chosen = draft.choose_mask_token(cache, rows, None)
+    # the tiny tokenizer has 400 tokens and the model 512 embedding rows: the first unused row
+    assert (chosen.token_id, chosen.rule) == (len(cache.tokenizer()), "the first unused embedding row")
+    assert draft.describe_mask_token(cache, chosen.token_id) == (
+        f"mask token: id {chosen.token_id} (an unused embedding row), seen 0 times in the cached samples"
+    )
+
+
+def test_vocab_coverage() -> None:
+    counts = torch.tensor([5, 0, 3, 2])
+    assert draft.vocab_coverage(counts, None) == (10, 10)
+    dv = vocab.build_draft_vocab(counts, 2)  # ids 0 and 2
+    assert draft.vocab_coverage(counts, dv) == (8, 10)
+
+
+def test_describe_vocab_coverage(cache_dir: Path) -> None:
+    cache = open_cache(cache_dir)
+    total = int(cache.token_counts().sum())
+    line = draft.describe_vocab_coverage(cache, None)
+    assert line == (
+        f"draft vocabulary: {cache.meta.vocab_size} of {cache.meta.vocab_size} target tokens, covering 100.0% "
+        f"of the {total} supervised tokens in the cache"
+    )
