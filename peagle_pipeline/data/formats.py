@@ -577,10 +577,14 @@ def _read_json_file(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+WRITER_LOCK_PREFIX = ".peagle-lock-"  # the lock file of a writer of on-policy rows (stages/onpolicy_files.py)
+
+
 def dataset_fingerprint(paths: Iterable[str | os.PathLike[str]]) -> str:
     """A cheap identity of the input data: file names, sizes and a hash of each file's first and last MiB.
 
-    Directories (HF datasets) contribute every file under them, in sorted order.
+    Directories (HF datasets, `generate` outputs) contribute every file under them, in sorted order, except the
+    lock files a running writer holds (`.peagle-lock-*`: they hold a process id, not data).
 
     Raises:
         BadInput: a path does not exist.
@@ -590,7 +594,11 @@ def dataset_fingerprint(paths: Iterable[str | os.PathLike[str]]) -> str:
         p = Path(path)
         if not p.exists():
             raise BadInput(f"data path not found: {p}")
-        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+        files = (
+            sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith(WRITER_LOCK_PREFIX))
+            if p.is_dir()
+            else [p]
+        )
         h.update(f"{p.name}\0{len(files)}\0".encode())
         for f in files:
             size = f.stat().st_size

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from peagle_pipeline.data.formats import WRITER_LOCK_PREFIX
 from peagle_pipeline.errors import IncompatibleCache, ResumeMismatch
 from peagle_pipeline.runtime import (
     RankLock,
@@ -153,7 +154,9 @@ class OnPolicyWriter:
         self.rejects_path = root / rejects_file(rank, world_size)
         self.state_path = root / state_file(rank, world_size)
         self.state = _empty_state(rank, world_size)
-        self._lock = RankLock(root / f".peagle-lock-{_rank_tag(rank, world_size)}", f"{self.rows_path}")
+        self._lock = RankLock(
+            root / f"{WRITER_LOCK_PREFIX}{_rank_tag(rank, world_size)}", f"{self.rows_path}"
+        )
 
     def open(self) -> OnPolicyWriter:
         self._lock.acquire()

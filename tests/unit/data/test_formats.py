@@ -319,3 +319,18 @@ def test_bad_tool_call_turns_are_rejected_with_a_reason(tmp_path, turn, reason):
     record = {"messages": [{"role": "user", "content": "hi"}, turn, {"role": "assistant", "content": "ok"}]}
     (row,) = _rows(_write_jsonl(tmp_path / "d.jsonl", [record]))
     assert isinstance(row, Reject) and reason in row.reason, row
+
+
+def test_dataset_fingerprint_of_a_directory_ignores_a_writers_lock_file(tmp_path):
+    """A `generate` output holds `.peagle-lock-*` (a pid, rewritten by every run, even a no-op one): an extraction
+    from it must still resume; any other file of the directory still counts."""
+    from peagle_pipeline.data.formats import WRITER_LOCK_PREFIX
+
+    (tmp_path / "rows-rank00000-of-00001.jsonl").write_text('{"prompt": "x"}\n')
+    before = dataset_fingerprint([tmp_path])
+    (tmp_path / f"{WRITER_LOCK_PREFIX}rank00000-of-00001").write_text("12345")
+    assert dataset_fingerprint([tmp_path]) == before
+    (tmp_path / f"{WRITER_LOCK_PREFIX}rank00000-of-00001").write_text("678")
+    assert dataset_fingerprint([tmp_path]) == before
+    (tmp_path / "state-rank00000-of-00001.json").write_text("{}")
+    assert dataset_fingerprint([tmp_path]) != before
