@@ -396,7 +396,8 @@ def run(opts: EvalOptions, echo: Callable[[str], None] | None = None) -> dict[st
                 "are drafted beyond what it learned)"
             )
     require_vllm()
-    opts = replace(opts, dtype=engine_dtype(opts.dtype))
+    dtype = engine_dtype(opts.dtype)
+    opts = replace(opts, dtype=dtype)
     tokenizer = load_tokenizer(target)
     sets = [load_prompt_set(spec, tokenizer, opts.num_prompts) for spec in opts.prompts]
     sets = [replace(s, name=n) for s, n in zip(sets, _unique([s.name for s in sets]), strict=True)]
@@ -404,7 +405,7 @@ def run(opts: EvalOptions, echo: Callable[[str], None] | None = None) -> dict[st
     max_pos = int(text_config(info.config).get("max_position_embeddings") or 4096)
     settings = EngineSettings(
         model=target,
-        dtype=opts.dtype,
+        dtype=dtype,
         max_model_len=min(max_pos, longest + opts.max_tokens + max(d.depths for d in drafts) + 1),
         tensor_parallel_size=opts.tensor_parallel_size,
         gpu_memory_utilization=opts.gpu_memory_utilization,

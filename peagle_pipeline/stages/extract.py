@@ -302,7 +302,8 @@ def choose_compute_dtype(cfg: ExtractConfig, device: str) -> tuple[Literal["bf16
 
 def _recorded_compute_dtype(root: Path) -> Literal["bf16", "fp32"] | None:
     """The compute dtype ("bf16"/"fp32") recorded in the cache at root, if readable."""
-    return {v: k for k, v in _LOGICAL.items()}.get(recorded_compute_dtype(root) or "")
+    computed: dict[str, Literal["bf16", "fp32"]] = {"bfloat16": "bf16", "float32": "fp32"}
+    return computed.get(recorded_compute_dtype(root) or "")
 
 
 def target_source(model: str) -> TargetSource:
