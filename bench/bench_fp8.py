@@ -30,6 +30,7 @@ from bench_cache import dir_bytes, write_per_sample  # noqa: E402
 from peagle_pipeline.cache import layout  # noqa: E402
 from peagle_pipeline.cache.layout import CacheMeta  # noqa: E402
 from peagle_pipeline.cache.reader import open_cache  # noqa: E402
+from peagle_pipeline.cache.verify import verify_cache  # noqa: E402
 from peagle_pipeline.cache.writer import CacheWriter, SampleData, SampleRecord  # noqa: E402
 from peagle_pipeline.config import ExtractConfig  # noqa: E402
 from peagle_pipeline.core import fp8  # noqa: E402
@@ -124,7 +125,7 @@ def main() -> None:
             shutil.rmtree(work / d, ignore_errors=True)
         lossless = open_cache(rewrite(src, work / "ours-bf16", "bfloat16"))
         lossy = open_cache(rewrite(src, work / "ours-fp8", layout.FP8))
-        assert lossless.verify() == [] and lossy.verify() == []
+        assert verify_cache(lossless) == [] and verify_cache(lossy) == []
         files = write_per_sample(src, work / "per-sample")
         (work / "per-sample-aux").mkdir()
         from safetensors.torch import load_file, save_file

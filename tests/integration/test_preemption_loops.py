@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
+from peagle_pipeline.cache.verify import verify_cache
 from peagle_pipeline.stages import metrics
 from peagle_pipeline.stages.onpolicy_files import SLEEP_ENV, rejects_file, rows_file, state_file
 
@@ -151,7 +152,7 @@ def test_extract_stops_on_sigterm_and_sigint_and_resumes_to_the_same_bytes(
     assert stops >= 2, f"only {stops} stops landed before the extraction finished"
     assert_same_cache(ref, out)
     assert _store_bytes(ref) == _store_bytes(out)
-    assert open_cache(out).verify() == []
+    assert verify_cache(open_cache(out)) == []
 
 
 # ------------------------------------------------------------------------------------------------ generate
