@@ -541,7 +541,7 @@ def _doc_row(r: dict[str, Any], first: str | None = None) -> str:
 
     speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
     return (
-        f"| {first or r['name']} | {_fmt(r['mtbench_al'])} | {per(r['mtbench_per_position'])} | "
+        f"| {(first or r['name']).replace('|', chr(92) + '|')} | {_fmt(r['mtbench_al'])} | {per(r['mtbench_per_position'])} | "
         f"{_fmt(r['heldout_al'])} | {per(r['heldout_per_position'])} | {_fmt(r['trainer_estimate'])} | {speed} |"
     )
 
