@@ -118,6 +118,23 @@ def time_reads(
     return best
 
 
+def extract_source(src_dir: Path, model: str, data: str, samples: int, max_length: int) -> None:
+    """The benchmarks' source cache (last hidden states, uncompressed), extracted once into src_dir."""
+    if not (src_dir / layout.CACHE_META).exists():
+        stage.run(
+            ExtractConfig(
+                model=model,
+                data=[data],
+                output=str(src_dir),
+                max_samples=samples,
+                max_length=max_length,
+                last_hidden=True,
+                compress="none",
+                batch_tokens=4096,
+            )
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(ROOT / ".demo/models/SmolLM2-135M-Instruct"))
@@ -137,19 +154,7 @@ def main() -> None:
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-cache-"))
     try:
         src_dir = work / "source"
-        if not (src_dir / layout.CACHE_META).exists():
-            stage.run(
-                ExtractConfig(
-                    model=args.model,
-                    data=[args.data],
-                    output=str(src_dir),
-                    max_samples=args.samples,
-                    max_length=args.max_length,
-                    last_hidden=True,
-                    compress="none",
-                    batch_tokens=4096,
-                )
-            )
+        extract_source(src_dir, args.model, args.data, args.samples, args.max_length)
         src = open_cache(src_dir)
         variants = ("auto", "zstd", "none")
         for d in [f"ours-{c}" for c in variants] + ["per-sample"]:

@@ -25,16 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_cache import dir_bytes, write_per_sample  # noqa: E402
+from bench_cache import dir_bytes, extract_source, write_per_sample  # noqa: E402
 
 from peagle_pipeline.cache import layout  # noqa: E402
 from peagle_pipeline.cache.layout import CacheMeta  # noqa: E402
 from peagle_pipeline.cache.reader import open_cache  # noqa: E402
 from peagle_pipeline.cache.verify import verify_cache  # noqa: E402
 from peagle_pipeline.cache.writer import CacheWriter, SampleData, SampleRecord  # noqa: E402
-from peagle_pipeline.config import ExtractConfig  # noqa: E402
 from peagle_pipeline.core import fp8  # noqa: E402
-from peagle_pipeline.stages import extract as stage  # noqa: E402
 
 
 def rewrite(src, out: Path, hidden_dtype: str) -> Path:
@@ -107,19 +105,7 @@ def main() -> None:
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-fp8-"))
     try:
         src_dir = work / "source"
-        if not (src_dir / layout.CACHE_META).exists():
-            stage.run(
-                ExtractConfig(
-                    model=args.model,
-                    data=[args.data],
-                    output=str(src_dir),
-                    max_samples=args.samples,
-                    max_length=args.max_length,
-                    last_hidden=True,
-                    compress="none",
-                    batch_tokens=4096,
-                )
-            )
+        extract_source(src_dir, args.model, args.data, args.samples, args.max_length)
         src = open_cache(src_dir)
         for d in ("ours-bf16", "ours-fp8", "per-sample", "per-sample-aux"):
             shutil.rmtree(work / d, ignore_errors=True)
