@@ -13,7 +13,7 @@ import torch
 from peagle_pipeline.errors import BadConfig
 from peagle_pipeline.runtime import rank_world_from_env
 
-__all__ = ["Dist"]
+__all__ = ["Dist", "resolve_device"]
 
 
 @dataclass
@@ -35,14 +35,8 @@ class Dist:
         """Read RANK/WORLD_SIZE/LOCAL_RANK (torchrun); init gloo (CPU) or NCCL (CUDA) when world > 1."""
         rank, world = rank_world_from_env(None, None)
         local = int(os.environ.get("LOCAL_RANK", rank))
-        if device == "auto":
-            device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
-        elif device == "cuda" and world > 1:
-            device = f"cuda:{local}"
-        dev = torch.device(device)
+        dev = resolve_device(device, local, world, torch.cuda.is_available())
         if dev.type == "cuda":
-            if not torch.cuda.is_available():
-                raise BadConfig(f"device {device} requested but CUDA is not available")
             torch.cuda.set_device(dev)
         owns = False
         if world > 1 and not torch.distributed.is_initialized():
@@ -65,3 +59,24 @@ class Dist:
     def teardown(self) -> None:
         if self.owns_group and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def resolve_device(device: str, local_rank: int, world: int, cuda_available: bool) -> torch.device:
+    """The training device of this process, always with an index for CUDA (`torch.cuda.set_device` refuses a bare
+    "cuda"): auto = cuda:LOCAL_RANK when CUDA is there, else cpu; "cuda" = cuda:LOCAL_RANK under torchrun (world > 1),
+    else cuda:0 (the first visible GPU); "cuda:N" and "cpu" as given.
+
+    Raises:
+        BadConfig: a CUDA device asked for where CUDA is not available.
+    """
+    auto = device == "auto"
+    if auto:
+        device = "cuda" if cuda_available else "cpu"
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return dev
+    if not cuda_available:
+        raise BadConfig(f"device {device} requested but CUDA is not available")
+    if dev.index is None:
+        dev = torch.device("cuda", local_rank if world > 1 or auto else 0)
+    return dev
