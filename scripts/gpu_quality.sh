@@ -19,7 +19,7 @@ WORK=${WORK:-/tmp/gq}
 OUT=${OUT:-$WORK/out}
 PY=${PYTHON:-python3}
 RANKS=${RANKS:-4}
-TURNS=${TURNS:-all}
+TURNS=${TURNS:-first}  # all: multi-turn, about twice the generation time (HF generate is the slow stage)
 TEMPERATURE=${TEMPERATURE:-0.7}
 MAX_NEW=${MAX_NEW:-384}
 GEN_BATCH=${GEN_BATCH:-256}
@@ -96,7 +96,7 @@ pipeline() {  # the whole run, in order; each stage logs to $WORK/<stage>*.log
   for ((r = 0; r < RANKS; r++)); do
     "${CLI[@]}" generate --model "$MODEL" --data "$WORK/prompts.jsonl" --output "$WORK/onpolicy" --backend hf \
       --device "$DEVICE" --max-samples "$MAX_SAMPLES" --turns "$TURNS" --temperature "$TEMPERATURE" --top-p 0.95 --max-new-tokens "$MAX_NEW" \
-      --max-prompt-tokens 1024 --chunk-size 1024 --batch-size "$GEN_BATCH" --rank $r --world-size "$RANKS" \
+      --max-prompt-tokens 1024 --chunk-size 512 --batch-size "$GEN_BATCH" --rank $r --world-size "$RANKS" \
       >"$WORK/generate-$r.log" 2>&1 &
     PIDS+=($!)
   done
