@@ -13,7 +13,13 @@ from peagle_pipeline.stages.distributed import resolve_device
         ("auto", 0, 1, False, "cpu"),
         ("auto", 0, 1, True, "cuda:0"),
         ("auto", 3, 4, True, "cuda:3"),
-        ("cuda", 0, 1, True, "cuda:0"),  # a bare "cuda" gets an index: torch.cuda.set_device refuses it (seen on H100)
+        (
+            "cuda",
+            0,
+            1,
+            True,
+            "cuda:0",
+        ),  # a bare "cuda" gets an index: torch.cuda.set_device refuses it (seen on H100)
         ("cuda", 2, 1, True, "cuda:0"),
         ("cuda", 2, 4, True, "cuda:2"),
         ("cuda:1", 0, 4, True, "cuda:1"),
