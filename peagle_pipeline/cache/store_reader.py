@@ -63,6 +63,23 @@ class StoreRoot:
             return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
         return int(self.fs.du(f"{self.base}/{rel}"))
 
+    def local_copy(self, rel: str) -> Path:
+        """A local copy of the directory `rel` of a remote cache (downloaded once per process, to a temporary
+        directory removed at exit)."""
+        if self.local is not None:
+            return self.local / rel
+        copies: dict[str, Path] = self.__dict__.setdefault("_copies", {})
+        if rel not in copies:
+            import atexit
+            import shutil
+            import tempfile
+
+            tmp = Path(tempfile.mkdtemp(prefix="peagle-remote-"))
+            atexit.register(shutil.rmtree, tmp, True)
+            self.fs.get(f"{self.base}/{rel}/", f"{tmp / rel}/", recursive=True)
+            copies[rel] = tmp / rel
+        return copies[rel]
+
     def zarr_group(self, rel: str) -> Any:
         import zarr
 
