@@ -64,6 +64,7 @@ class RemoteCache:
         except (ImportError, ValueError) as err:
             raise BadInput(f"cannot use {url} as a cache location: {_why(err)}") from None
         self.base = self.base.rstrip("/")
+        self.fs.invalidate_cache()  # (a cached instance's listings may predate other writers' objects)
         if staging is None:
             parent = Path(os.environ.get(STAGING_ENV) or tempfile.gettempdir())
             digest = hashlib.blake2b(self.url.encode(), digest_size=8).hexdigest()

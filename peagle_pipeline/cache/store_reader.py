@@ -40,6 +40,7 @@ class StoreRoot:
             import fsspec
 
             self.fs, self.base = fsspec.core.url_to_fs(text)
+            self.fs.invalidate_cache()  # (a cached instance's listings may predate the objects now there)
         else:
             self.local = Path(text.removeprefix("file://"))
 
