@@ -127,28 +127,27 @@ class RemoteCache:
         return True
 
     def push_root(self, meta: CacheMeta) -> None:
-        """Put target/ and extract.yaml (when absent), then claim cache.json with a conditional put: the first
-        writer's wins, and a writer that lost the race checks its settings against the winner's.
+        """Claim cache.json with a conditional put (the first writer's wins; a writer that lost the race, or
+        resumes, checks its settings against the one there), then put extract.yaml and target/ when absent.
 
         Raises: ResumeMismatch, IncompatibleCache (`location.check_meta`)."""
         with self._errors("write"):
-            target = self.staging / layout.TARGET_DIR
-            for path in sorted(p for p in target.rglob("*") if p.is_file()):
-                rel = f"{layout.TARGET_DIR}/{path.relative_to(target).as_posix()}"
-                if not self.fs.exists(self.key(rel)):
-                    self.fs.put_file(str(path), self.key(rel))
-            if not self.fs.exists(self.key(layout.EXTRACT_YAML)):
-                self.fs.put_file(str(self.staging / layout.EXTRACT_YAML), self.key(layout.EXTRACT_YAML))
             try:
                 self.fs.pipe_file(
                     self.key(layout.CACHE_META),
                     (self.staging / layout.CACHE_META).read_bytes(),
                     mode="create",
                 )
-                return
             except FileExistsError:  # there already (resume), or another rank's first run got there first
                 self.fs.get_file(self.key(layout.CACHE_META), str(self.staging / layout.CACHE_META))
-        check_meta(self.staging / layout.CACHE_META, meta)
+                check_meta(self.staging / layout.CACHE_META, meta)
+            if not self.fs.exists(self.key(layout.EXTRACT_YAML)):
+                self.fs.put_file(str(self.staging / layout.EXTRACT_YAML), self.key(layout.EXTRACT_YAML))
+            target = self.staging / layout.TARGET_DIR
+            for path in sorted(p for p in target.rglob("*") if p.is_file()):
+                rel = f"{layout.TARGET_DIR}/{path.relative_to(target).as_posix()}"
+                if not self.fs.exists(self.key(rel)):  # (the same bytes from every rank: the same model)
+                    self.fs.put_file(str(path), self.key(rel))
 
     def remove_root(self) -> None:
         """Remove what `push_root` put (a first run that produced nothing)."""

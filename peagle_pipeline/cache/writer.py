@@ -5,6 +5,8 @@ Commit protocol (crash-safe, resumable to the bit):
   2. the store's tables (`samples.parquet`, `rejects.parquet`, `token_counts.npy`) are replaced atomically;
   3. `manifest.json` is replaced atomically, LAST. It names the committed tokens and samples, the checksum of
      every array's rows in every shard and of every table, and `complete` after a clean close.
+With a `RemoteCache` (an object store; `root` is then its local staging directory) each commit is uploaded after
+step 3, the manifest last (`cache/remote.py`), and `open` fetches the store from the object store first.
 Anything the manifest does not name is garbage, overwritten by the next run. Never reads user data, never
 runs models; the runner (`stages/extract.py`) feeds it samples in storage order.
 

@@ -111,6 +111,10 @@ def test_extract_to_s3_is_the_local_cache(
     # a re-run finds it complete
     assert _extract(tiny_model, conversations, url) == 0
     assert "already complete" in capsys.readouterr().out
+    # other settings are refused, as on disk
+    argv = ["extract", "--model", str(tiny_model), "--data", str(conversations), "--output", url, *SETTINGS]
+    assert cli.main([*argv, "--topk", "16"]) == 5  # ResumeMismatch
+    assert "topk: 32 in the cache, 16 now" in capsys.readouterr().err
 
 
 def test_a_live_writers_lock_refuses_a_second_writer(
