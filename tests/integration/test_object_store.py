@@ -21,13 +21,11 @@ import fsspec
 import numpy as np
 import pytest
 from cache_compare import assert_same_cache
-from cli_argv import extract_argv
+from cli_argv import extract_argv, small_train_flags
 
 from peagle_pipeline import cli
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
-
-pytestmark = [pytest.mark.crash]
 
 SETTINGS = ["--dtype", "fp32", "--max-length", "200", "--shard-tokens", "256", "--chunk-tokens", "64",
             "--batch-tokens", "512", "--max-samples", "10"]  # fmt: skip
@@ -75,6 +73,7 @@ def local_cache(tiny_model, conversations, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_extract_to_s3_is_the_local_cache(
     s3_server, tiny_model, conversations, local_cache, tmp_path, capsys
 ) -> None:
@@ -111,6 +110,12 @@ def test_extract_to_s3_is_the_local_cache(
     # a re-run finds it complete
     assert _extract(tiny_model, conversations, url) == 0
     assert "already complete" in capsys.readouterr().out
+    # train reads it by URL
+    run = tmp_path / "run"
+    train = small_train_flags(depths=2, tokens_per_step=160, steps=2, eval_every=2, num_workers=0)
+    assert cli.main(["train", "--cache", url, "--output", str(run), *train]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("kind") == "train"] == [1, 2]
     # other settings are refused, as on disk
     argv = ["extract", "--model", str(tiny_model), "--data", str(conversations), "--output", url, *SETTINGS]
     assert cli.main([*argv, "--topk", "16"]) == 5  # ResumeMismatch
@@ -234,6 +239,8 @@ def _run_until(cmd: list[str], env: dict[str, str], url: str, server, commits: i
     return proc
 
 
+@pytest.mark.slow
+@pytest.mark.crash
 def test_kill9_and_network_outage_mid_run_resume_to_the_identical_cache(
     s3_server, tiny_model, conversations, local_cache, tmp_path
 ) -> None:
