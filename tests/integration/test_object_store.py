@@ -143,6 +143,10 @@ def test_missing_bucket_is_one_line(s3_server, tiny_model, conversations, capsys
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0 and "Traceback" not in err
     assert "bucket 'no-such-bucket' does not exist" in err
+    assert cli.main(["inspect", "s3://no-such-bucket/cache"]) == 2
+    assert "cannot read the cache s3://no-such-bucket/cache: bucket 'no-such-bucket' does not exist" in (
+        capsys.readouterr().err
+    )
 
 
 def test_unreachable_endpoint_is_one_line(s3_server, tiny_model, conversations, monkeypatch, capsys) -> None:
@@ -153,12 +157,13 @@ def test_unreachable_endpoint_is_one_line(s3_server, tiny_model, conversations, 
     s3fs.S3FileSystem.clear_instance_cache()  # (fsspec reuses instances: a new one reads the endpoint above)
     try:
         assert _extract(tiny_model, conversations, "s3://peagle-1/cache") == 2
+        assert cli.main(["verify", "s3://peagle-1/cache"]) == 2  # reading, too, says so
     finally:
         monkeypatch.undo()
         s3fs.S3FileSystem.clear_instance_cache()
-    err = capsys.readouterr().err
-    assert err.strip().count("\n") == 0 and "Traceback" not in err
-    assert "cannot reach s3://peagle-1/cache" in err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "Traceback" not in str(err)
+    assert all("cannot reach s3://peagle-1/cache" in line for line in err)
 
 
 class _Proxy:
