@@ -71,3 +71,85 @@ def cli_env() -> dict[str, str]:
     env.pop("PEAGLE_DEBUG", None)
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+class S3Server:
+    """A real S3 endpoint on localhost: moto in server mode, run as a subprocess (state in its memory)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.endpoint = f"http://127.0.0.1:{port}"
+        # moto accepts any credentials; these fake ones keep the tests away from the user's real ones.
+        self.env = {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_SESSION_TOKEN": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": self.endpoint,
+        }
+        self._buckets = 0
+
+    @staticmethod
+    def closed_endpoint() -> str:
+        """An endpoint URL nothing listens on (a free localhost port)."""
+        return f"http://127.0.0.1:{_free_port()}"
+
+    def bucket(self, name: str = "peagle") -> str:
+        """A new, empty bucket; returns its name."""
+        import fsspec
+
+        self._buckets += 1
+        bucket = f"{name}-{self._buckets}"
+        fsspec.filesystem("s3", endpoint_url=self.endpoint, skip_instance_cache=True).mkdir(bucket)
+        return bucket
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_http(url: str, proc, timeout: float = 30.0) -> None:
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"moto server did not start (exit {proc.poll()})") from None
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A moto S3 server on a free localhost port for the session (as s3fs's own tests run it); its AWS_*
+    variables are set in this process too, so in-process readers (open_cache("s3://...")) reach it."""
+    import subprocess
+
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    server = S3Server(port)
+    saved = {k: os.environ.get(k) for k in server.env}
+    try:
+        _wait_http(server.endpoint + "/moto-api/", proc)
+        os.environ.update(server.env)
+        yield server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        proc.kill()
+        proc.wait()

@@ -104,11 +104,10 @@ class Cache:
     # ------------------------------------------------------------------------------------------- basics
     @property
     def target_dir(self) -> Path:
-        """Local directory of the target's config.json and tokenizer files (local caches only)."""
+        """Local directory of the target's config.json and tokenizer files (of a remote cache: a local copy of its
+        target/ in a temporary directory, made once per process)."""
         if self._root.local is None:
-            raise BadInput(
-                f"target_dir needs a local cache; {self.path} is remote (use target_config/pieces)"
-            )
+            return self._root.local_copy(layout.TARGET_DIR)
         return self._root.local / layout.TARGET_DIR
 
     def target_config(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import zstandard
 from zstandard import ZstdError as _ZstdError
 
 from peagle_pipeline.cache import layout
-from peagle_pipeline.errors import CorruptCache
+from peagle_pipeline.errors import BadInput, CorruptCache
 
 __all__ = ["StoreRoot", "StoreReader"]
 
@@ -40,8 +40,24 @@ class StoreRoot:
             import fsspec
 
             self.fs, self.base = fsspec.core.url_to_fs(text)
+            self.fs.invalidate_cache()  # (a cached instance's listings may predate the objects now there)
+            self._check_reachable()
         else:
             self.local = Path(text.removeprefix("file://"))
+
+    def _check_reachable(self) -> None:
+        """BadInput (one line) when the bucket of a bucket-based URL (s3://) is missing or its endpoint cannot be
+        reached: fsspec's `exists` would say False and the cache would look absent."""
+        bucket = self.base.split("/", 1)[0]
+        if not bucket:
+            return
+        try:
+            self.fs.info(bucket)
+        except FileNotFoundError:
+            raise BadInput(f"cannot read the cache {self.url}: bucket {bucket!r} does not exist") from None
+        except Exception as err:  # s3fs/aiohttp/botocore raise many types
+            why = (str(err).strip().splitlines() or [""])[0][:200]
+            raise BadInput(f"cannot reach {self.url}: {type(err).__name__}: {why}") from None
 
     def read_bytes(self, rel: str) -> bytes:
         if self.local is not None:
@@ -62,6 +78,23 @@ class StoreRoot:
                 return p.stat().st_size
             return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
         return int(self.fs.du(f"{self.base}/{rel}"))
+
+    def local_copy(self, rel: str) -> Path:
+        """A local copy of the directory `rel` of a remote cache (downloaded once per process, to a temporary
+        directory removed at exit)."""
+        if self.local is not None:
+            return self.local / rel
+        copies: dict[str, Path] = self.__dict__.setdefault("_copies", {})
+        if rel not in copies:
+            import atexit
+            import shutil
+            import tempfile
+
+            tmp = Path(tempfile.mkdtemp(prefix="peagle-remote-"))
+            atexit.register(shutil.rmtree, tmp, True)
+            self.fs.get(f"{self.base}/{rel}/", f"{tmp / rel}/", recursive=True)
+            copies[rel] = tmp / rel
+        return copies[rel]
 
     def zarr_group(self, rel: str) -> Any:
         import zarr

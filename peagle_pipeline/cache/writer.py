@@ -5,6 +5,8 @@ Commit protocol (crash-safe, resumable to the bit):
   2. the store's tables (`samples.parquet`, `rejects.parquet`, `token_counts.npy`) are replaced atomically;
   3. `manifest.json` is replaced atomically, LAST. It names the committed tokens and samples, the checksum of
      every array's rows in every shard and of every table, and `complete` after a clean close.
+With a `RemoteCache` (an object store; `root` is then its local staging directory) each commit is uploaded after
+step 3, the manifest last (`cache/remote.py`), and `open` fetches the store from the object store first.
 Anything the manifest does not name is garbage, overwritten by the next run. Never reads user data, never
 runs models; the runner (`stages/extract.py`) feeds it samples in storage order.
 
@@ -27,6 +29,7 @@ import numpy as np
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.layout import CacheMeta
+from peagle_pipeline.cache.remote import RemoteCache
 from peagle_pipeline.errors import CorruptCache, IncompatibleCache, ResumeMismatch
 from peagle_pipeline.preemption import deferred
 from peagle_pipeline.runtime import (
@@ -160,8 +163,16 @@ class CacheWriter:
     ResumeMismatch (the store was written with other settings).
     """
 
-    def __init__(self, root: str | os.PathLike[str], meta: CacheMeta, rank: int, world_size: int) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        meta: CacheMeta,
+        rank: int,
+        world_size: int,
+        remote: RemoteCache | None = None,
+    ) -> None:
         self.root = Path(root)
+        self._remote = remote  # an object store mirrored after every commit (root is then its staging dir)
         self.meta = meta
         self.rank = rank
         self.world_size = world_size
@@ -187,18 +198,30 @@ class CacheWriter:
         self._next_ordinal = 0
         self._next_offset = 0
         self._commits = 0
+        self._new_shards: list[int] = []  # shard indices written by the commit in progress (uploaded with it)
 
     # ----------------------------------------------------------------------------------------------- open
     def open(self) -> CacheWriter:
         """Lock the rank, then create the store or load its committed state (garbage past it is ignored)."""
-        read_manifest(self.store_dir)  # a damaged manifest is reported before anything (the lock) is touched
+        if self._remote is None:  # a damaged manifest is reported before anything (the lock) is touched
+            read_manifest(self.store_dir)
         self._lock.acquire()
         try:
+            if self._remote is not None:  # the object store's copy is the truth: lock it, then fetch it
+                self._remote.lock(self.store, layout.lock_name(self.rank, self.world_size))
+                self._remote.pull_store(self.store)
             self._open_store()
         except BaseException:
-            self._lock.release()
+            self._release()
             raise
         return self
+
+    def _release(self) -> None:
+        try:
+            if self._remote is not None:
+                self._remote.unlock()
+        finally:
+            self._lock.release()
 
     def _open_store(self) -> None:
         import zarr
@@ -389,6 +412,7 @@ class CacheWriter:
             return
         start = self.committed_tokens
         stop = start + n
+        self._new_shards = list(range(start // S, (stop - 1) // S + 1)) if n else []
         if n:
             data = {
                 name: np.concatenate(parts) if len(parts) > 1 else parts[0]
@@ -477,7 +501,18 @@ class CacheWriter:
             fsync_dir(self.store_dir)
         except OSError as err:
             raise_if_no_space(err, f"store {self.store}")
+        if self._remote is not None:
+            self._remote.publish(self.store, self._commit_files(tables), self.committed_samples)
         self.complete = complete
+
+    def _commit_files(self, tables: dict[str, bytes]) -> list[str]:
+        """The store's files a commit changed (relative paths, the manifest last): Zarr metadata, new shards,
+        tables, manifest."""
+        files = ["zarr.json"]
+        for name, (_, inner) in self.specs.items():
+            files.append(f"{name}/zarr.json")
+            files += ["/".join([name, "c", str(i)] + ["0"] * len(inner)) for i in self._new_shards]
+        return [*files, *tables, layout.MANIFEST]
 
     # ------------------------------------------------------------------------------------------- finish
     @property
@@ -502,11 +537,11 @@ class CacheWriter:
             if not self.complete:
                 self._flush(final=True)
         finally:
-            self._lock.release()
+            self._release()
 
     def abort(self) -> None:
         """Stop without completing: committed shards stay; buffered tokens are recomputed on resume."""
-        self._lock.release()
+        self._release()
 
     def __enter__(self) -> CacheWriter:
         return self.open()

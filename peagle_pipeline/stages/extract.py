@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import errno
 import logging
+import shutil
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -26,6 +27,7 @@ from peagle_pipeline.backends.registry import get_backend
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.layout import CacheMeta
 from peagle_pipeline.cache.location import prepare_cache, recorded_compute_dtype, remove_new_cache
+from peagle_pipeline.cache.remote import RemoteCache, is_remote
 from peagle_pipeline.cache.target import TargetSource
 from peagle_pipeline.cache.writer import CacheWriter, SampleData, SampleRecord
 from peagle_pipeline.config import ExtractConfig, to_dict
@@ -322,8 +324,9 @@ def target_source(model: str) -> TargetSource:
     )
 
 
-def prepare_output(cfg: ExtractConfig, meta: CacheMeta) -> Path:
-    """Create or check the cache directory at cfg.output (`cache.location.prepare_cache`).
+def prepare_output(cfg: ExtractConfig, meta: CacheMeta, root: str | None = None) -> Path:
+    """Create or check the cache directory at cfg.output, or at `root` (an object store's staging directory)
+    (`cache.location.prepare_cache`).
 
     Raises:
         OutputExists, IncompatibleCache, ResumeMismatch: see `prepare_cache`.
@@ -331,7 +334,7 @@ def prepare_output(cfg: ExtractConfig, meta: CacheMeta) -> Path:
     import yaml
 
     settings = yaml.safe_dump({"extract": to_dict(cfg)}, sort_keys=False)
-    return prepare_cache(cfg.output, meta, settings, target_source(cfg.model))
+    return prepare_cache(root or cfg.output, meta, settings, target_source(cfg.model))
 
 
 # ------------------------------------------------------------------------------------------------- run
@@ -410,22 +413,28 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
         why = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         raise BadInput(f"cannot load the tokenizer of {cfg.model}: {why}") from None
     renderer = ChatRenderer(tokenizer, cfg.assistant_turns, cfg.leading_assistant)
-    compute, why = choose_compute_dtype(cfg, target_device(cfg))
+    # An object store is written through a local staging directory holding what the writer needs of it.
+    remote = RemoteCache(cfg.output) if is_remote(cfg.output) else None
+    local = str(remote.staging) if remote is not None else cfg.output
+    remote_had = remote.pull_root() if remote is not None else False
+    compute, why = choose_compute_dtype(dataclasses.replace(cfg, output=local), target_device(cfg))
     meta = build_meta(cfg, info, layer_ids, world, compute)
-    existed, created = Path(cfg.output).exists(), not (Path(cfg.output) / layout.CACHE_META).exists()
+    existed, created = Path(local).exists(), not (Path(local) / layout.CACHE_META).exists()
     try:
-        root = prepare_output(cfg, meta)
-        writer = CacheWriter(root, meta, rank, world).open()
+        root = prepare_output(cfg, meta, root=local)
+        if remote is not None:
+            remote.push_root(meta)
+        writer = CacheWriter(root, meta, rank, world, remote=remote).open()
     except OSError as err:
         raise_if_unwritable(err, cfg.output)
-    summary = ExtractSummary(output=str(root), store=writer.store)
+    summary = ExtractSummary(output=cfg.output if remote is not None else str(root), store=writer.store)
     note = collapsed_layers_note(cfg, info.num_hidden_layers)
     summary.notes += [note] if note else []
     if writer.complete:
         writer.abort()
         if writer.committed_samples == 0 and world == 1:  # written by a version that allowed it
-            raise BadInput(f"{_no_samples(cfg, writer)}; remove {root} and re-run with usable data")
-        return _finish(summary, writer, already=True)
+            raise BadInput(f"{_no_samples(cfg, writer)}; remove {cfg.output} and re-run with usable data")
+        return _unstage(_finish(summary, writer, already=True), remote, writer)
     summary.compute_dtype = f"{why}; stored hidden states {cfg.dtype}"
     log.info("%s", summary.compute_dtype)
     backend: TargetBackend | None = None
@@ -448,6 +457,8 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
         writer.abort()
         if created:  # nothing else is in it: leave the output as it was before this call
             remove_new_cache(root, existed)
+            if remote is not None and not remote_had:
+                remote.remove_root()
         raise BadInput(str(err)) from None
     except OSError as err:  # (disk full is already OutOfSpace, raised by the writer)
         writer.abort()
@@ -459,7 +470,14 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
         if backend is not None:
             backend.close()
     summary.elapsed_s = time.perf_counter() - start
-    return _finish(summary, writer, already=False)
+    return _unstage(_finish(summary, writer, already=False), remote, writer)
+
+
+def _unstage(summary: ExtractSummary, remote: RemoteCache | None, writer: CacheWriter) -> ExtractSummary:
+    """Drop the staging copy of a finished store written to an object store (the object store holds it)."""
+    if remote is not None:
+        shutil.rmtree(writer.store_dir, ignore_errors=True)
+    return summary
 
 
 class _NoSamples(Exception):

@@ -1,0 +1,291 @@
+"""A cache written to and read from a real S3 endpoint (moto in server mode, `s3_server` in tests/conftest.py)
+with the real CLI: the same bytes as on local disk, verified and read back through s3://, resumed after a kill -9
+to the identical cache, a second writer refused, and bad endpoints or buckets refused in one line.
+
+Commands run in this process (`cli.main`, to keep the tests fast) except the one that is killed and the one that
+needs another endpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pytest
+from cache_compare import assert_same_cache
+from cli_argv import extract_argv, small_train_flags
+
+from peagle_pipeline import cli
+from peagle_pipeline.cache import layout
+from peagle_pipeline.cache.reader import open_cache
+
+SETTINGS = ["--dtype", "fp32", "--max-length", "200", "--shard-tokens", "256", "--chunk-tokens", "64",
+            "--batch-tokens", "512", "--max-samples", "10"]  # fmt: skip
+STORE = layout.store_name(0, 1)
+
+
+@pytest.fixture(autouse=True)
+def _quiet(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setenv("PEAGLE_STAGING_DIR", str(tmp_path / "staging"))
+
+
+def _extract(model: Path, data: Path, out: str | Path) -> int:
+    return cli.main(["extract", "--model", str(model), "--data", str(data), "--output", str(out), *SETTINGS])
+
+
+def _env(server, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", **server.env, **extra}
+    env.pop("PEAGLE_DEBUG", None)
+    return env
+
+
+def _fs(server):
+    return fsspec.filesystem("s3", endpoint_url=server.endpoint, skip_instance_cache=True)
+
+
+def _download(server, url: str, dest: Path) -> Path:
+    """A local copy of every object under `url` (to compare it file by file with a local cache)."""
+    _fs(server).get(url.removeprefix("s3://") + "/", str(dest) + "/", recursive=True)
+    return dest
+
+
+def _remote_manifest(server, url: str) -> dict | None:
+    try:
+        return json.loads(_fs(server).cat_file(f"{url[5:]}/{layout.STORES_DIR}/{STORE}/{layout.MANIFEST}"))
+    except FileNotFoundError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def local_cache(tiny_model, conversations, tmp_path_factory) -> Path:
+    """The reference: the same extraction to local disk."""
+    out = tmp_path_factory.mktemp("local") / "cache"
+    assert _extract(tiny_model, conversations, out) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_extract_to_s3_is_the_local_cache(
+    s3_server, tiny_model, conversations, local_cache, tmp_path, capsys
+) -> None:
+    url = f"s3://{s3_server.bucket()}/caches/tiny"
+    assert _extract(tiny_model, conversations, url) == 0
+    assert f"in {url}:" in capsys.readouterr().out
+    assert not _fs(s3_server).exists(f"{url[5:]}/{layout.STORES_DIR}/{layout.lock_name(0, 1)}")  # released
+    # every object is byte-identical to the file of the local extraction
+    copy = _download(s3_server, url, tmp_path / "copy")
+    assert_same_cache(local_cache, copy)
+    local_files = sorted(p.relative_to(local_cache).as_posix() for p in local_cache.rglob("*") if p.is_file())
+    remote_files = sorted(p.relative_to(copy).as_posix() for p in copy.rglob("*") if p.is_file())
+    assert remote_files == [f for f in local_files if not f.endswith(".lock")]
+    for rel in remote_files:
+        if rel == layout.EXTRACT_YAML:  # the settings as given: they differ in the output only
+            assert f"output: {url}\n" in (copy / rel).read_text()
+            continue
+        assert (copy / rel).read_bytes() == (local_cache / rel).read_bytes(), rel
+    # read back through s3:// in this process: the same arrays as the local cache
+    remote, local = open_cache(url), open_cache(local_cache)
+    assert len(remote) == len(local) == 10
+    for sid in local.samples["sample_id"]:
+        a, b = remote.read_arrays(int(sid)), local.read_arrays(int(sid))
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), (int(sid), k)
+    assert np.array_equal(remote.token_counts(), local.token_counts())
+    # the commands that read a cache take the URL
+    assert cli.main(["verify", url]) == 0
+    assert cli.main(["inspect", url]) == 0
+    assert "samples: 10" in capsys.readouterr().out
+    assert cli.main(["inspect", url, "--sample", "0"]) == 0
+    assert "<|im_start|>" in capsys.readouterr().out
+    # a re-run finds it complete
+    assert _extract(tiny_model, conversations, url) == 0
+    assert "already complete" in capsys.readouterr().out
+    # train reads it by URL
+    run = tmp_path / "run"
+    train = small_train_flags(depths=2, tokens_per_step=160, steps=2, eval_every=2, num_workers=0)
+    assert cli.main(["train", "--cache", url, "--output", str(run), *train]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("kind") == "train"] == [1, 2]
+    # other settings are refused, as on disk
+    argv = ["extract", "--model", str(tiny_model), "--data", str(conversations), "--output", url, *SETTINGS]
+    assert cli.main([*argv, "--topk", "16"]) == 5  # ResumeMismatch
+    assert "topk: 32 in the cache, 16 now" in capsys.readouterr().err
+
+
+def test_a_live_writers_lock_refuses_a_second_writer(
+    s3_server, tiny_model, conversations, local_cache, capsys
+) -> None:
+    url = f"s3://{s3_server.bucket()}/locked"
+    fs = _fs(s3_server)
+    fs.put_file(str(local_cache / layout.CACHE_META), f"{url[5:]}/{layout.CACHE_META}")  # a first run's claim
+    lock = f"{url[5:]}/{layout.STORES_DIR}/{layout.lock_name(0, 1)}"
+    fs.pipe_file(lock, json.dumps({"host": "elsewhere", "pid": 1, "since": 0}).encode())  # its live writer
+    assert _extract(tiny_model, conversations, url) == 7  # Busy
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "Traceback" not in err
+    assert "pid 1 on elsewhere" in err and lock in err
+    assert not fs.exists(f"{url[5:]}/{layout.STORES_DIR}/{STORE}")  # nothing of the store written
+    assert json.loads(fs.cat_file(lock))["host"] == "elsewhere"  # its lock untouched
+
+
+def test_missing_bucket_is_one_line(s3_server, tiny_model, conversations, capsys) -> None:
+    assert _extract(tiny_model, conversations, "s3://no-such-bucket/cache") == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "Traceback" not in err
+    assert "bucket 'no-such-bucket' does not exist" in err
+    assert cli.main(["inspect", "s3://no-such-bucket/cache"]) == 2
+    assert "cannot read the cache s3://no-such-bucket/cache: bucket 'no-such-bucket' does not exist" in (
+        capsys.readouterr().err
+    )
+
+
+def test_unreachable_endpoint_is_one_line(s3_server, tiny_model, conversations, monkeypatch, capsys) -> None:
+    import s3fs
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.closed_endpoint())
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    s3fs.S3FileSystem.clear_instance_cache()  # (fsspec reuses instances: a new one reads the endpoint above)
+    try:
+        assert _extract(tiny_model, conversations, "s3://peagle-1/cache") == 2
+        assert cli.main(["verify", "s3://peagle-1/cache"]) == 2  # reading, too, says so
+    finally:
+        monkeypatch.undo()
+        s3fs.S3FileSystem.clear_instance_cache()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "Traceback" not in str(err)
+    assert all("cannot reach s3://peagle-1/cache" in line for line in err)
+
+
+class _Proxy:
+    """A TCP forwarder to the S3 server that can go down (listener and every connection closed: requests in
+    flight break, new ones are refused) and come back on the same port: a network outage that keeps the
+    server's state."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = target_port
+        self.port = 0
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self.up()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def up(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self.port = listener.getsockname()[1]
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def down(self) -> None:
+        with self._lock:
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
+            for conn in self._conns:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+                conn.close()
+            self._conns.clear()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+
+def _run_until(cmd: list[str], env: dict[str, str], url: str, server, commits: int) -> subprocess.Popen:
+    """Start `cmd` and return once the object store's manifest of the store counts `commits` commits."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while (m := _remote_manifest(server, url)) is None or m["commits"] < commits:  # (read past any proxy)
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"extract did not reach commit {commits}: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.05)
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.crash
+def test_kill9_and_network_outage_mid_run_resume_to_the_identical_cache(
+    s3_server, tiny_model, conversations, local_cache, tmp_path
+) -> None:
+    url = f"s3://{s3_server.bucket()}/faults"
+    argv = extract_argv(tiny_model, conversations, url, *SETTINGS)
+    lock = f"{url[5:]}/{layout.STORES_DIR}/{layout.lock_name(0, 1)}"
+    # 1. kill -9 inside a commit (the commit-sleep hook widens the window between local shard writes and uploads)
+    proc = _run_until(argv, _env(s3_server, PEAGLE_TEST_COMMIT_SLEEP="0.2"), url, s3_server, commits=2)
+    time.sleep(0.15)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed = _remote_manifest(s3_server, url)
+    assert killed is not None and not killed["complete"]
+    # what the object store holds is a consistent, committed prefix: verify says incomplete (3), not damaged (4)
+    assert cli.main(["verify", url]) == 3
+    assert _fs(s3_server).exists(lock)  # the killed writer's lock stays; a re-run on this host takes it over
+    # 2. resume through a proxy, then cut the network while it uploads: the run stops in one line
+    proxy = _Proxy(s3_server.port)
+    env = _env(
+        s3_server, AWS_ENDPOINT_URL=proxy.endpoint, AWS_MAX_ATTEMPTS="2", PEAGLE_TEST_COMMIT_SLEEP="0.2"
+    )
+    proc = _run_until(argv, env, url, s3_server, commits=killed["commits"] + 1)
+    try:
+        proxy.down()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proxy.down()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 2, err
+    assert err.strip().count("\n") == 0 and "Traceback" not in err, err
+    assert f"cannot upload to {url}" in err and "re-run the same command to resume" in err
+    stopped = _remote_manifest(s3_server, url)
+    assert stopped is not None and not stopped["complete"] and stopped["commits"] > killed["commits"]
+    assert cli.main(["verify", url]) == 3  # the object store kept its last commit, undamaged
+    # 3. the network is back: the same command finishes the cache, identical to the uninterrupted local one
+    assert _extract(tiny_model, conversations, url) == 0
+    final = _remote_manifest(s3_server, url)
+    assert final is not None and final["complete"] and final["commits"] > stopped["commits"]
+    assert not _fs(s3_server).exists(lock)
+    assert_same_cache(local_cache, _download(s3_server, url, tmp_path / "copy"))
+    assert cli.main(["verify", url]) == 0
