@@ -6,13 +6,17 @@ DataLoader (worker processes reading the cache in random order) and logs `data_w
 (the real CLI, real cache, bf16 autocast as the demo) and reads those records back. The first log window holds the
 worker start-up (a one-time cost) and is reported apart; the goal applies to the steady-state windows.
 Without --cache it extracts a small SmolLM2 cache first (kept under --workdir, reused by later runs).
+With --s3-mbit N the cache is uploaded to a real S3 server on localhost (moto, bench/s3_local.py) and training
+reads it by its s3:// URL through a proxy limited to N Mbit/s with --s3-latency-ms per read (issue 13's row).
 
     python bench/bench_data_wait.py --out bench/results/data_wait.json [--cache DIR] [--quick]
+    python bench/bench_data_wait.py --out bench/results/data_wait_s3.json --s3-mbit 200 [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -25,10 +29,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cli(*args: str) -> None:
+def cli(*args: str, env: dict[str, str] | None = None) -> None:
     """Run `peagle-pipeline ARGS` with this interpreter (its progress and errors go to the terminal)."""
     cmd = [sys.executable, "-m", "peagle_pipeline.cli", *args]
-    code = subprocess.run(cmd, cwd=ROOT).returncode
+    code = subprocess.run(cmd, cwd=ROOT, env=env).returncode
     if code != 0:
         raise SystemExit(f"error: `peagle-pipeline {args[0]}` failed with exit code {code} (message above)")
 
@@ -100,6 +104,10 @@ def main() -> None:
     ap.add_argument("--tokens-per-step", type=int, default=1024)
     ap.add_argument("--num-workers", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="8 steps on a 16-sample cache")
+    ap.add_argument(
+        "--s3-mbit", type=float, default=None, help="train from a local S3 server limited to this"
+    )
+    ap.add_argument("--s3-latency-ms", type=float, default=5.0, help="added delay per read from that server")
     args = ap.parse_args()
     if args.quick:
         args.steps, args.log_every, args.samples = 8, 2, min(args.samples, 16)
@@ -110,45 +118,27 @@ def main() -> None:
         else ensure_cache(Path(args.workdir), args.model, args.data, args.samples, args.max_length)
     )
     run = Path(tempfile.mkdtemp(prefix="bench-data-wait-")) / "run"
-    try:
-        cli(
-            "train",
-            "--cache",
-            str(cache),
-            "--output",
-            str(run),
-            "--steps",
-            str(args.steps),
-            "--tokens-per-step",
-            str(args.tokens_per_step),
-            "--draft-layers",
-            "1",
-            "--depths",
-            "4",
-            "--draft-vocab-size",
-            "8192",
-            "--precision",
-            "bf16",
-            "--num-workers",
-            str(args.num_workers),
-            "--eval-samples",
-            "0",
-            "--log-every",
-            str(args.log_every),
-            "--save-every",
-            str(10 * args.steps),
-            "--warmup",
-            "2",
-            "--no-export",
-        )
-        sys.path.insert(0, str(ROOT))
-        from peagle_pipeline.stages.metrics import read_metrics
+    with contextlib.ExitStack() as stack:
+        source, env = str(cache), None
+        if args.s3_mbit:
+            sys.path.insert(0, str(ROOT / "bench"))
+            from s3_local import LocalS3
 
-        res = summarise(read_metrics(run))
-    finally:
-        shutil.rmtree(run.parent, ignore_errors=True)
+            s3 = stack.enter_context(LocalS3(args.s3_mbit, args.s3_latency_ms))
+            s3.upload(cache, "bench/cache")
+            source, env = "s3://bench/cache", s3.env
+        try:
+            train(args, source, run, env)
+            sys.path.insert(0, str(ROOT))
+            from peagle_pipeline.stages.metrics import read_metrics
+
+            res = summarise(read_metrics(run))
+        finally:
+            shutil.rmtree(run.parent, ignore_errors=True)
     res.update(
-        cache=str(cache),
+        cache=source,
+        s3_mbit=args.s3_mbit,
+        s3_latency_ms=args.s3_latency_ms if args.s3_mbit else None,
         steps=args.steps,
         tokens_per_step=args.tokens_per_step,
         num_workers=args.num_workers,
@@ -156,7 +146,8 @@ def main() -> None:
         quick=args.quick,
         load_avg=os.getloadavg()[0],
     )
-    print("\n| windows | data wait (fraction of step time) |\n|---|---:|")
+    where = f"s3:// at {args.s3_mbit:g} Mbit/s, {args.s3_latency_ms:g} ms" if args.s3_mbit else "local disk"
+    print(f"\n| windows ({where}) | data wait (fraction of step time) |\n|---|---:|")
     print(f"| first (worker start-up) | {res['data_wait_first_window']:.3f} |")
     print(f"| steady state | {res['data_wait_steady']:.3f} |")
     print(f"| all | {res['data_wait_all']:.3f} |")
@@ -165,6 +156,41 @@ def main() -> None:
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+
+
+def train(args: argparse.Namespace, cache: str, run: Path, env: dict[str, str] | None) -> None:
+    """The measured training run: `peagle-pipeline train` on `cache` (a directory or an s3:// URL)."""
+    cli(
+        "train",
+        "--cache",
+        cache,
+        "--output",
+        str(run),
+        "--steps",
+        str(args.steps),
+        "--tokens-per-step",
+        str(args.tokens_per_step),
+        "--draft-layers",
+        "1",
+        "--depths",
+        "4",
+        "--draft-vocab-size",
+        "8192",
+        "--precision",
+        "bf16",
+        "--num-workers",
+        str(args.num_workers),
+        "--eval-samples",
+        "0",
+        "--log-every",
+        str(args.log_every),
+        "--save-every",
+        str(10 * args.steps),
+        "--warmup",
+        "2",
+        "--no-export",
+        env=env,
+    )
 
 
 if __name__ == "__main__":

@@ -92,6 +92,12 @@ BENCHES = [
         ["--samples", "32", "--max-length", "512", "--steps", "24"],
         ["--quick"],
     ),
+    Bench(
+        "data_wait_s3",
+        "bench_data_wait.py",
+        ["--samples", "32", "--max-length", "512", "--steps", "24", "--s3-mbit", "200"],
+        ["--quick", "--s3-mbit", "200"],
+    ),
 ]
 
 
@@ -256,6 +262,21 @@ def figures(out: Path) -> list[dict[str, Any]]:
             f"{100 * r['data_wait_steady']:.2f} % (first window, with "
             f"worker start-up: {100 * r['data_wait_first_window']:.1f} %; all: "
             f"{100 * r['data_wait_all']:.2f} %)"
+            if r
+            else missing,
+            r and r["data_wait_steady"] < 0.05,
+        )
+    )
+
+    r = _load(out, "data_wait_s3")
+    figs.append(
+        _fig(
+            "Training data-wait fraction, cache read from S3 (local moto server behind a limited proxy)",
+            "< 5 %",
+            "bench_data_wait --s3-mbit",
+            r and r["data_wait_steady"],
+            f"{100 * r['data_wait_steady']:.2f} % at {r['s3_mbit']:g} Mbit/s and {r['s3_latency_ms']:g} ms per "
+            f"read (first window: {100 * r['data_wait_first_window']:.1f} %)"
             if r
             else missing,
             r and r["data_wait_steady"] < 0.05,
