@@ -1,6 +1,7 @@
 """A cache written to and read from a real S3 endpoint (moto in server mode, `s3_server` in tests/conftest.py)
-with the real CLI: the same bytes as on local disk, verified and read back through s3://, resumed after a kill -9
-to the identical cache, a second writer refused, and bad endpoints or buckets refused in one line.
+with the real CLI: the same bytes as on local disk (one rank, and two ranks writing one prefix at once),
+verified and read back through s3://, resumed after a kill -9 to the identical cache, a second writer refused,
+and bad endpoints or buckets refused in one line.
 
 Commands run in this process (`cli.main`, to keep the tests fast) except the one that is killed and the one that
 needs another endpoint."""
@@ -38,8 +39,10 @@ def _quiet(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("PEAGLE_STAGING_DIR", str(tmp_path / "staging"))
 
 
-def _extract(model: Path, data: Path, out: str | Path) -> int:
-    return cli.main(["extract", "--model", str(model), "--data", str(data), "--output", str(out), *SETTINGS])
+def _extract(model: Path, data: Path, out: str | Path, *extra: str) -> int:
+    return cli.main(
+        ["extract", "--model", str(model), "--data", str(data), "--output", str(out), *SETTINGS, *extra]
+    )
 
 
 def _env(server, **extra: str) -> dict[str, str]:
@@ -289,3 +292,36 @@ def test_kill9_and_network_outage_mid_run_resume_to_the_identical_cache(
     assert not _fs(s3_server).exists(lock)
     assert_same_cache(local_cache, _download(s3_server, url, tmp_path / "copy"))
     assert cli.main(["verify", url]) == 0
+
+
+@pytest.mark.slow
+def test_two_ranks_write_one_s3_prefix_at_once(s3_server, tiny_model, conversations, tmp_path) -> None:
+    """Two processes (standing in for two nodes) extract ranks 0 and 1 into one s3:// prefix at the same time; the
+    result reads as the same cache as the two ranks extracted to local disk, verifies, and trains by URL with a
+    DataLoader worker."""
+    url = f"s3://{s3_server.bucket()}/caches/two-ranks"
+    ranks = lambda r: ["--rank", str(r), "--world-size", "2"]  # noqa: E731
+    local = tmp_path / "local"
+    for r in (0, 1):
+        assert _extract(tiny_model, conversations, local, *ranks(r)) == 0
+    procs = [
+        subprocess.Popen(
+            extract_argv(tiny_model, conversations, url, *SETTINGS, *ranks(r)),
+            env=_env(s3_server, PEAGLE_STAGING_DIR=str(tmp_path / f"staging-{r}")),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+    copy = _download(s3_server, url, tmp_path / "copy")
+    assert_same_cache(local, copy)
+    assert cli.main(["verify", url]) == 0
+    run = tmp_path / "run"
+    train = small_train_flags(depths=2, tokens_per_step=160, steps=2, eval_every=2, num_workers=1)
+    assert cli.main(["train", "--cache", url, "--output", str(run), *train]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("kind") == "train"] == [1, 2]
