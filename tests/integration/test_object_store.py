@@ -1,6 +1,7 @@
 """A cache written to and read from a real S3 endpoint (moto in server mode, `s3_server` in tests/conftest.py)
 with the real CLI: the same bytes as on local disk (one rank, and two ranks writing one prefix at once),
-verified and read back through s3://, resumed after a kill -9 to the identical cache, a second writer refused,
+verified and read back through s3://, through a slow link too, resumed after a kill -9 to the identical cache, a
+second writer refused,
 and bad endpoints or buckets refused in one line.
 
 Commands run in this process (`cli.main`, to keep the tests fast) except the one that is killed and the one that
@@ -22,7 +23,7 @@ import fsspec
 import numpy as np
 import pytest
 from cache_compare import assert_same_cache
-from cli_argv import extract_argv, small_train_flags
+from cli_argv import PEAGLE, extract_argv, small_train_flags
 
 from peagle_pipeline import cli
 from peagle_pipeline.cache import layout
@@ -172,10 +173,10 @@ def test_unreachable_endpoint_is_one_line(s3_server, tiny_model, conversations, 
 class _Proxy:
     """A TCP forwarder to the S3 server that can go down (listener and every connection closed: requests in
     flight break, new ones are refused) and come back on the same port: a network outage that keeps the
-    server's state."""
+    server's state. `delay_s` holds back every chunk it forwards (a slow server or link)."""
 
-    def __init__(self, target_port: int) -> None:
-        self.target = target_port
+    def __init__(self, target_port: int, delay_s: float = 0.0) -> None:
+        self.target, self.delay_s, self.chunks = target_port, delay_s, 0
         self.port = 0
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -222,10 +223,11 @@ class _Proxy:
             for a, b in ((client, server), (server, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
+                time.sleep(self.delay_s)
+                self.chunks += 1
                 dst.sendall(data)
         except OSError:
             pass
@@ -325,3 +327,26 @@ def test_two_ranks_write_one_s3_prefix_at_once(s3_server, tiny_model, conversati
     assert cli.main(["train", "--cache", url, "--output", str(run), *train]) == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r.get("kind") == "train"] == [1, 2]
+
+
+@pytest.mark.slow
+def test_a_slow_server_gives_the_same_cache(
+    s3_server, tiny_model, conversations, local_cache, tmp_path
+) -> None:
+    """Every chunk to and from the server held back 30 ms (a slow server): extraction and verify still finish, and
+    the cache is the local one."""
+    url = f"s3://{s3_server.bucket()}/slow"
+    proxy = _Proxy(s3_server.port, delay_s=0.03)
+    env = _env(s3_server, AWS_ENDPOINT_URL=proxy.endpoint)
+    try:
+        done = subprocess.run(extract_argv(tiny_model, conversations, url, *SETTINGS), env=env,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        checked = subprocess.run(
+            [*PEAGLE, "verify", url], env=env, capture_output=True, text=True, timeout=300
+        )
+    finally:
+        proxy.down()
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    assert proxy.chunks > 50  # the traffic went through the slow link
+    assert_same_cache(local_cache, _download(s3_server, url, tmp_path / "copy"))
