@@ -1,8 +1,7 @@
 """A cache written to and read from a real S3 endpoint (moto in server mode, `s3_server` in tests/conftest.py)
 with the real CLI: the same bytes as on local disk (one rank, and two ranks writing one prefix at once),
 verified and read back through s3://, through a slow link too, resumed after a kill -9 to the identical cache, a
-second writer refused,
-and bad endpoints or buckets refused in one line.
+second writer refused, and bad endpoints or buckets refused in one line.
 
 Commands run in this process (`cli.main`, to keep the tests fast) except the one that is killed and the one that
 needs another endpoint."""
