@@ -6,6 +6,7 @@ Markers (pyproject.toml): slow, real (SmolLM2/ShareGPT), vllm, crash, crashloop,
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -25,6 +26,11 @@ try:  # property-based tests draw the same examples every run, so CI is repeatab
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 except ImportError:  # the vLLM env may lack hypothesis; its tests do not use it
     pass
+
+# A shell starts a background job (`make test &`, `nohup ... &`) with Ctrl-C ignored, and the CLI subprocesses the
+# tests start would inherit that: the signal tests send SIGINT and expect Python's own handling, as in a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
