@@ -234,7 +234,19 @@ class TrainConfig:
     target: Literal["topk", "exact"] = _f(
         "topk", "Training target: renormalised stored top-k, or exact from the stored last hidden state."
     )
+    loss_positions: Literal["assistant", "all"] = _f(
+        "assistant",
+        "Positions the training loss covers: assistant (the cache's loss mask: the replies) or all (every position, "
+        "prompt tokens too; the target's next-token distribution is a valid target everywhere, so each cached token "
+        "teaches). The held-out figures always use the loss mask.",
+    )
     eval_samples: int = _f(64, "Held-out samples (fixed by seed) for agreement and acceptance estimates.")
+    eval_cache: str = _f(
+        "",
+        "Cache whose held-out samples give the held-out loss, agreement and estimated AL (default: the training "
+        "cache's own held-out split). Same target required. Give one on-policy cache to compare drafts trained on "
+        "different data on one held-out set (off-policy validation overstates quality).",
+    )
     eval_every: int = _f(100, "Evaluate every N steps (and always at the end).")
     seed: int = _f(0, "Seed of the shuffle, the held-out split, COD sampling and the draft init.")
     save_every: int = _f(200, "Write a checkpoint every N steps (and always at the end).")

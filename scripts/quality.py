@@ -225,9 +225,9 @@ def evaluate(root: Path, name: str, drafts: list[Path], heldout: Path, s: dict) 
     return json.loads(report.read_text())
 
 
-def evaluate_speed(root: Path, export: Path, s: dict) -> dict[str, Any]:
-    """The main draft at concurrency 1 (one user, SPEC 4b's AL setting) on MT-Bench: AL, tokens/s with and without."""
-    out = root / "eval" / "speed"
+def evaluate_speed(root: Path, export: Path, s: dict, name: str = "speed") -> dict[str, Any]:
+    """A main draft at concurrency 1 (one user, SPEC 4b's AL setting) on MT-Bench: AL, tokens/s with and without."""
+    out = root / "eval" / name
     report = out / "report.json"
     if not report.exists():
         cli(
@@ -365,6 +365,47 @@ def main() -> int:
     fp8 = timed("evaluate: fp8 aux states", evaluate, root, "fp8", [rows[fp8_row] / "export"], heldout, s)
     second_results.update(results_by_draft(fp8))
     speed = timed("evaluate: speedup at concurrency 1", evaluate_speed, root, main_run / "export", s)
+    # Loss on every position (`train --loss-positions all`, added in a later session): the best data at the
+    # ablation budget and at the main budget, prompt tokens carrying loss too. Own train and evaluate runs, so a
+    # finished run gains these rows by resuming.
+    all_row = "loss on all positions"
+    rows[all_row] = timed(
+        "train: loss on all positions",
+        train,
+        root,
+        "all-positions",
+        caches[best],
+        steps,
+        loss_positions="all",
+    )
+    main_all = timed(
+        "train: main run, loss on all positions",
+        train,
+        root,
+        "main-all",
+        caches[best],
+        main_steps,
+        evals=10,
+        loss_positions="all",
+    )
+    allpos = timed(
+        "evaluate: loss on all positions",
+        evaluate,
+        root,
+        "all-positions",
+        [rows[all_row] / "export", main_all / "export"],
+        heldout,
+        s,
+    )
+    second_results.update(results_by_draft(allpos))
+    speed_all = timed(
+        "evaluate: main draft (all positions) at concurrency 1",
+        evaluate_speed,
+        root,
+        main_all / "export",
+        s,
+        "speed-all",
+    )
     summary = {
         "settings": {**s, "train": TRAIN, "sampled": SAMPLED, "greedy": GREEDY, "best_data": best},
         "host": data_report.get("hardware"),
@@ -374,6 +415,8 @@ def main() -> int:
         "curve": [],
         "estimate_curve": estimate_curve(main_run),
         "speed": speed_figures(speed),
+        "main_all": _row(f"main, {all_row}", main_all, second_results, main_all / "export", main_steps),
+        "speed_all": speed_figures(speed_all),
         "eval_dtype": data_report.get("dtype"),
     }
     for name, run in rows.items():
@@ -386,7 +429,7 @@ def main() -> int:
     (root / "quality.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(summary, root)
     doc = REPO / args.doc
-    doc.write_text(render_doc(summary, data_report, second, fp8))
+    doc.write_text(render_doc(summary))
     say(f"wrote {doc} and {root / 'quality.json'} in {summary['total_s'] / 60:.1f} min")
     return 0
 
@@ -478,7 +521,7 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def render_doc(summary: dict[str, Any], *reports: dict[str, Any]) -> str:
+def render_doc(summary: dict[str, Any]) -> str:
     s = summary["settings"]
     lines = [
         "# Quality: what the data does to acceptance (measured in vLLM)",
@@ -538,6 +581,30 @@ def render_doc(summary: dict[str, Any], *reports: dict[str, Any]) -> str:
         "K + 1 tokens) is weighed against a tiny target's plain decoding; a GPU, where verifying K + 1 tokens "
         "costs about as much as decoding one, turns AL into speed far more directly.",
     ]
+    ma, sa = summary.get("main_all"), summary.get("speed_all")
+    if ma and sa:
+        last = summary["curve"][-1] if summary["curve"] else None
+        lines += [
+            "",
+            "## Loss on every position: the main draft again, prompt tokens carrying loss too",
+            "",
+            f"`train --loss-positions all` on the same {s['best_data']} cache and budget ({s['main_steps']} steps): "
+            "every cached position is a training target, not only the replies (the held-out figures still use "
+            "the replies).",
+            "",
+            "| main draft | MT-Bench AL | per position | held-out AL | per position | trainer est. AL | speedup |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        if last:
+            lines.append(_doc_row(last, first="loss on the replies (the curve's last point)"))
+        lines.append(_doc_row(ma, first="loss on all positions"))
+        lines += [
+            "",
+            f"At concurrency 1 on {sa['prompts']} MT-Bench prompts (SPEC 4b): **AL {_fmt(sa['acceptance_length'])}**"
+            f" with loss on all positions against {_fmt(sp['acceptance_length'])} with loss on the replies; "
+            f"{_fmt(sa['tokens_per_s'], '.1f')} tokens/s with the draft vs {_fmt(sa['plain_tokens_per_s'], '.1f')} "
+            f"without: **{_fmt(sa['speedup'], '.2f')}x** ({sa['dtype']}).",
+        ]
     lines += ["", "![learning curve](quality_learning_curve.png)", "", "## Stage times", ""]
     lines += [f"- {k}: {v / 60:.1f} min" for k, v in summary["times_s"].items()]
     lines += ["", "Reproduce: `make quality` (about the times above on 2 cores)."]

@@ -151,6 +151,22 @@ class CacheMeta:
         a, b = self.to_dict(), other.to_dict()
         return [k for k in a if k != "extra" and a[k] != b.get(k)]
 
+    def target_differences(self, other: CacheMeta) -> list[str]:
+        """Names of the settings that make `other` hold another target's states (empty when a draft trained on one
+        cache can be evaluated on the other: same model, tokenizer and aux layers)."""
+        a, b = self.to_dict(), other.to_dict()
+        return [k for k in SAME_TARGET_FIELDS if a.get(k) != b.get(k)]
+
+
+# What two caches must share for a draft trained on one to be evaluated on the other (`CacheMeta.target_differences`).
+SAME_TARGET_FIELDS = (
+    "target_config_sha256",
+    "tokenizer_sha256",
+    "aux_layer_ids",
+    "hidden_size",
+    "num_hidden_layers",
+    "vocab_size",
+)
 
 # Per-shard checksums in manifest.json: blake2b-128 of the decoded C-order bytes of each array's rows in the shard.
 HASH = "blake2b-128"

@@ -187,8 +187,12 @@ def pack_epoch(split: DataSplit, budget: int, seed: int, epoch: int) -> list[Row
     return pack_rows(split.train_ids[perm], split.train_lengths[perm], budget)
 
 
-def shift_sample(sample: Any, n: int, need_last_hidden: bool) -> dict[str, torch.Tensor | None]:
+def shift_sample(
+    sample: Any, n: int, need_last_hidden: bool, all_positions: bool = False
+) -> dict[str, torch.Tensor | None]:
     """Shift one cached sample (unshifted rows 0..T-1) by one and keep its first `n` <= T-1 shifted rows.
+
+    `weight` is the sample's loss mask, or True everywhere when `all_positions` (loss_positions: all).
 
     Returns a dict of input_ids [n], aux_hidden [n, n_aux*H], topk_ids [n, k], topk_logprobs [n, k],
     weight [n], last_hidden [n, H] | None.
@@ -199,7 +203,7 @@ def shift_sample(sample: Any, n: int, need_last_hidden: bool) -> dict[str, torch
         "aux_hidden": aux.reshape(n, -1),
         "topk_ids": sample.topk_ids[1 : n + 1].long(),
         "topk_logprobs": sample.topk_logprobs[1 : n + 1].float(),
-        "weight": sample.loss_mask[1 : n + 1].bool(),
+        "weight": torch.ones(n, dtype=torch.bool) if all_positions else sample.loss_mask[1 : n + 1].bool(),
         "last_hidden": sample.last_hidden[1 : n + 1] if need_last_hidden else None,
     }
 
@@ -219,7 +223,7 @@ class PackedRows(torch.utils.data.Dataset):
         epoch, row = key
         lo = self.loader
         plan = lo.plan(epoch)[row]
-        return read_packed(lo.cache, plan, epoch, row, lo.need_last_hidden, lo.skip_corrupt)
+        return read_packed(lo.cache, plan, epoch, row, lo.need_last_hidden, lo.skip_corrupt, lo.all_positions)
 
 
 class _RowOrder(torch.utils.data.Sampler):
@@ -235,9 +239,16 @@ class _RowOrder(torch.utils.data.Sampler):
 
 
 def read_packed(
-    cache: Any, plan: RowPlan, epoch: int, row: int, need_last_hidden: bool, skip_corrupt: bool
+    cache: Any,
+    plan: RowPlan,
+    epoch: int,
+    row: int,
+    need_last_hidden: bool,
+    skip_corrupt: bool,
+    all_positions: bool = False,
 ) -> PackedBatch:
-    """Read and shift every sample of `plan` and concatenate them into one PackedBatch.
+    """Read and shift every sample of `plan` and concatenate them into one PackedBatch (`all_positions`: see
+    `shift_sample`).
 
     A sample whose read raises CorruptCache is dropped and listed in `corrupt` (the trainer raises unless
     skip_corrupt); the message is kept so the error is raised in the main process with one line.
@@ -254,7 +265,7 @@ def read_packed(
             if not skip_corrupt:
                 break
             continue
-        parts.append(shift_sample(sample, n, need_last_hidden))
+        parts.append(shift_sample(sample, n, need_last_hidden, all_positions))
         lengths.append(n)
         ids.append(sid)
     if not parts:  # every sample corrupt: an empty row (the trainer skips it)
@@ -304,6 +315,8 @@ class LoaderSettings:
     """Read the stored last hidden state too (exact targets); see `read_packed`."""
     skip_corrupt: bool
     """Skip samples failing their checksum instead of stopping; see `read_packed`."""
+    all_positions: bool = False
+    """Loss on every position of the training rows, not only the cache's loss mask (`loss_positions: all`)."""
 
 
 class TrainLoader:
@@ -336,6 +349,7 @@ class TrainLoader:
         self.num_workers = settings.num_workers
         self.need_last_hidden = settings.need_last_hidden
         self.skip_corrupt = settings.skip_corrupt
+        self.all_positions = settings.all_positions
         self._plans: dict[int, list[RowPlan]] = {}
         if len(split.train_ids) == 0:
             raise BadConfig("no training samples with supervised tokens in the cache")

@@ -8,6 +8,7 @@ first step) does not block the next start, with or without --resume.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -123,6 +124,9 @@ def prepare_output(cfg: TrainConfig, world: int, micro_steps: int) -> bool:
         raise BadInput(f"nothing to resume in {out} (no {TRAIN_YAML}): drop --resume to start a new run")
     saved = (yaml.safe_load((out / TRAIN_YAML).read_text()) or {}).get("train", {})
     now = to_dict(cfg)
+    for f in dataclasses.fields(TrainConfig):  # a setting newer than the run: the run had its default
+        if f.name not in saved and f.default is not dataclasses.MISSING:
+            saved[f.name] = f.default
     facts = _read_run_json(out)
     saved.update(world_size=facts.get("world_size", world), micro_steps=facts.get("micro_steps", micro_steps))
     now.update(world_size=world, micro_steps=micro_steps)

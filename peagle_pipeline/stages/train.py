@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from peagle_pipeline.errors import (
     BadConfig,
     BadInput,
     CorruptCache,
+    IncompatibleCache,
     NumericalFault,
     ResumeMismatch,
 )
@@ -49,6 +51,7 @@ from peagle_pipeline.stages.draft import build_draft, describe_mask_token, descr
 from peagle_pipeline.stages.export import check_export_target, export_run, run_identity
 from peagle_pipeline.stages.loader import (
     Cursor,
+    DataSplit,
     LoaderSettings,
     PackedBatch,
     TrainLoader,
@@ -91,6 +94,7 @@ def loader_settings(cfg: TrainConfig) -> LoaderSettings:
         num_workers=cfg.num_workers,
         need_last_hidden=cfg.target == "exact",
         skip_corrupt=cfg.skip_corrupt,
+        all_positions=cfg.loss_positions == "all",
     )
 
 
@@ -114,6 +118,7 @@ class Trainer:
         self.cod = cfg.cod()
         self.split = split_samples(self.cache.samples, cfg.eval_samples, cfg.seed)
         _check_truncation(self.split, cfg.tokens_per_step)
+        self.eval_cache, self.eval_set = held_out_set(self.cache, self.split, cfg)
         self.loader = TrainLoader(
             self.cache, self.split, loader_settings(cfg), dist.rank, dist.world, micro_steps
         )
@@ -350,16 +355,18 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any] | None:
         """Held-out loss, per-depth top-1 agreement and estimated acceptance length (full-depth chains)."""
-        if len(self.split.eval_ids) == 0:
+        if len(self.eval_set.eval_ids) == 0:
             return None
         self.model.eval()
         K = self.cfg.depths
         budget = max(64, self.cfg.tokens_per_step // max(1, K // 2))
-        plans = pack_rows(self.split.eval_ids, self.split.eval_lengths, budget)
+        plans = pack_rows(self.eval_set.eval_ids, self.eval_set.eval_lengths, budget)
         loss_sum, count, acc_sum, acc_n = 0.0, 0, 0.0, 0
         correct, total = torch.zeros(K, dtype=torch.long), torch.zeros(K, dtype=torch.long)
         for i, plan in enumerate(plans):
-            batch = read_packed(self.cache, plan, -1, i, self.cfg.target == "exact", self.cfg.skip_corrupt)
+            batch = read_packed(
+                self.eval_cache, plan, -1, i, self.cfg.target == "exact", self.cfg.skip_corrupt
+            )
             p = self.prepare(batch, full=True)
             if not p.segments:
                 continue
@@ -384,7 +391,7 @@ class Trainer:
             ],
             "acceptance": acc_sum / acc_n if acc_n else None,
             "eval_elements": count,
-            "eval_samples": len(self.split.eval_ids),
+            "eval_samples": len(self.eval_set.eval_ids),
         }
 
     # ---- the loop ------------------------------------------------------------------------------------------
@@ -462,6 +469,30 @@ class Trainer:
             return local
         got = self.dist.all_sum(torch.tensor([float(local == 15), float(local == 2)]))
         return 15 if float(got[0]) > 0 else (2 if float(got[1]) > 0 else 0)
+
+
+def held_out_set(cache: Any, split: DataSplit, cfg: TrainConfig) -> tuple[Any, DataSplit]:
+    """The cache and split whose `eval_ids` the held-out figures use: the training cache's own split, or with
+    `eval_cache` that cache's seeded held-out subset (the same subset its own training runs hold out).
+
+    Raises:
+        IncompatibleCache: the eval cache holds another target's states (names the settings).
+    """
+    from peagle_pipeline.cache.reader import open_cache
+
+    if not cfg.eval_cache or os.path.realpath(cfg.eval_cache) == os.path.realpath(cfg.cache):
+        return cache, split
+    other = open_cache(cfg.eval_cache, check=True)
+    differ = cache.meta.target_differences(other.meta)
+    if not differ:
+        mine, theirs = cache.target_pieces(), other.target_pieces()
+        differ = [f"{k} weights" for k in mine if not torch.equal(mine[k], theirs[k])]
+    if differ:
+        raise IncompatibleCache(
+            f"eval_cache {cfg.eval_cache} was extracted from another target than cache {cfg.cache} "
+            f"({', '.join(differ)} differ)"
+        )
+    return other, split_samples(other.samples, cfg.eval_samples, cfg.seed)
 
 
 def _fmt(x: float | None, digits: int = 2) -> str:

@@ -50,3 +50,17 @@ def tiny_cache(tiny_model, conversations, tmp_path_factory) -> Path:
 def tiny_cache_last_hidden(tiny_model, conversations, tmp_path_factory) -> Path:
     """The same data with the pre-norm last hidden state (for exact targets)."""
     return _extract(tiny_model, tmp_path_factory.mktemp("cache") / "cache-lh", conversations, "--last-hidden")
+
+
+@pytest.fixture(scope="session")
+def other_tiny_cache(tiny_model, tmp_path_factory) -> Path:
+    """The same tiny target on other conversations (24, seed 1): another held-out set."""
+    data = write_conversations(tmp_path_factory.mktemp("data") / "other.jsonl", 24, seed=1)
+    return _extract(tiny_model, tmp_path_factory.mktemp("cache") / "other", data)
+
+
+@pytest.fixture(scope="session")
+def foreign_tiny_cache(tiny_model_factory, conversations, tmp_path_factory) -> Path:
+    """The default conversations through another tiny target (4 layers: other config, other aux layer ids)."""
+    model = tiny_model_factory(num_layers=4)
+    return _extract(model, tmp_path_factory.mktemp("cache") / "foreign", conversations)

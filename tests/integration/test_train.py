@@ -259,3 +259,60 @@ def test_start_prints_draft_vocabulary_coverage(tiny_cache: Path, tmp_path: Path
         f"draft vocabulary: 50 of 512 target tokens, covering {share:.1%} of the "
         f"{int(np.sum(counts))} supervised tokens in the cache"
     ]
+
+
+def _eval_records(out: Path) -> list[dict]:
+    return [r for r in metrics.read_metrics(out) if r["kind"] == "eval"]
+
+
+def test_eval_cache_gives_the_held_out_set(
+    tiny_cache: Path, other_tiny_cache: Path, foreign_tiny_cache: Path, tmp_path: Path, capsys
+) -> None:
+    """train.eval_cache: the held-out figures come from that cache's own held-out split (what a run trained on it
+    holds out), whatever the training data; a cache of another target is refused in one line."""
+    short = ["--steps", "2", "--eval-every", "2", "--no-export"]
+    assert train(tiny_cache, tmp_path / "own", *short) == 0
+    assert train(tiny_cache, tmp_path / "other", *short, "--eval-cache", str(other_tiny_cache)) == 0
+    assert train(other_tiny_cache, tmp_path / "ref", *short) == 0
+    own, other, ref = (_eval_records(tmp_path / n)[-1] for n in ("own", "other", "ref"))
+    assert other["eval_elements"] == ref["eval_elements"] != own["eval_elements"]
+    assert other["eval_samples"] == ref["eval_samples"] == 6
+    assert other["loss"] != ref["loss"]  # another draft (trained on other data) on the same held-out set
+    saved = yaml.safe_load((tmp_path / "other" / "train.yaml").read_text())["train"]
+    assert saved["eval_cache"] == str(other_tiny_cache)
+
+    capsys.readouterr()
+    assert train(tiny_cache, tmp_path / "bad", *short, "--eval-cache", str(foreign_tiny_cache)) == 3
+    line = one_error_line(capsys)
+    assert "eval_cache" in line and "another target" in line and "aux_layer_ids" in line
+
+
+def test_loss_on_all_positions(tiny_cache: Path, tmp_path: Path) -> None:
+    """train.loss_positions all: every position carries loss (more COD elements per step than the replies alone);
+    the held-out figures still use the loss mask, so both runs report the same held-out elements."""
+    short = ["--steps", "2", "--eval-every", "2", "--log-every", "1", "--no-export"]
+    assert train(tiny_cache, tmp_path / "mask", *short) == 0
+    assert train(tiny_cache, tmp_path / "all", *short, "--loss-positions", "all") == 0
+    steps = {
+        n: [r for r in metrics.read_metrics(tmp_path / n) if r["kind"] == "train"] for n in ("mask", "all")
+    }
+    assert all(a["elements"] > m["elements"] for a, m in zip(steps["all"], steps["mask"], strict=True))
+    assert (
+        _eval_records(tmp_path / "all")[-1]["eval_elements"]
+        == _eval_records(tmp_path / "mask")[-1]["eval_elements"]
+    )
+
+
+def test_run_from_before_a_new_setting_resumes(finished_run: Path, tiny_cache: Path, tmp_path: Path) -> None:
+    """A run whose train.yaml predates a setting (here loss_positions, eval_cache) resumes: it had the default."""
+    run = tmp_path / "old"
+    shutil.copytree(finished_run, run)
+    path = run / "train.yaml"
+    saved = yaml.safe_load(path.read_text())
+    del saved["train"]["loss_positions"], saved["train"]["eval_cache"]
+    saved["train"]["output"] = str(run)
+    path.write_text(yaml.safe_dump(saved))
+    assert train(tiny_cache, run, "--resume", "--steps", "7", "--no-export") == 0
+    assert [r["step"] for r in metrics.read_metrics(run) if r["kind"] == "eval"][-1] == 7
+    # refused: the run trained with the default, "assistant"
+    assert train(tiny_cache, run, "--resume", "--steps", "8", "--loss-positions", "all") == 5

@@ -140,3 +140,16 @@ def test_iterate_resumes_from_cursor() -> None:
     assert seen[n - 1][0] == Cursor(1, 0) and seen[n][0] == Cursor(1, 1)
     resumed = full.iterate(seen[2][0])
     assert [b.sample_ids for b in next(resumed)[1]] == seen[3][1]
+
+
+def test_all_positions_weighs_every_shifted_row() -> None:
+    s = _sample(6)
+    out = shift_sample(s, 5, need_last_hidden=False, all_positions=True)
+    assert out["weight"].tolist() == [True] * 5
+    assert out["input_ids"].tolist() == shift_sample(s, 5, need_last_hidden=False)["input_ids"].tolist()
+    from peagle_pipeline.stages.loader import RowPlan
+
+    plan = RowPlan((1, 2), (7, 3))
+    masked = read_packed(_Cache(set()), plan, 0, 0, False, False)
+    everywhere = read_packed(_Cache(set()), plan, 0, 0, False, False, all_positions=True)
+    assert masked.weight.sum() == 6 and everywhere.weight.all() and everywhere.weight.numel() == 10
