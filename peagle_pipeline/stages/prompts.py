@@ -89,6 +89,7 @@ class RunSettings:
 
     run_dir: Path
     cache: Path
+    """The cache holding the run's held-out samples: its `eval_cache` when it set one, else its training cache."""
     seed: int
     eval_samples: int
     depths: int
@@ -215,7 +216,8 @@ def read_train_settings(run_dir: str | Path) -> dict[str, Any]:
 
 
 def read_run_settings(run_dir: str | Path) -> RunSettings:
-    """The cache, seed, eval_samples and K a training run recorded in its train.yaml.
+    """The held-out cache (`eval_cache` if set, else `cache`), seed, eval_samples and K a training run recorded in its
+    train.yaml.
 
     A relative cache path is resolved as the trainer saw it: from the current directory, else from the run
     directory's parents (a run started in the repository root records `.demo/cache`).
@@ -226,7 +228,8 @@ def read_run_settings(run_dir: str | Path) -> RunSettings:
     run = Path(run_dir)
     train = read_train_settings(run)
     try:
-        recorded, seed, eval_samples = str(train["cache"]), int(train["seed"]), int(train["eval_samples"])
+        recorded = str(train.get("eval_cache") or train["cache"])
+        seed, eval_samples = int(train["seed"]), int(train["eval_samples"])
         depths = int(train["depths"])
     except (KeyError, TypeError, ValueError):
         raise BadInput(f"{run_dir}/train.yaml lacks cache, seed, eval_samples or depths") from None

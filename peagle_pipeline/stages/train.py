@@ -483,6 +483,11 @@ def held_out_set(cache: Any, split: DataSplit, cfg: TrainConfig) -> tuple[Any, D
     if not cfg.eval_cache or os.path.realpath(cfg.eval_cache) == os.path.realpath(cfg.cache):
         return cache, split
     other = open_cache(cfg.eval_cache, check=True)
+    if cfg.target == "exact" and not other.meta.has_last_hidden:
+        raise BadConfig(
+            f"target=exact needs last hidden states, but eval_cache {cfg.eval_cache} has none: re-extract it "
+            "with --last-hidden or use target=topk"
+        )
     differ = cache.meta.target_differences(other.meta)
     if not differ:
         mine, theirs = cache.target_pieces(), other.target_pieces()

@@ -316,3 +316,12 @@ def test_run_from_before_a_new_setting_resumes(finished_run: Path, tiny_cache: P
     assert [r["step"] for r in metrics.read_metrics(run) if r["kind"] == "eval"][-1] == 7
     # refused: the run trained with the default, "assistant"
     assert train(tiny_cache, run, "--resume", "--steps", "8", "--loss-positions", "all") == 5
+
+
+def test_exact_target_needs_last_hidden_in_the_eval_cache_too(
+    tiny_cache_last_hidden: Path, tiny_cache: Path, tmp_path: Path, capsys
+) -> None:
+    flags = ["--target", "exact", "--eval-cache", str(tiny_cache), "--no-export"]
+    assert train(tiny_cache_last_hidden, tmp_path / "run", *flags) == 2
+    line = one_error_line(capsys)
+    assert "eval_cache" in line and "last hidden" in line

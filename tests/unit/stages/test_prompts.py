@@ -120,6 +120,21 @@ def test_heldout_from_a_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert load_prompt_set(f"heldout:{run}", None, 1).prompts == expected[:1]
 
 
+def test_heldout_of_a_run_with_an_eval_cache(tmp_path: Path) -> None:
+    """A run that set `eval_cache` evaluates on that cache's split, so `heldout:RUN` reads that cache."""
+    write_cache(tmp_path / "train-cache", lengths=[9, 30, 12, 40, 25, 16])
+    write_cache(tmp_path / "eval-cache", lengths=[11, 20, 14, 35, 22, 19, 28, 31])
+    run = tmp_path / "run"
+    cfg = TrainConfig(
+        cache=str(tmp_path / "train-cache"),
+        eval_cache=str(tmp_path / "eval-cache"),
+        output=str(run),
+        eval_samples=3,
+    )
+    write_run_files(cfg, 1, 1, False, 10)
+    assert read_run_settings(run).cache == tmp_path / "eval-cache"
+
+
 def test_heldout_errors(tmp_path: Path) -> None:
     with pytest.raises(BadInput, match="is not a training run"):
         load_prompt_set(f"heldout:{tmp_path}", None, 3)
