@@ -27,6 +27,7 @@ STEPS=${STEPS:-1500}
 TOKENS_PER_STEP=${TOKENS_PER_STEP:-16384}
 LR=${LR:-1e-3}
 DRAFT_VOCAB=${DRAFT_VOCAB:-16384}
+LOSS_POSITIONS=${LOSS_POSITIONS:-all}  # all: prompt tokens carry loss too (+0.04 AL on the CPU quality run, docs/quality.md)
 DEVICE=${DEVICE:-cuda}
 MAX_SAMPLES=${MAX_SAMPLES:-17000}  # smaller for a smoke test of this script on a CPU (with DEVICE=cpu SKIP_INSTALL=1)
 MODEL=$WORK/models/SmolLM2-135M-Instruct
@@ -115,7 +116,7 @@ pipeline() {  # the whole run, in order; each stage logs to $WORK/<stage>*.log
   say "train: $STEPS steps x $TOKENS_PER_STEP tokens"
   "${CLI[@]}" train --cache "$WORK/cache" --output "$WORK/run" --device "$DEVICE" --draft-layers 1 --depths 4 \
     --draft-vocab-size "$DRAFT_VOCAB" --tokens-per-step "$TOKENS_PER_STEP" --steps "$STEPS" --lr "$LR" \
-    --warmup 100 --schedule cosine --eval-samples 256 --eval-every 250 --save-every 500 --log-every 25 \
+    --loss-positions "$LOSS_POSITIONS" --warmup 100 --schedule cosine --eval-samples 256 --eval-every 250 --save-every 500 --log-every 25 \
     --num-workers 6 >"$WORK/train.log" 2>&1 || { say "train failed"; exit 1; }
   stamp trained
   if [[ $DEVICE == cuda ]]; then  # the GPU tier (tests/gpu), which had never run on a GPU, once the GPU is free
