@@ -406,6 +406,28 @@ def main() -> int:
         s,
         "speed-all",
     )
+    # The data question again at the main budget, with loss on all positions: the off-policy cache (the same
+    # prompts with ShareGPT's original replies) trained exactly like main-all.
+    main_all_off = timed(
+        "train: off-policy main run, loss on all positions",
+        train,
+        root,
+        "main-all-off-policy",
+        caches["off-policy"],
+        main_steps,
+        evals=10,
+        loss_positions="all",
+    )
+    off_eval = timed(
+        "evaluate: off-policy main draft",
+        evaluate,
+        root,
+        "all-positions-off-policy",
+        [main_all_off / "export"],
+        heldout,
+        s,
+    )
+    second_results.update(results_by_draft(off_eval))
     summary = {
         "settings": {**s, "train": TRAIN, "sampled": SAMPLED, "greedy": GREEDY, "best_data": best},
         "host": data_report.get("hardware"),
@@ -417,6 +439,9 @@ def main() -> int:
         "speed": speed_figures(speed),
         "main_all": _row(f"main, {all_row}", main_all, second_results, main_all / "export", main_steps),
         "speed_all": speed_figures(speed_all),
+        "main_all_off": _row(
+            f"main, {all_row}, off-policy", main_all_off, second_results, main_all_off / "export", main_steps
+        ),
         "eval_dtype": data_report.get("dtype"),
     }
     for name, run in rows.items():
@@ -597,7 +622,13 @@ def render_doc(summary: dict[str, Any]) -> str:
         ]
         if last:
             lines.append(_doc_row(last, first="loss on the replies (the curve's last point)"))
-        lines.append(_doc_row(ma, first="loss on all positions"))
+        lines.append(_doc_row(ma, first=f"loss on all positions ({s['best_data']} data)"))
+        if summary.get("main_all_off"):
+            lines.append(
+                _doc_row(
+                    summary["main_all_off"], first="loss on all positions, off-policy data (same prompts)"
+                )
+            )
         lines += [
             "",
             f"At concurrency 1 on {sa['prompts']} MT-Bench prompts (SPEC 4b): **AL {_fmt(sa['acceptance_length'])}**"
