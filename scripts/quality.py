@@ -10,6 +10,8 @@ and on held-out ShareGPT prompts (records >= 17,000, never trained on), K = 4, T
     mask token  <|im_end|> (the old choice) vs the rule of SPEC 5.3 (an unused special token)
     draft       1 vs 2 layers
     curve       the best on-policy data trained longer; AL against training tokens (vLLM at checkpoints, trainer estimate)
+    loss        on the replies vs on every position (`--loss-positions all`), at equal and at the main budget; and
+                off- vs on-policy data again at the main budget with it
 
 Every stage is the real CLI in a subprocess (`generate` and `evaluate` in .venv-vllm, `extract` and `train` in .venv),
 and every stage resumes, so a re-run only does what is missing. The single-turn data is the first reply of each
