@@ -245,7 +245,8 @@ class TrainConfig:
         "",
         "Cache whose held-out samples give the held-out loss, agreement and estimated AL (default: the training "
         "cache's own held-out split). Same target required. Give one on-policy cache to compare drafts trained on "
-        "different data on one held-out set (off-policy validation overstates quality).",
+        "different data on one held-out set (off-policy validation overstates quality); every sample of the training "
+        "cache then trains.",
     )
     eval_every: int = _f(100, "Evaluate every N steps (and always at the end).")
     seed: int = _f(0, "Seed of the shuffle, the held-out split, COD sampling and the draft init.")

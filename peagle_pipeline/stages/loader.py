@@ -398,10 +398,6 @@ class TrainLoader:
             n = self.steps_in_epoch(epoch)
             yield (Cursor(epoch, step + 1) if step + 1 < n else Cursor(epoch + 1, 0)), micro
 
-    def eval_plans(self) -> list[RowPlan]:
-        """Held-out samples packed in id order (fixed across the run)."""
-        return pack_rows(self.split.eval_ids, self.split.eval_lengths, self.budget)
-
 
 def _identity(x: Any) -> Any:
     return x

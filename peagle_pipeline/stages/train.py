@@ -116,7 +116,9 @@ class Trainer:
             )
         self.optimizer = build_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.cod = cfg.cod()
-        self.split = split_samples(self.cache.samples, cfg.eval_samples, cfg.seed)
+        # With a separate eval cache nothing of the training cache is held out: every usable sample trains.
+        held = 0 if separate_eval_cache(cfg) else cfg.eval_samples
+        self.split = split_samples(self.cache.samples, held, cfg.seed)
         _check_truncation(self.split, cfg.tokens_per_step)
         self.eval_cache, self.eval_set = held_out_set(self.cache, self.split, cfg)
         self.loader = TrainLoader(
@@ -444,7 +446,7 @@ class Trainer:
                     },
                 )
             self.sink.progress(1, {})
-            if (self.step % cfg.eval_every == 0 or done) and self.split.eval_ids.size:
+            if (self.step % cfg.eval_every == 0 or done) and self.eval_set.eval_ids.size:
                 last_eval = self.evaluate() if self.dist.main else None
                 is_best = False
                 if last_eval is not None:
@@ -471,6 +473,11 @@ class Trainer:
         return 15 if float(got[0]) > 0 else (2 if float(got[1]) > 0 else 0)
 
 
+def separate_eval_cache(cfg: TrainConfig) -> bool:
+    """True when the held-out figures come from another cache than the training one (`eval_cache`)."""
+    return bool(cfg.eval_cache) and os.path.realpath(cfg.eval_cache) != os.path.realpath(cfg.cache)
+
+
 def held_out_set(cache: Any, split: DataSplit, cfg: TrainConfig) -> tuple[Any, DataSplit]:
     """The cache and split whose `eval_ids` the held-out figures use: the training cache's own split, or with
     `eval_cache` that cache's seeded held-out subset (the same subset its own training runs hold out).
@@ -480,7 +487,7 @@ def held_out_set(cache: Any, split: DataSplit, cfg: TrainConfig) -> tuple[Any, D
     """
     from peagle_pipeline.cache.reader import open_cache
 
-    if not cfg.eval_cache or os.path.realpath(cfg.eval_cache) == os.path.realpath(cfg.cache):
+    if not separate_eval_cache(cfg):
         return cache, split
     other = open_cache(cfg.eval_cache, check=True)
     if cfg.target == "exact" and not other.meta.has_last_hidden:
@@ -615,7 +622,7 @@ def _check_extension(cfg: TrainConfig, trainer: Trainer) -> None:
 def _start_notes(cfg: TrainConfig, trainer: Trainer) -> list[str]:
     """Lines for the user at the start: resume point and schedule, what the data split left out."""
     notes = []
-    split = trainer.split
+    split, held = trainer.split, trainer.eval_set
     if trainer.step:
         notes.append(f"resumed {cfg.output} at step {trainer.step} of {trainer.total_steps}")
     if trainer.step and trainer.saved_total not in (None, trainer.total_steps):
@@ -628,10 +635,10 @@ def _start_notes(cfg: TrainConfig, trainer: Trainer) -> list[str]:
         )
     if split.skipped_unsupervised:
         notes.append(f"skipped {split.skipped_unsupervised} sample(s) without supervised tokens")
-    if len(split.eval_ids) < cfg.eval_samples:
+    if len(held.eval_ids) < cfg.eval_samples:
         notes.append(
-            f"eval_samples {cfg.eval_samples} capped at {len(split.eval_ids)}: at most half of the "
-            f"{len(split.eval_ids) + len(split.train_ids)} usable samples are held out"
+            f"eval_samples {cfg.eval_samples} capped at {len(held.eval_ids)}: at most half of the "
+            f"{len(held.eval_ids) + len(held.train_ids)} usable samples are held out"
         )
     return notes
 

@@ -280,6 +280,17 @@ def test_eval_cache_gives_the_held_out_set(
     assert other["loss"] != ref["loss"]  # another draft (trained on other data) on the same held-out set
     saved = yaml.safe_load((tmp_path / "other" / "train.yaml").read_text())["train"]
     assert saved["eval_cache"] == str(other_tiny_cache)
+    # nothing of the training cache is held out then: one epoch over it has more samples, so more steps
+    epoch = ["--cache", str(tiny_cache), *SMALL, "--epochs", "1", "--eval-every", "100", "--no-export"]
+    epoch_steps = {}
+    for name, extra in (("own-epoch", []), ("other-epoch", ["--eval-cache", str(other_tiny_cache)])):
+        argv = [a for a in epoch]
+        i = argv.index("--steps")
+        del argv[i : i + 2]  # epochs decide the length
+        assert main(["train", *argv, "--output", str(tmp_path / name), *extra]) == 0
+        facts = json.loads((tmp_path / name / "run.json").read_text())
+        epoch_steps[name] = facts["starts"][-1]["total_steps"]
+    assert epoch_steps["other-epoch"] > epoch_steps["own-epoch"]
 
     capsys.readouterr()
     assert train(tiny_cache, tmp_path / "bad", *short, "--eval-cache", str(foreign_tiny_cache)) == 3
