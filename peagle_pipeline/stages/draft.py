@@ -21,6 +21,7 @@ __all__ = [
     "vocab_coverage",
     "describe_vocab_coverage",
     "describe_mask_token",
+    "require_last_hidden",
 ]
 
 log = logging.getLogger(__name__)
@@ -44,11 +45,7 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
             )
         log.warning("draft_vocab_size %d exceeds the target vocabulary; using %d", size, V)
         size = V
-    if cfg.target == "exact" and not meta.has_last_hidden:
-        raise BadConfig(
-            f"target=exact needs last hidden states, but cache {cfg.cache} has none: re-extract with "
-            "--last-hidden or use target=topk"
-        )
+    require_last_hidden(cfg.target, meta, f"cache {cfg.cache}")
     dvocab = vocab.build_draft_vocab(torch.from_numpy(cache.token_counts()), size)
     pieces = cache.target_pieces()
     choice = choose_mask_token(cache, int(pieces["embed_tokens.weight"].shape[0]), cfg.mask_token_id)
@@ -77,6 +74,19 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
         depths=cfg.depths,
     )
     return model, spec, keep
+
+
+def require_last_hidden(target: str, meta: Any, label: str) -> None:
+    """Exact targets are computed from the stored last hidden state: refuse a cache (`label`) that has none.
+
+    Raises:
+        BadConfig: target "exact" and `meta.has_last_hidden` false.
+    """
+    if target == "exact" and not meta.has_last_hidden:
+        raise BadConfig(
+            f"target=exact needs last hidden states, but {label} has none: re-extract it with --last-hidden "
+            "or use target=topk"
+        )
 
 
 def choose_mask_token(cache: Any, embedding_rows: int, override: int | None) -> vocab.MaskTokenChoice:

@@ -47,7 +47,12 @@ from peagle_pipeline.runtime import (
 from peagle_pipeline.stages import metrics as metrics_mod
 from peagle_pipeline.stages.checkpoint import CheckpointManager
 from peagle_pipeline.stages.distributed import Dist
-from peagle_pipeline.stages.draft import build_draft, describe_mask_token, describe_vocab_coverage
+from peagle_pipeline.stages.draft import (
+    build_draft,
+    describe_mask_token,
+    describe_vocab_coverage,
+    require_last_hidden,
+)
 from peagle_pipeline.stages.export import check_export_target, export_run, run_identity
 from peagle_pipeline.stages.loader import (
     Cursor,
@@ -490,11 +495,7 @@ def held_out_set(cache: Any, split: DataSplit, cfg: TrainConfig) -> tuple[Any, D
     if not separate_eval_cache(cfg):
         return cache, split
     other = open_cache(cfg.eval_cache, check=True)
-    if cfg.target == "exact" and not other.meta.has_last_hidden:
-        raise BadConfig(
-            f"target=exact needs last hidden states, but eval_cache {cfg.eval_cache} has none: re-extract it "
-            "with --last-hidden or use target=topk"
-        )
+    require_last_hidden(cfg.target, other.meta, f"eval_cache {cfg.eval_cache}")
     differ = cache.meta.target_differences(other.meta)
     if not differ:
         mine, theirs = cache.target_pieces(), other.target_pieces()

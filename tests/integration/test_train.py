@@ -284,7 +284,7 @@ def test_eval_cache_gives_the_held_out_set(
     epoch = ["--cache", str(tiny_cache), *SMALL, "--epochs", "1", "--eval-every", "100", "--no-export"]
     epoch_steps = {}
     for name, extra in (("own-epoch", []), ("other-epoch", ["--eval-cache", str(other_tiny_cache)])):
-        argv = [a for a in epoch]
+        argv = list(epoch)
         i = argv.index("--steps")
         del argv[i : i + 2]  # epochs decide the length
         assert main(["train", *argv, "--output", str(tmp_path / name), *extra]) == 0
