@@ -13,8 +13,9 @@ and on held-out ShareGPT prompts (records >= 17,000, never trained on), K = 4, T
     curve       the best on-policy data trained longer; AL against training tokens (vLLM at checkpoints, trainer estimate)
     speed       the main draft at concurrency 1 (SPEC 4b): AL and tokens/s with and without it
 
-Sized for about 80 minutes on an idle 2-core host with bf16 units (docs/quality.md gives each stage's time; a host
-without them trains and extracts in fp32, see docs/quality-notes.md).
+One run from nothing took 101.9 minutes on an idle 2-core host with bf16 units, against the issue's 90
+(docs/quality.md gives each stage's time; docs/quality-notes.md says where the time goes and what a host without
+bf16 units changes).
 
 Every stage is the real CLI in a subprocess (`generate` and `evaluate` in .venv-vllm, `extract` and `train` in .venv),
 and every stage resumes, so a re-run only does what is missing. The single-turn data is the first reply of each
@@ -42,7 +43,7 @@ SHAREGPT = REPO / ".demo" / "data" / "sharegpt.jsonl"
 HELDOUT_FIRST_RECORD = 17_000  # ShareGPT records at or after this one are never trained on
 IM_END = 2  # SmolLM2's <|im_end|> (= pad = eos): the mask token before SPEC 5.3's rule
 
-# Sizes at --scale 1 (about 90 minutes on 2 cores with bf16 units; see the doc for the measured times).
+# Sizes at --scale 1 (the measured times are in docs/quality.md).
 BASE = {
     "source_conversations": 400,
     "heldout_prompts": 24,
