@@ -10,7 +10,7 @@ and on held-out ShareGPT prompts (records >= 17,000, never trained on), K = 4, T
     mask token  <|im_end|> (the old choice) vs the rule of SPEC 5.3 (an unused special token)
     draft       1 vs 2 layers
     loss        on every position (`--loss-positions all`, every row's default) vs on the replies only
-    curve       the best on-policy data trained longer; AL against training tokens (vLLM at checkpoints, trainer estimate)
+    curve       the carrier data trained longer; AL against training tokens (vLLM at checkpoints, trainer estimate)
     speed       the main draft at concurrency 1 (SPEC 4b): AL and tokens/s with and without it
 
 One run from nothing took 101.9 minutes on an idle 2-core host with bf16 units, against the issue's 90
@@ -42,6 +42,10 @@ MODEL = REPO / ".demo" / "models" / "SmolLM2-135M-Instruct"
 SHAREGPT = REPO / ".demo" / "data" / "sharegpt.jsonl"
 HELDOUT_FIRST_RECORD = 17_000  # ShareGPT records at or after this one are never trained on
 IM_END = 2  # SmolLM2's <|im_end|> (= pad = eos): the mask token before SPEC 5.3's rule
+# The data that carries the mask, layer, loss and curve rows: `generate`'s default (every reply regenerated, sampled).
+# Fixed rather than picked from the data rows' AL, so that every draft is measured in one `evaluate` run.
+CARRIER = "on-multi"
+ON_POLICY_ROWS = ("on-single", "on-multi", "on-single-greedy")
 
 # Sizes at --scale 1 (the measured times are in docs/quality.md).
 BASE = {
@@ -54,8 +58,9 @@ BASE = {
     "ablation_steps": 150,
     "main_steps": 600,
     "curve_points": 3,
-    "eval_max_tokens": 96,
+    "eval_max_tokens": 64,
     "speed_prompts": 40,
+    "generate_chunk": 256,  # conversations in flight per `generate` chunk: larger waves batch better in vLLM
 }
 # The ablation's AL is read from runs with this many requests in flight (the same AL up to numerics, several times
 # faster than one prompt at a time on a CPU); the main draft is also measured at concurrency 1 (SPEC 4b: the
@@ -74,7 +79,9 @@ TRAIN = {  # shared by every row; a row changes one thing
     "num_workers": 1,
     "log_every": 25,
 }
-SAMPLED = {"temperature": 0.7, "top_p": 0.95}
+# top-p stays 1.0: vLLM's CPU sampler sorts the whole vocabulary of every sequence at every step for top-p < 1,
+# which made sampled regeneration ~1.7x slower here (docs/quality-notes.md).
+SAMPLED = {"temperature": 0.7, "top_p": 1.0}
 GREEDY = {"temperature": 0.0, "top_p": 1.0}
 
 
@@ -173,6 +180,7 @@ def generate(root: Path, name: str, sources: Path, sampling: dict[str, Any], tur
             max_new_tokens=s["max_new_tokens"],
             max_prompt_tokens=s["max_prompt_tokens"],
             seed=0,
+            chunk_size=s["generate_chunk"],
             **sampling,
         ),
     )
@@ -332,44 +340,40 @@ def main() -> int:
         "on-multi": timed("extract: on-policy multi-turn", extract, root, "on-multi", multi, s),
         "on-single-greedy": timed("extract: on-policy greedy", extract, root, "on-greedy", greedy, s),
     }
-    # Ablation at equal budget. First the data rows; the best on-policy data then carries the other rows.
+    # Ablation at equal budget: the data rows, then one change at a time on the carrier data.
     steps = s["ablation_steps"]
     rows: dict[str, Path] = {}
     for name, cache in caches.items():
         rows[name] = timed(f"train: {name}", train, root, name, cache, steps)
-    data_report = timed(
-        "evaluate: data rows", evaluate, root, "data", [r / "export" for r in rows.values()], heldout, s
-    )
-    results = results_by_draft(data_report)
-    on_rows = [n for n in rows if n.startswith("on-")]
-    best = max(on_rows, key=lambda n: _al(results, rows[n], "mt-bench"))
-    say(f"best on-policy data at equal budget: {best}")
     for name, run_dir, over in (
         ("mask <|im_end|>", "mask-im-end", {"mask_token_id": IM_END}),
         ("2 layers", "two-layers", {"draft_layers": 2}),
         ("loss on the replies only", "replies-loss", {"loss_positions": "assistant"}),
     ):
-        rows[name] = timed(f"train: {name}", train, root, run_dir, caches[best], steps, **over)
-    # The learning curve: the best data trained longer, exported at evenly spaced checkpoints.
+        rows[name] = timed(f"train: {name}", train, root, run_dir, caches[CARRIER], steps, **over)
+    # The learning curve: the carrier data trained longer, exported at evenly spaced checkpoints.
     main_steps = s["main_steps"]
     every = max(main_steps // s["curve_points"], 1)
-    main_run = timed("train: main run (learning curve)", train, root, "main", caches[best], main_steps, every)
+    main_run = timed(
+        "train: main run (learning curve)", train, root, "main", caches[CARRIER], main_steps, every
+    )
     curve_steps = [every * i for i in range(1, s["curve_points"] + 1) if every * i <= main_steps]
     curve_exports = [export_checkpoint(main_run, st) for st in curve_steps]
-    second = timed(
-        "evaluate: mask, layers, loss, curve",
+    # Every draft in one `evaluate` run: one engine setting, one plain-target baseline, the same prompts.
+    report = timed(
+        "evaluate: every row and curve point",
         evaluate,
         root,
-        "second",
-        [*(rows[n] / "export" for n in rows if n not in caches), *curve_exports],
+        "all",
+        [*(r / "export" for r in rows.values()), *curve_exports],
         heldout,
         s,
     )
-    results.update(results_by_draft(second))
+    results = results_by_draft(report)
     speed = timed("evaluate: main draft at concurrency 1", evaluate_speed, root, main_run / "export", s)
     summary = {
-        "settings": {**s, "train": TRAIN, "sampled": SAMPLED, "greedy": GREEDY, "best_data": best},
-        "host": data_report.get("hardware"),
+        "settings": {**s, "train": TRAIN, "sampled": SAMPLED, "greedy": GREEDY, "carrier": CARRIER},
+        "host": report.get("hardware"),
         "bf16_units": bf16_units(),
         "times_s": {k: round(v, 1) for k, v in times.items()},
         "total_s": round(sum(times.values()), 1),
@@ -380,7 +384,7 @@ def main() -> int:
         ],
         "estimate_curve": estimate_curve(main_run),
         "speed": speed_figures(speed),
-        "eval_dtype": data_report.get("dtype"),
+        "eval_dtype": report.get("dtype"),
     }
     summary["curve_fit"] = fit_log_curve([(c["train_tokens"], c["mtbench_al"]) for c in summary["curve"]])
     summary["estimate_fit"] = fit_log_curve(summary["estimate_curve"])
@@ -401,12 +405,6 @@ def bf16_units() -> list[str]:
         cwd=REPO,
     )
     return out.stdout.split()
-
-
-def _al(results: dict[str, dict[str, Any]], run_or_export: Path, key: str) -> float:
-    path = run_or_export if run_or_export.name.startswith("export") else run_or_export / "export"
-    r = results.get(draft_name(path), {}).get(key)
-    return float(r["acceptance_length"]) if r and r["acceptance_length"] is not None else float("nan")
 
 
 def _row(name: str, run: Path, results: dict, export: Path, steps: int) -> dict[str, Any]:
@@ -520,16 +518,18 @@ def render_doc(summary: dict[str, Any]) -> str:
     ]
     lines += [_doc_row(r) for r in summary["rows"]]
     by_name = {r["name"]: r for r in summary["rows"]}
-    best, off = by_name.get(s["best_data"]), by_name.get("off-policy")
+    off = by_name.get("off-policy")
     lines += [
         "",
-        f"Best on-policy data at this budget: **{s['best_data']}** (used for the mask, layer, loss and curve rows).",
+        f"The mask, layer, loss and curve rows train on **{s['carrier']}** data (`generate`'s default: every reply "
+        "regenerated, sampled).",
     ]
-    if best and off:
-        lines += ["", on_vs_off(best, off)]
+    if off:
+        lines += ["", "On-policy against off-policy, same prompts and budget, in vLLM:", ""]
+        lines += [on_vs_off(r, off) for r in summary["rows"] if r["name"] in ON_POLICY_ROWS]
     lines += [
         "",
-        "## Learning curve: the main draft (the best on-policy data, trained longer)",
+        "## Learning curve: the main draft (the carrier data, trained longer)",
         "",
         "| training tokens | MT-Bench AL | per position | held-out AL | per position | trainer est. AL | speedup |",
         "|---|---|---|---|---|---|---|",
@@ -571,18 +571,17 @@ def render_doc(summary: dict[str, Any]) -> str:
 _LOSS = {"all": "every position (`--loss-positions all`)", "assistant": "the replies"}
 
 
-def on_vs_off(best: dict[str, Any], off: dict[str, Any]) -> str:
-    """One sentence: the best on-policy row against the off-policy row (same prompts and budget), in vLLM."""
+def on_vs_off(on: dict[str, Any], off: dict[str, Any]) -> str:
+    """One list item: an on-policy data row against the off-policy row (same prompts and budget), in vLLM."""
 
     def diff(key: str) -> str:
-        a, b = best[key], off[key]
+        a, b = on[key], off[key]
         return "-" if a is None or b is None else f"{a - b:+.3f}"
 
     return (
-        f"On-policy ({best['name']}) against off-policy, same prompts and budget, in vLLM: MT-Bench "
-        f"{_fmt(best['mtbench_al'])} vs {_fmt(off['mtbench_al'])} ({diff('mtbench_al')}), held-out "
-        f"{_fmt(best['heldout_al'])} vs {_fmt(off['heldout_al'])} ({diff('heldout_al')}); trainer estimates, each "
-        f"on its own cache's held-out split, {_fmt(best['trainer_estimate'])} vs {_fmt(off['trainer_estimate'])}."
+        f"- {on['name']}: MT-Bench {_fmt(on['mtbench_al'])} vs {_fmt(off['mtbench_al'])} ({diff('mtbench_al')}), "
+        f"held-out {_fmt(on['heldout_al'])} vs {_fmt(off['heldout_al'])} ({diff('heldout_al')}); trainer estimates, "
+        f"each on its own cache's held-out split, {_fmt(on['trainer_estimate'])} vs {_fmt(off['trainer_estimate'])}."
     )
 
 
