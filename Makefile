@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := constraints/cpu.txt
 DEMO_DIR := .demo
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
@@ -65,8 +66,10 @@ test-vllm: setup-vllm demo-assets
 demo-assets: setup
 	$(PY) scripts/prepare_demo.py --out $(DEMO_DIR)
 
+# The first tier runs on TEST_WORKERS processes (pytest-xdist): most of its time is CLI subprocesses starting up
+# and waiting, which overlap well even on 2 cores. TEST_WORKERS=0 runs it in one process.
 test: setup demo-assets
-	$(PY) -m pytest -q --ignore=tests/vllm $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --ignore=tests/vllm $(PYTEST_ARGS)
 	$(MAKE) test-vllm
 
 test-fast: setup

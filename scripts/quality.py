@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -214,7 +215,16 @@ def train(
     opts["keep_checkpoints"] = 100
     resume = ["--resume"] if (run / "train.yaml").exists() else []
     cli(VENV_PY, "train", *flags(cache=cache, output=run, **opts), *resume)
+    if save_every is None:
+        drop_checkpoints(run)  # the export is all the report needs
     return run
+
+
+def drop_checkpoints(run: Path) -> None:
+    """Delete a finished run's checkpoints (weights and optimizer state: ~19 GB over all rows otherwise, which
+    once filled the disk); the exports the report measures stay."""
+    if (run / "export" / "config.json").exists():
+        shutil.rmtree(run / "checkpoints", ignore_errors=True)
 
 
 def export_checkpoint(run: Path, step: int) -> Path:
@@ -359,6 +369,7 @@ def main() -> int:
     )
     curve_steps = [every * i for i in range(1, s["curve_points"] + 1) if every * i <= main_steps]
     curve_exports = [export_checkpoint(main_run, st) for st in curve_steps]
+    drop_checkpoints(main_run)
     # Every draft in one `evaluate` run: one engine setting, one plain-target baseline, the same prompts.
     report = timed(
         "evaluate: every row and curve point",
