@@ -27,7 +27,7 @@ def main() -> None:
     n, temperature, kv_gib = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
     tok = AutoTokenizer.from_pretrained(MODEL)
     prompts = []
-    for line in SOURCES.read_text().splitlines()[:n]:
+    for line in SOURCES.read_text(encoding="utf-8").split("\n")[:n]:
         row = json.loads(line)
         turns = row.get("conversations") or row.get("messages") or []
         first = next((m for m in turns if (m.get("from") or m.get("role")) in ("human", "user")), None)
