@@ -71,6 +71,7 @@ def bare_run(
             dtype=resolve_compute_dtype(cfg.compute_dtype, stage._device_type("auto", "vllm")),  # type: ignore[arg-type]
             max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,
         ),
+        in_process_on_cpu=True,
         skip_tokenizer_init=True,
         enable_prefix_caching=True,
         **_seeded_sampling_workaround(

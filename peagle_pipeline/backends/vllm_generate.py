@@ -74,6 +74,7 @@ class VLLMGenerator:
         )
         self.llm: LLM | None = build_llm(
             engine,
+            in_process_on_cpu=True,
             skip_tokenizer_init=True,
             enable_prefix_caching=True,
             **_seeded_sampling_workaround(settings.max_model_len),

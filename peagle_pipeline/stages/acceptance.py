@@ -182,7 +182,7 @@ def engine(settings: Any, speculative: dict[str, Any] | None) -> Iterator[tuple[
     from peagle_pipeline.backends.vllm import build_llm
 
     t0 = time.perf_counter()
-    llm = build_llm(settings, speculative_config=speculative, disable_log_stats=False)
+    llm = build_llm(settings, in_process_on_cpu=True, speculative_config=speculative, disable_log_stats=False)
     started = time.perf_counter() - t0
     try:
         yield llm, started
