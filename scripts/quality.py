@@ -13,7 +13,7 @@ and on held-out ShareGPT prompts (records >= 17,000, never trained on), K = 4, T
     curve       the carrier data trained longer; AL against training tokens (vLLM at checkpoints, trainer estimate)
     speed       the main draft at concurrency 1 (SPEC 4b): AL and tokens/s with and without it
 
-One run from nothing took 87.3 minutes on an idle 2-core host with bf16 units, against the issue's 90
+One run from nothing took 75.1 minutes on an idle 2-core host with bf16 units, against the issue's 90
 (docs/quality.md gives each stage's time; docs/quality-notes.md says where the time goes and what a host without
 bf16 units changes).
 
