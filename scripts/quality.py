@@ -1,6 +1,6 @@
 """`make quality`: what on-policy data does to acceptance, measured in vLLM, on this machine class (CPU).
 
-    python scripts/quality.py --dir .quality [--scale 1.0] [--doc docs/quality.md]
+    python scripts/quality.py --dir .quality [--scale auto|FACTOR] [--doc docs/quality.md]
 
 SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised) with ShareGPT prompts. Every row of the ablation is trained at the same
 budget (steps x tokens_per_step) and measured by `peagle-pipeline evaluate` in vLLM on MT-Bench (80 first turns)
@@ -48,7 +48,12 @@ IM_END = 2  # SmolLM2's <|im_end|> (= pad = eos): the mask token before SPEC 5.3
 CARRIER = "on-multi"
 ON_POLICY_ROWS = ("on-single", "on-multi", "on-single-greedy")
 
-# Sizes at --scale 1 (the measured times are in docs/quality.md).
+# Sizes at --scale 1 (the measured times are in docs/quality.md). `--scale auto` (the default) uses 1 on a CPU with
+# bf16 units and SLOW_HOST_SCALE on one without: there fp32 runs every stage slower (this host's cores in fp32,
+# PEAGLE_CPU_BF16=0: generation 0.52x, extraction 0.56x, training 0.68x the tokens/s, evaluation 1.33x the time), so
+# the full sizes would take about 119 minutes, and 0.65 of the data and steps about 85 (an estimate from those
+# ratios; docs/quality-notes.md).
+SLOW_HOST_SCALE = 0.65
 BASE = {
     "source_conversations": 400,
     "heldout_prompts": 24,
@@ -314,13 +319,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=".quality", help="working directory (data, caches, runs, reports)")
     ap.add_argument(
-        "--scale", type=float, default=1.0, help="multiply data and step budgets (0.2 = a smoke run)"
+        "--scale",
+        default="auto",
+        help=f"multiply data and step budgets (0.2 = a smoke run); auto: 1, or {SLOW_HOST_SCALE} on a CPU without "
+        "bf16 units",
     )
     ap.add_argument("--doc", default="docs/quality.md", help="where to write the report (markdown)")
     args = ap.parse_args()
+    scale = parse_scale(args.scale)
     s = dict(BASE)
+    s["scale"] = scale
     for key in ("source_conversations", "heldout_prompts", "ablation_steps", "main_steps"):
-        s[key] = max(int(BASE[key] * args.scale), 8)
+        s[key] = max(int(BASE[key] * scale), 8)
     root = (REPO / args.dir).resolve()
     for need in (VENV_PY, VLLM_PY, MODEL, SHAREGPT):
         if not need.exists():
@@ -410,6 +420,39 @@ def main() -> int:
     doc.write_text(render_doc(summary))
     say(f"wrote {doc} and {root / 'quality.json'} in {summary['total_s'] / 60:.1f} min")
     return 0
+
+
+def parse_scale(text: str) -> float:
+    """--scale: a positive factor, or `auto` (1, or SLOW_HOST_SCALE where the package computes in fp32 on this CPU)."""
+    if text == "auto":
+        if host_computes_bf16():
+            return 1.0
+        say(f"no bf16 units on this CPU (or PEAGLE_CPU_BF16=0): fp32 everywhere, sizes x {SLOW_HOST_SCALE}")
+        return SLOW_HOST_SCALE
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise QualityError(f"--scale must be 'auto' or a positive number, got {text!r}", 2)
+    return value
+
+
+def host_computes_bf16() -> bool:
+    """The package's own rule (`runtime.cpu_has_bf16_units`, which honours PEAGLE_CPU_BF16), asked in .venv."""
+    out = subprocess.run(
+        [
+            str(VENV_PY),
+            "-c",
+            "from peagle_pipeline.runtime import cpu_has_bf16_units; print(cpu_has_bf16_units())",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    if out.returncode != 0:
+        raise QualityError(f"could not ask the package about bf16: {out.stderr.strip().splitlines()[-1:]}", 2)
+    return out.stdout.strip() == "True"
 
 
 def bf16_units() -> list[str]:
@@ -513,7 +556,8 @@ def render_doc(summary: dict[str, Any]) -> str:
         "Written by `make quality` (`scripts/quality.py`); every number below comes from that one run. What the",
         "figures mean, and measurements outside this run, are in [quality-notes.md](quality-notes.md).",
         "",
-        f"Host: {summary['host']}, bf16 units: {units}. Total stage time **{summary['total_s'] / 60:.1f} min**.",
+        f"Host: {summary['host']}, bf16 units: {units}. Total stage time **{summary['total_s'] / 60:.1f} min**."
+        + (f" Data and step budgets x {s['scale']} (`--scale`)." if s.get("scale", 1.0) != 1.0 else ""),
         "",
         f"Target SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised). Sources: the first {s['source_conversations']} "
         f"ShareGPT records; held-out prompts: the first {s['heldout_prompts']} first user turns of records >= "
