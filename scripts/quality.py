@@ -50,9 +50,9 @@ ON_POLICY_ROWS = ("on-single", "on-multi", "on-single-greedy")
 
 # Sizes at --scale 1 (the measured times are in docs/quality.md). `--scale auto` (the default) uses 1 on a CPU with
 # bf16 units and SLOW_HOST_SCALE on one without: there fp32 runs every stage slower (this host's cores in fp32,
-# PEAGLE_CPU_BF16=0: generation 0.52x, extraction 0.56x, training 0.68x the tokens/s, evaluation 1.33x the time), so
+# PEAGLE_CPU_BF16=0: generation 0.52x, extraction 0.56x, training 0.68x the tokens/s, evaluation 1.35x the time), so
 # the full sizes would take about 119 minutes, and 0.65 of the data and steps about 85 (an estimate from those
-# ratios; docs/quality-notes.md).
+# ratios; scripts/fp32_stage_ratios.sh, docs/quality-notes.md).
 SLOW_HOST_SCALE = 0.65
 BASE = {
     "source_conversations": 400,
@@ -439,31 +439,29 @@ def parse_scale(text: str) -> float:
 
 
 def host_computes_bf16() -> bool:
-    """The package's own rule (`runtime.cpu_has_bf16_units`, which honours PEAGLE_CPU_BF16), asked in .venv."""
-    out = subprocess.run(
-        [
-            str(VENV_PY),
-            "-c",
-            "from peagle_pipeline.runtime import cpu_has_bf16_units; print(cpu_has_bf16_units())",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
+    """The package's own rule (`runtime.cpu_has_bf16_units`, which honours PEAGLE_CPU_BF16)."""
+    return (
+        ask_package("from peagle_pipeline.runtime import cpu_has_bf16_units; print(cpu_has_bf16_units())")
+        == "True"
     )
-    if out.returncode != 0:
-        raise QualityError(f"could not ask the package about bf16: {out.stderr.strip().splitlines()[-1:]}", 2)
-    return out.stdout.strip() == "True"
 
 
 def bf16_units() -> list[str]:
     """This CPU's bf16 units as the package sees them (empty: a host where bf16 is emulated and slow)."""
-    out = subprocess.run(
-        [str(VENV_PY), "-c", "from peagle_pipeline.runtime import cpu_bf16_flags; print(*cpu_bf16_flags())"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    return out.stdout.split()
+    try:  # only for the report: an unanswered question must not cost the run's doc
+        return ask_package(
+            "from peagle_pipeline.runtime import cpu_bf16_flags; print(*cpu_bf16_flags())"
+        ).split()
+    except QualityError:
+        return []
+
+
+def ask_package(code: str) -> str:
+    """What `code` prints when run by .venv's Python (the package is not importable in this interpreter)."""
+    out = subprocess.run([str(VENV_PY), "-c", code], capture_output=True, text=True, cwd=REPO)
+    if out.returncode != 0:
+        raise QualityError(f"could not ask the package: {(out.stderr.strip().splitlines() or ['?'])[-1]}", 2)
+    return out.stdout.strip()
 
 
 def _row(name: str, run: Path, results: dict, export: Path, steps: int) -> dict[str, Any]:
