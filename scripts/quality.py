@@ -1,6 +1,6 @@
 """`make quality`: what on-policy data does to acceptance, measured in vLLM, on this machine class (CPU).
 
-    python scripts/quality.py --dir .quality [--scale auto|FACTOR] [--doc docs/quality.md]
+    python scripts/quality.py --dir .quality [--scale auto|FACTOR] [--doc docs/quality.md] [--render]
 
 SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised) with ShareGPT prompts. Every row of the ablation is trained at the same
 budget (steps x tokens_per_step) and measured by `peagle-pipeline evaluate` in vLLM on MT-Bench (80 first turns)
@@ -15,7 +15,9 @@ and on held-out ShareGPT prompts (records >= 17,000, never trained on), K = 4, T
 
 One run from nothing took 75.1 minutes on an idle 2-core host with bf16 units, against the issue's 90
 (docs/quality.md gives each stage's time; docs/quality-notes.md says where the time goes and what a host without
-bf16 units changes).
+bf16 units changes). The same host computing in fp32 (PEAGLE_CPU_BF16=0, as on a host without bf16 units), where
+--scale auto takes 0.65 of the sizes, took 80.4 (docs/quality-fp32.md). `--render` re-writes the doc from
+DIR/quality.json alone; QUALITY_DIR and QUALITY_DOC (make) put a second run beside the first.
 
 Every stage is the real CLI in a subprocess (`generate` and `evaluate` in .venv-vllm, `extract` and `train` in .venv),
 and every stage resumes, so a re-run only does what is missing. The single-turn data is the first reply of each
@@ -51,8 +53,8 @@ ON_POLICY_ROWS = ("on-single", "on-multi", "on-single-greedy")
 # Sizes at --scale 1 (the measured times are in docs/quality.md). `--scale auto` (the default) uses 1 on a CPU with
 # bf16 units and SLOW_HOST_SCALE on one without: there fp32 runs every stage slower (this host's cores in fp32,
 # PEAGLE_CPU_BF16=0: generation 0.52x, extraction 0.56x, training 0.68x the tokens/s, evaluation 1.35x the time), so
-# the full sizes would take about 119 minutes, and 0.65 of the data and steps about 85 (an estimate from those
-# ratios; scripts/fp32_stage_ratios.sh, docs/quality-notes.md).
+# the full sizes would take about 119 minutes; 0.65 of the data and steps took 80.4 (measured: docs/quality-fp32.md,
+# docs/quality-notes.md; scripts/fp32_stage_ratios.sh measures the ratios).
 SLOW_HOST_SCALE = 0.65
 BASE = {
     "source_conversations": 400,
@@ -72,6 +74,10 @@ BASE = {
 # faster than one prompt at a time on a CPU); the main draft is also measured at concurrency 1 (SPEC 4b: the
 # headline AL and the speedup a single user sees), which shows how close the two are.
 EVAL_CONCURRENCY = 16
+DEFAULT_DIR, DEFAULT_DOC = ".quality", "docs/quality.md"
+EVALS_PER_RUN = (
+    4  # trainer's held-out estimates per training run (per saved checkpoint for the learning curve)
+)
 TRAIN = {  # shared by every row; a row changes one thing
     "draft_layers": 1,
     "depths": 4,
@@ -213,7 +219,13 @@ def extract(root: Path, name: str, data: Path | list[Path], s: dict, dtype: str 
 
 # -------------------------------------------------------------------------------------------------- train
 def train(
-    root: Path, name: str, cache: Path, steps: int, save_every: int | None = None, evals: int = 4, **over: Any
+    root: Path,
+    name: str,
+    cache: Path,
+    steps: int,
+    save_every: int | None = None,
+    evals: int = EVALS_PER_RUN,
+    **over: Any,
 ) -> Path:
     """Train (or finish) one row, with `evals` held-out estimates (at every 1/`evals` of `save_every` when given, so
     each saved checkpoint has one); returns its run directory (export: RUN/export)."""
@@ -317,21 +329,36 @@ def estimate_curve(run: Path) -> list[tuple[int, float]]:
 # --------------------------------------------------------------------------------------------------- main
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dir", default=".quality", help="working directory (data, caches, runs, reports)")
+    ap.add_argument("--dir", default=DEFAULT_DIR, help="working directory (data, caches, runs, reports)")
     ap.add_argument(
         "--scale",
         default="auto",
         help=f"multiply data and step budgets (0.2 = a smoke run); auto: 1, or {SLOW_HOST_SCALE} on a CPU without "
         "bf16 units",
     )
-    ap.add_argument("--doc", default="docs/quality.md", help="where to write the report (markdown)")
+    ap.add_argument("--doc", default=DEFAULT_DOC, help="where to write the report (markdown)")
+    ap.add_argument(
+        "--render", action="store_true", help="only re-write the doc and its chart from DIR/quality.json"
+    )
     args = ap.parse_args()
+    root = (REPO / args.dir).resolve()
+    doc = (REPO / args.doc).resolve()
+    if args.render:
+        if not (root / "quality.json").exists():
+            raise QualityError(f"{root / 'quality.json'} is missing: run `make quality` first", 2)
+        summary = json.loads((root / "quality.json").read_text())
+        plot(summary, root, doc)
+        doc.write_text(render_doc(summary, root, doc))
+        say(f"wrote {doc} from {root / 'quality.json'}")
+        return 0
     scale = parse_scale(args.scale)
     s = dict(BASE)
     s["scale"] = scale
     for key in ("source_conversations", "heldout_prompts", "ablation_steps", "main_steps"):
         s[key] = max(int(BASE[key] * scale), 8)
-    root = (REPO / args.dir).resolve()
+    # Every curve point needs its own trainer estimate: main steps a multiple of curve points x estimates per point.
+    per_run = s["curve_points"] * EVALS_PER_RUN
+    s["main_steps"] = max(s["main_steps"] // per_run, 1) * per_run
     for need in (VENV_PY, VLLM_PY, MODEL, SHAREGPT):
         if not need.exists():
             raise QualityError(
@@ -415,9 +442,8 @@ def main() -> int:
     summary["curve_fit"] = fit_log_curve([(c["train_tokens"], c["mtbench_al"]) for c in summary["curve"]])
     summary["estimate_fit"] = fit_log_curve(summary["estimate_curve"])
     (root / "quality.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot(summary, root)
-    doc = REPO / args.doc
-    doc.write_text(render_doc(summary))
+    plot(summary, root, doc)
+    doc.write_text(render_doc(summary, root, doc))
     say(f"wrote {doc} and {root / 'quality.json'} in {summary['total_s'] / 60:.1f} min")
     return 0
 
@@ -516,7 +542,12 @@ def fit_log_curve(points: list[tuple[int, float | None]]) -> dict[str, float] | 
     }
 
 
-def plot(summary: dict[str, Any], root: Path) -> None:
+def curve_png(doc: Path) -> Path:
+    """The learning-curve image beside the doc (docs/quality.md -> docs/quality_learning_curve.png)."""
+    return doc.with_name(f"{doc.stem}_learning_curve.png")
+
+
+def plot(summary: dict[str, Any], root: Path, doc: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -537,7 +568,7 @@ def plot(summary: dict[str, Any], root: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(root / "learning_curve.png", dpi=120)
-    fig.savefig(REPO / "docs" / "quality_learning_curve.png", dpi=120)
+    fig.savefig(curve_png(doc), dpi=120)
     plt.close(fig)
 
 
@@ -545,8 +576,15 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def render_doc(summary: dict[str, Any]) -> str:
+def _from_repo(path: Path) -> str:
+    return str(path.relative_to(REPO) if path.is_relative_to(REPO) else path)
+
+
+def render_doc(summary: dict[str, Any], root: Path, doc: Path) -> str:
+    """The markdown report of a run (`summary` = DIR/quality.json; `root` = DIR, `doc` = where it goes)."""
     s = summary["settings"]
+    # bf16 units, yet vLLM ran in fp32: the package was told to compute in fp32 (a stand-in for a host without them)
+    forced_fp32 = bool(summary.get("bf16_units")) and summary.get("eval_dtype") == "fp32"
     units = ", ".join(summary.get("bf16_units") or []) or "none: bf16 is emulated, fp32 is used"
     lines = [
         "# Quality: what the data does to acceptance (measured in vLLM)",
@@ -554,7 +592,9 @@ def render_doc(summary: dict[str, Any]) -> str:
         "Written by `make quality` (`scripts/quality.py`); every number below comes from that one run. What the",
         "figures mean, and measurements outside this run, are in [quality-notes.md](quality-notes.md).",
         "",
-        f"Host: {summary['host']}, bf16 units: {units}. Total stage time **{summary['total_s'] / 60:.1f} min**."
+        f"Host: {summary['host']}, bf16 units: {units}"
+        + ("; the package computed in fp32 (`PEAGLE_CPU_BF16=0`)" if forced_fp32 else "")
+        + f". Total stage time **{summary['total_s'] / 60:.1f} min**."
         + (f" Data and step budgets x {s['scale']} (`--scale`)." if s.get("scale", 1.0) != 1.0 else ""),
         "",
         f"Target SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised). Sources: the first {s['source_conversations']} "
@@ -608,7 +648,7 @@ def render_doc(summary: dict[str, Any]) -> str:
     sp = summary["speed"]
     lines += [
         "",
-        "![learning curve](quality_learning_curve.png)",
+        f"![learning curve]({curve_png(doc).name})",
         "",
         f"## The main draft as SPEC 4b measures it: concurrency 1, {sp['prompts']} MT-Bench prompts",
         "",
@@ -624,7 +664,10 @@ def render_doc(summary: dict[str, Any]) -> str:
         "",
     ]
     lines += [f"- {k}: {v / 60:.1f} min" for k, v in summary["times_s"].items()]
-    lines += ["", f"Total: {summary['total_s'] / 60:.1f} min. Reproduce: `make quality`."]
+    how = "PEAGLE_CPU_BF16=0 make quality" if forced_fp32 else "make quality"
+    if (root, doc) != ((REPO / DEFAULT_DIR).resolve(), (REPO / DEFAULT_DOC).resolve()):
+        how += f" QUALITY_DIR={_from_repo(root)} QUALITY_DOC={_from_repo(doc)}"
+    lines += ["", f"Total: {summary['total_s'] / 60:.1f} min. Reproduce: `{how}`."]
     return "\n".join(lines) + "\n"
 
 
