@@ -75,9 +75,8 @@ BASE = {
 # headline AL and the speedup a single user sees), which shows how close the two are.
 EVAL_CONCURRENCY = 16
 DEFAULT_DIR, DEFAULT_DOC = ".quality", "docs/quality.md"
-EVALS_PER_RUN = (
-    4  # trainer's held-out estimates per training run (per saved checkpoint for the learning curve)
-)
+# The trainer's held-out estimates per training run (per saved checkpoint for the learning curve).
+EVALS_PER_RUN = 4
 TRAIN = {  # shared by every row; a row changes one thing
     "draft_layers": 1,
     "depths": 4,
