@@ -10,13 +10,6 @@ cd "$(dirname "$0")/.."
 D=${1:-.scratch/fp32}
 Q=${2:-.quality}
 M=.demo/models/SmolLM2-135M-Instruct
-for need in "$Q/data/train_sources.jsonl" "$Q/caches/on-multi" "$Q/runs/main/export/config.json"; do
-  [ -e "$need" ] || { echo "error: $need is missing: run make quality first" >&2; exit 2; }
-done
-mkdir -p "$D"
-head -n 100 "$Q/data/train_sources.jsonl" > "$D/src100.jsonl"
-head -n 60 "$Q/data/train_sources.jsonl" > "$D/src60.jsonl"
-
 # timed NAME MODE CMD...: run CMD with PEAGLE_CPU_BF16=MODE, log to $D/NAME-MODE.log, record the seconds.
 timed() {
   local name=$1 mode=$2
@@ -61,6 +54,13 @@ if [ "${SUMMARY_ONLY:-0}" = 1 ]; then  # re-print the table from an earlier run'
   summary
   exit 0
 fi
+
+for need in "$Q/data/train_sources.jsonl" "$Q/caches/on-multi" "$Q/runs/main/export/config.json"; do
+  [ -e "$need" ] || { echo "error: $need is missing: run make quality first" >&2; exit 2; }
+done
+mkdir -p "$D"
+head -n 100 "$Q/data/train_sources.jsonl" > "$D/src100.jsonl"
+head -n 60 "$Q/data/train_sources.jsonl" > "$D/src60.jsonl"
 
 rm -f "$D/times.txt"
 for mode in 1 0; do
