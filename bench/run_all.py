@@ -73,7 +73,7 @@ BENCHES = [
         ["--samples", "16", "--max-length", "512", "--tokens", "2048", "--repeat", "3"],
         ["--samples", "2", "--max-length", "128", "--tokens", "256", "--repeat", "1"],
     ),
-    (
+    Bench(
         "generate",
         "bench_generate.py",
         ["--prompts", "64", "--max-new-tokens", "256"],
@@ -388,24 +388,45 @@ def demo_figures() -> list[dict[str, Any]]:
             "'well above 1' read as >= 1.5",
         )
     ]
-    try:
-        v = json.loads((DEMO / "vllm_check.json").read_text())
-    except (OSError, ValueError):
-        v = None
-    va = v and v.get("acceptance_length")
+    row = demo_vllm_row()
+    va = row and row.get("acceptance_length")
+    per_pos = " / ".join(f"{a:.2f}" for a in row["acceptance_per_position"]) if va else ""
+    speed = row and (row.get("throughput") or [None])[0]
     figs.append(
         _fig(
-            "Demo: exported draft loads in vLLM; vLLM-measured acceptance length",
+            "Demo: vLLM-measured acceptance length on MT-Bench (the export loaded by vLLM's parallel drafting)",
             "loads; reported",
-            "make demo (vllm-check)",
+            "make demo (evaluate)",
             va,
-            f"{va:.3f}; greedy output identical: {v['identical']}"
+            f"{va:.3f} (per position {per_pos}; {row['prompts']} prompts x {row['max_tokens']} new tokens, "
+            f"K = {row['depths']}, T = {row['temperature']:g}; trainer estimate {row.get('trainer_estimate') or 0:.3f}"
+            + (
+                f"; {speed['speedup']:.2f}x the plain target's tokens/s at {speed['concurrency']} in flight"
+                if speed
+                else ""
+            )
+            + "); greedy output "
+            + (
+                "identical to plain decoding"
+                if row["identical"]
+                else f"parts from plain decoding on {row['mismatched_prompts']} of {row['prompts']} prompts "
+                "(near-ties under bf16, docs/evaluation.md)"
+            )
             if va
             else "not measured (make setup-vllm, then make demo)",
-            None if v is None else bool(v["identical"]) and va is not None,
+            None if row is None else va is not None,
         )
     )
     return figs
+
+
+def demo_vllm_row() -> dict[str, Any] | None:
+    """The MT-Bench row of the latest `make demo` evaluation (DEMO/eval/report.json), or None."""
+    try:
+        rows = json.loads((DEMO / "eval" / "report.json").read_text())["results"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return next((r for r in rows if r.get("prompt_set") == "mt-bench"), None)
 
 
 def render(figs: list[dict[str, Any]], meta: dict[str, Any], benches: list[Bench]) -> str:

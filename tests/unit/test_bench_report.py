@@ -1,0 +1,96 @@
+"""`make bench`'s driver (bench/run_all.py): its benchmark list loads, and the report renders from whatever results
+exist, including none and the demo's evaluation report. No benchmark script runs here (they take minutes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_ALL = REPO / "bench" / "run_all.py"
+
+
+@pytest.fixture
+def run_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """bench/run_all.py imported as a module, its demo directory pointed at an empty tmp dir."""
+    spec = importlib.util.spec_from_file_location("bench_run_all", RUN_ALL)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, "DEMO", tmp_path / "demo")
+    return mod
+
+
+def test_unknown_benchmark_is_one_line_error_listing_all(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, str(RUN_ALL), "--out", str(tmp_path), "--only", "nosuch"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nosuch" in lines[0]
+    for name in ("extract", "cache", "step", "speculators", "generate", "fp8", "data_wait"):
+        assert f"'{name}'" in lines[0]
+
+
+def test_every_benchmark_entry_is_a_bench(run_all: ModuleType) -> None:
+    names = [b.name for b in run_all.BENCHES]
+    assert all(isinstance(b, run_all.Bench) for b in run_all.BENCHES)
+    assert len(names) == len(set(names))
+    for b in run_all.BENCHES:
+        assert (REPO / "bench" / b.script).is_file(), b.script
+
+
+def test_report_with_no_results_says_not_measured(run_all: ModuleType, tmp_path: Path) -> None:
+    figs = run_all.figures(tmp_path)
+    assert figs and all(f["met"] is None and f["value"] is None for f in figs)
+    assert all("not measured" in f["measured"] for f in figs)
+    meta = {
+        "command": "make bench",
+        "date": "2026-01-01 00:00",
+        "machine": "2 CPU cores",
+        "python": "3.11",
+        "torch": "2.13.0",
+        "load_avg_start": 0.1,
+        "load_avg_end": 0.2,
+        "quick": False,
+    }
+    for b in run_all.BENCHES:
+        b.ran = {"status": "skipped (--only)"}
+    report = run_all.render(figs, meta, run_all.BENCHES)
+    for b in run_all.BENCHES:
+        assert b.script in report
+    assert report.count("not measured") >= len(figs)
+
+
+def test_demo_row_reads_the_demo_evaluation_report(run_all: ModuleType) -> None:
+    row = {
+        "prompt_set": "mt-bench",
+        "acceptance_length": 1.25,
+        "acceptance_per_position": [0.2, 0.04, 0.01, 0.0],
+        "prompts": 80,
+        "max_tokens": 64,
+        "depths": 4,
+        "temperature": 0.0,
+        "trainer_estimate": 1.31,
+        "identical": False,
+        "mismatched_prompts": 3,
+        "throughput": [{"speedup": 0.45, "concurrency": 16}],
+    }
+    held_out = dict(row, prompt_set="heldout", acceptance_length=9.0)
+    (run_all.DEMO / "eval").mkdir(parents=True)
+    (run_all.DEMO / "eval" / "report.json").write_text(json.dumps({"results": [held_out, row]}))
+    (vllm,) = [f for f in run_all.demo_figures() if f["source"] == "make demo (evaluate)"]
+    assert vllm["value"] == 1.25 and vllm["met"] is True
+    text = vllm["measured"]
+    assert "1.250" in text and "0.20 / 0.04 / 0.01 / 0.00" in text and "trainer estimate 1.310" in text
+    assert "0.45x" in text and "3 of 80 prompts" in text
