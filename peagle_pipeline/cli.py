@@ -242,6 +242,7 @@ def train(
         bool | None,
         _opt(TrainConfig, "norm_before_residual"),
     ] = None,
+    init_from_target: Annotated[bool | None, _opt(TrainConfig, "init_from_target")] = None,
     mask_token_id: Annotated[int | None, _opt(TrainConfig, "mask_token_id")] = None,
     skip_corrupt: Annotated[bool | None, _opt(TrainConfig, "skip_corrupt")] = None,
     max_bad_steps: Annotated[int | None, _opt(TrainConfig, "max_bad_steps")] = None,

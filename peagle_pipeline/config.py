@@ -263,6 +263,11 @@ class TrainConfig:
     norm_before_residual: bool = _f(
         False, "Fused layer 0: residual is the normed hidden instead of fc output."
     )
+    init_from_target: bool = _f(
+        True,
+        "Start the fused layer from the target's last decoder layer (stored in the cache) and fc as a "
+        "pass-through of the last aux state; off (or a cache without that layer): random init.",
+    )
     mask_token_id: int | None = _f(
         None,
         "Token fed at depth >= 1 slots; default by rule: the tokenizer's mask token, an unused embedding row, "

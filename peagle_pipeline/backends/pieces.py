@@ -1,9 +1,9 @@
 """The target model directory read without loading the model: its identity, hashes and the few tensors training needs.
 
 `read_target_info` reads config.json only; `load_target_pieces_from_model` reads the embedding, lm_head and final
-norm straight from the model's safetensors files; `target_files` lists the config and tokenizer files a cache
-copies (`cache/target.py` writes them). Never instantiates the model, never writes, never loads more than these
-three tensors.
+norm (and, on request, one decoder layer's tensors) straight from the model's safetensors files; `target_files`
+lists the config and tokenizer files a cache copies (`cache/target.py` writes them). Never instantiates the model,
+never writes, never loads more than these tensors.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle_pipeline.backends.base import TargetInfo, validate_layer_ids
-from peagle_pipeline.cache.layout import PIECES_FILE
+from peagle_pipeline.cache.layout import LAYER_PIECE_PREFIX, PIECES_FILE
 from peagle_pipeline.errors import BadInput
 
 __all__ = [
@@ -28,6 +28,8 @@ __all__ = [
     "read_chat_template",
     "find_piece_names",
     "load_target_pieces_from_model",
+    "find_layer_names",
+    "LAYER_TENSORS",
     "target_files",
     "check_target",
     "TOKENIZER_FILES",
@@ -251,25 +253,59 @@ def find_piece_names(model_path: str | os.PathLike[str]) -> dict[str, str | None
     return {"embed_tokens.weight": embed, "lm_head.weight": None if tied else head, "norm.weight": norm}
 
 
-def load_target_pieces_from_model(model_path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The three piece tensors (torch, checkpoint dtype) read directly from the safetensors files.
+def load_target_pieces_from_model(
+    model_path: str | os.PathLike[str], init_layer: int | None = None
+) -> dict[str, Any]:
+    """The three piece tensors (torch, checkpoint dtype) read directly from the safetensors files, and the
+    tensors of decoder layer `init_layer` when given and named the Llama way (see `find_layer_names`).
 
     Returns:
-        {"embed_tokens.weight": [V, H], "lm_head.weight": [V, H] (the embedding when tied), "norm.weight": [H]}
+        {"embed_tokens.weight": [V, H], "lm_head.weight": [V, H] (the embedding when tied), "norm.weight": [H],
+        and LAYER_PIECE_PREFIX + name for each of the layer's tensors}
     """
-    from safetensors import safe_open
-
     p = _model_dir(model_path)
     files = _weight_files(p)
     pieces: dict[str, Any] = {}
     for key, name in find_piece_names(p).items():
         source = name if name is not None else pieces["embed_tokens.weight"]
-        if isinstance(source, str):
-            with safe_open(str(files[source]), framework="pt") as sf:
-                pieces[key] = sf.get_tensor(source).contiguous()
-        else:
-            pieces[key] = source.clone()  # tied: the cache holds an explicit copy
+        pieces[key] = _tensor(files, source) if isinstance(source, str) else source.clone()  # tied: a copy
+    if init_layer is not None:
+        for key, name in find_layer_names(files, init_layer).items():
+            pieces[LAYER_PIECE_PREFIX + key] = _tensor(files, name)
     return pieces
+
+
+def _tensor(files: dict[str, Path], name: str) -> Any:
+    from safetensors import safe_open
+
+    with safe_open(str(files[name]), framework="pt") as sf:
+        return sf.get_tensor(name).contiguous()
+
+
+# A Llama-style decoder layer's tensors (Llama, Mistral, Qwen2/3 minus their q/k norms, SmolLM): what a draft's
+# fused layer can start from. Attention biases are taken where the checkpoint has them.
+LAYER_TENSORS = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+_LAYER_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+
+
+def find_layer_names(files: dict[str, Path], layer: int) -> dict[str, str]:
+    """{LAYER_TENSORS name (+ present biases): checkpoint name} of decoder layer `layer`; {} when the checkpoint
+    lacks any of LAYER_TENSORS under one of the known prefixes (another architecture: nothing is copied)."""
+    for prefix in _PREFIXES:
+        base = f"{prefix}layers.{layer}."
+        if all(base + t in files for t in LAYER_TENSORS):
+            return {t: base + t for t in (*LAYER_TENSORS, *_LAYER_BIASES) if base + t in files}
+    return {}
 
 
 def target_files(model_path: str | os.PathLike[str]) -> list[Path]:

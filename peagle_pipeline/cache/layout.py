@@ -44,6 +44,8 @@ __all__ = [
     "ALL_TOKEN_COUNTS",
     "ARRAYS",
     "PIECE_KEYS",
+    "LAYER_PIECE_PREFIX",
+    "LAYER_PIECE_METADATA",
     "SAMPLE_COLUMNS",
     "REJECT_COLUMNS",
     "CacheMeta",
@@ -87,6 +89,11 @@ ARRAYS: dict[str, str] = {
 
 # Tensor names inside target/pieces.safetensors.
 PIECE_KEYS = ("embed_tokens.weight", "lm_head.weight", "norm.weight")
+# Optional, same file: one decoder layer of the target, to start a draft's fused layer from (`train
+# --init-from-target`): LAYER_PIECE_PREFIX + a Llama layer's tensor name (`self_attn.q_proj.weight`, ...), its
+# index in the metadata key LAYER_PIECE_METADATA. Caches written before it existed have none.
+LAYER_PIECE_PREFIX = "init_layer."
+LAYER_PIECE_METADATA = "init_layer"
 
 # Per-sample table (samples.parquet) and reject table (rejects.parquet) columns.
 SAMPLE_COLUMNS = (

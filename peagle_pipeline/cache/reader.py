@@ -123,6 +123,21 @@ class Cache:
             raise IncompatibleCache(f"{self.path}: target pieces lack {', '.join(missing)}")
         return {k: pieces[k] for k in layout.PIECE_KEYS}
 
+    def target_layer(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """(index, tensors keyed by Llama names) of the target decoder layer stored for starting a draft from it
+        (`core/target_init.py`), or None: a cache written before it was stored, or a target whose checkpoint does
+        not name its layers the Llama way."""
+        from safetensors.torch import load
+
+        blob = self._root.read_bytes(f"{layout.TARGET_DIR}/{layout.PIECES_FILE}")
+        header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])  # the safetensors header
+        index = (header.get("__metadata__") or {}).get(layout.LAYER_PIECE_METADATA)
+        if index is None:
+            return None
+        n = len(layout.LAYER_PIECE_PREFIX)
+        tensors = {k[n:]: v for k, v in load(blob).items() if k.startswith(layout.LAYER_PIECE_PREFIX)}
+        return (int(index), tensors) if tensors else None
+
     def token_counts(self) -> np.ndarray:
         """int64 [V]: how often each token id is a supervised token, summed over all stores."""
         return self._sum_counts(layout.TOKEN_COUNTS)
@@ -192,9 +207,10 @@ class Cache:
         """A sample's arrays in their stored numpy dtypes (fast=False reads through zarr)."""
         store, offset, length = self.locate(sample_id)
         reader = self._stores[store]
-        if fast:
-            reader.prefetch(offset, offset + length)
-        return {name: reader.read(name, offset, offset + length, fast=fast) for name in self.specs}
+        if not fast:
+            return {name: reader.read(name, offset, offset + length, fast=False) for name in self.specs}
+        reader.prefetch(offset, offset + length)
+        return reader.read_many(list(self.specs), offset, offset + length)
 
     def read_sample(self, sample_id: int) -> SampleArrays:
         """The sample's tensors (see SampleArrays). Hidden states are zero-copy bf16 views of the stored bits."""

@@ -26,6 +26,9 @@ from peagle_pipeline.errors import BadInput, CorruptCache
 __all__ = ["StoreRoot", "StoreReader"]
 
 _EMPTY = np.uint64(2**64 - 1)
+# Object stores: a byte range longer than this is fetched as concurrent parts (one connection's throughput is
+# limited; parallel ranged GETs are how object stores are read fast).
+_PART_BYTES = 512 * 1024
 
 
 class StoreRoot:
@@ -138,6 +141,19 @@ def _blosc_decompress(frame: bytes, nbytes: int) -> bytes:
     return data
 
 
+def _index_bytes(info: _ArrayInfo) -> int:
+    """Bytes of a shard's index at its end: (offset, nbytes) uint64 per inner chunk, then a crc32c."""
+    return info.chunks_per_shard * layout.SHARD_INDEX_ENTRY + 4
+
+
+def _byte_range(span: np.ndarray) -> tuple[int, int]:
+    """[begin, end) bytes of a shard that hold the present chunks of `span` (index rows); (0, 0) if none."""
+    present = span[:, 0] != _EMPTY
+    if not present.any():
+        return 0, 0
+    return int(span[present, 0].min()), int((span[present, 0] + span[present, 1]).max())
+
+
 class _ArrayInfo:
     """Static description of one stored array, parsed from its zarr.json (for the fast path)."""
 
@@ -208,10 +224,11 @@ class StoreReader:
         self._fds: dict[tuple[str, int], int] = {}
         self._index: dict[tuple[str, int], np.ndarray] = {}
         self._zarr: Any = None
+        self._fs: Any = None  # this process's fsspec instance (object stores)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_pid=-1, _fds={}, _index={}, _zarr=None)
+        state.update(_pid=-1, _fds={}, _index={}, _zarr=None, _fs=None)
         return state
 
     def _check_process(self) -> None:
@@ -222,7 +239,7 @@ class StoreReader:
                     os.close(fd)
                 except OSError:
                     pass
-            self._fds, self._index, self._zarr = {}, {}, None
+            self._fds, self._index, self._zarr, self._fs = {}, {}, None, None
             self._pid = os.getpid()
 
     def close(self) -> None:
@@ -280,9 +297,7 @@ class StoreReader:
         fd = self._fds.get(key)
         if fd is None:
             assert self.root.local is not None
-            path = (
-                self.root.local / self.rel / info.name / "/".join(["c", str(shard)] + ["0"] * len(info.inner))
-            )
+            path = self.root.local / self._shard_rel(info, shard)
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
@@ -292,22 +307,118 @@ class StoreReader:
             self._fds[key] = fd
         return fd
 
+    def _shard_rel(self, info: _ArrayInfo, shard: int) -> str:
+        """The shard object's path relative to the cache root (Zarr v3's default chunk key encoding)."""
+        return f"{self.rel}/{info.name}/" + "/".join(["c", str(shard)] + ["0"] * len(info.inner))
+
     def _shard_index(self, info: _ArrayInfo, shard: int) -> np.ndarray:
         """[chunks_per_shard, 2] uint64 (offset, nbytes) of each inner chunk; parsed once per shard."""
         key = (info.name, shard)
         index = self._index.get(key)
         if index is None:
-            import google_crc32c
-
             fd = self._fd(info, shard)
-            size = os.fstat(fd).st_size
-            nbytes = info.chunks_per_shard * layout.SHARD_INDEX_ENTRY + 4
-            raw = os.pread(fd, nbytes, size - nbytes)
-            if len(raw) != nbytes or np.uint32(google_crc32c.value(raw[:-4])).tobytes() != raw[-4:]:
-                raise CorruptCache(f"store {self.name}: shard index of {info.name}/c/{shard} is damaged")
-            index = np.frombuffer(raw[:-4], dtype="<u8").reshape(info.chunks_per_shard, 2)
-            self._index[key] = index
+            nbytes = _index_bytes(info)
+            index = self._parse_index(info, shard, os.pread(fd, nbytes, os.fstat(fd).st_size - nbytes))
         return index
+
+    def _parse_index(self, info: _ArrayInfo, shard: int, raw: bytes) -> np.ndarray:
+        """Check (length, crc32c) and cache the index bytes read from the end of a shard."""
+        import google_crc32c
+
+        if len(raw) != _index_bytes(info) or np.uint32(google_crc32c.value(raw[:-4])).tobytes() != raw[-4:]:
+            raise CorruptCache(f"store {self.name}: shard index of {info.name}/c/{shard} is damaged")
+        index = np.frombuffer(raw[:-4], dtype="<u8").reshape(info.chunks_per_shard, 2)
+        self._index[(info.name, shard)] = index
+        return index
+
+    # ------------------------------------------------------------------------------------ object stores
+    def read_many(self, arrays: list[str], start: int, stop: int) -> dict[str, np.ndarray]:
+        """Rows [start, stop) of several arrays (see `read`).
+
+        On an object store every fast-path array is read with ranged GETs issued together (fsspec's
+        `cat_ranges`, concurrent on async stores such as s3fs): first the index of each shard not seen before
+        (a suffix range, cached), then one range per array and shard covering the chunks needed. Zarr's own store
+        layer would instead make a chain of requests per array (its metadata, the shard index, each chunk),
+        one after another, every time.
+        """
+        fast = [a for a in arrays if self.info[a].fast]
+        if self.root.local is not None or not fast:
+            return {a: self.read(a, start, stop) for a in arrays}
+        self._check_process()
+        try:
+            got = self._read_remote(fast, start, stop)
+        except CorruptCache:
+            raise
+        except FileNotFoundError:
+            raise CorruptCache(
+                f"store {self.name}: a shard of tokens {start}..{stop} is missing from {self.root.url}"
+            ) from None
+        except Exception as err:  # damaged bytes surface as codec, size or value errors of many types
+            raise CorruptCache(
+                f"store {self.name}: tokens {start}..{stop} cannot be read ({type(err).__name__})"
+            ) from None
+        return {a: got[a] if a in got else self.read(a, start, stop) for a in arrays}
+
+    def _remote_fs(self) -> Any:
+        """This process's filesystem instance for the store's URL (fsspec gives a fresh one after a fork)."""
+        if self._fs is None:
+            import fsspec
+
+            self._fs = fsspec.core.url_to_fs(self.root.url)[0]
+        return self._fs
+
+    def _cat_ranges(self, ranges: list[tuple[str, int, int | None]]) -> list[bytes]:
+        """Bytes of (relative path, start, end) ranges, fetched together; a negative start with end None is a
+        suffix. Raises the first error (a missing object: FileNotFoundError)."""
+        if not ranges:
+            return []
+        fs = self._remote_fs()
+        parts = []  # (range number, path, start, end): a long range is read as several concurrent parts
+        for n, (rel, begin, end) in enumerate(ranges):
+            cuts = [begin] if end is None else list(range(begin, end, _PART_BYTES))
+            for i, a in enumerate(cuts):
+                b = end if end is None or i + 1 == len(cuts) else cuts[i + 1]
+                parts.append((n, f"{self.root.base}/{rel}", a, b))
+        got = fs.cat_ranges(
+            [p[1] for p in parts], [p[2] for p in parts], [p[3] for p in parts], on_error="raise"
+        )
+        out: list[list[bytes]] = [[] for _ in ranges]
+        for (n, _, _, _), blob in zip(parts, got, strict=True):
+            out[n].append(blob)
+        return [b"".join(pieces) if len(pieces) > 1 else pieces[0] for pieces in out]
+
+    def _read_remote(self, arrays: list[str], start: int, stop: int) -> dict[str, np.ndarray]:
+        pieces = []  # (info, shard, first chunk, last chunk) of every array and shard the rows touch
+        for a in arrays:
+            info = self.info[a]
+            chunk, last = start // info.chunk_tokens, (stop - 1) // info.chunk_tokens
+            while chunk <= last:
+                shard = chunk // info.chunks_per_shard
+                end = min(last, (shard + 1) * info.chunks_per_shard - 1)
+                pieces.append((info, shard, chunk, end))
+                chunk = end + 1
+        wanted = {
+            (info.name, shard): info for info, shard, _, _ in pieces if (info.name, shard) not in self._index
+        }
+        blobs = self._cat_ranges(
+            [(self._shard_rel(i, s), -_index_bytes(i), None) for (_, s), i in wanted.items()]
+        )
+        for ((_, shard), info), raw in zip(wanted.items(), blobs, strict=True):
+            self._parse_index(info, shard, raw)
+        spans, ranges = [], []
+        for info, shard, chunk, last in pieces:
+            local = chunk - shard * info.chunks_per_shard
+            span = self._index[(info.name, shard)][local : local + last - chunk + 1]
+            base, end = _byte_range(span)
+            spans.append((span, base))
+            if end > base:
+                ranges.append((self._shard_rel(info, shard), base, end))
+        blobs = iter(self._cat_ranges(ranges))
+        out = {a: np.empty((stop - start, *self.info[a].inner), dtype=self.info[a].dtype) for a in arrays}
+        for (info, _, chunk, _), (span, base) in zip(pieces, spans, strict=True):
+            blob = next(blobs) if (span[:, 0] != _EMPTY).any() else b""
+            self._decode_into(out[info.name], info, chunk, span, blob, base, start, stop)
+        return out
 
     def _read_fast(self, info: _ArrayInfo, start: int, stop: int) -> np.ndarray:
         C = info.chunk_tokens
@@ -338,41 +449,56 @@ class StoreReader:
                     raise CorruptCache(f"store {self.name}: shard {shard} of {info.name} is truncated")
                 chunk = last + 1
                 continue
-            blob = b""
-            base = 0
+            blob, base = b"", 0
             if present.any():
-                base = int(span[present, 0].min())
-                end = int((span[present, 0] + span[present, 1]).max())
+                base, end = _byte_range(span)
                 blob = os.pread(self._fd(info, shard), end - base, base)  # one read for all chunks needed
-            for j in range(len(span)):
-                c = chunk + j
-                lo, hi = max(start, c * C), min(stop, (c + 1) * C)
-                dest = out[lo - start : hi - start]
-                if not present[j]:
-                    dest[...] = info.fill_value
-                    continue
-                off, n = int(span[j, 0]) - base, int(span[j, 1])
-                raw: memoryview | bytes = memoryview(blob)[off : off + n]
-                try:
-                    if info.zstd:
-                        raw = _zstd_decompress(raw, C * row_bytes)
-                    elif (
-                        info.crc or info.blosc
-                    ):  # raw or blosc chunk + its little-endian crc32c (zarr's codec)
-                        body = bytes(raw[:-4])  # google_crc32c takes bytes only; frombuffer reuses it below
-                        if (info.crc and n != C * row_bytes + 4) or _crc32c(body) != bytes(raw[-4:]):
-                            raise ValueError("crc32c mismatch")
-                        raw = _blosc_decompress(body, C * row_bytes) if info.blosc else body
-                    rows = np.frombuffer(raw, dtype=info.dtype).reshape(-1, *info.inner)
-                except (RuntimeError, ValueError, _ZstdError) as err:
-                    raise CorruptCache(
-                        f"store {self.name}: chunk {c} of {info.name} cannot be decoded ({err})"
-                    ) from None
-                if len(rows) != C:
-                    raise CorruptCache(f"store {self.name}: chunk {c} of {info.name} has a wrong size")
-                dest[...] = rows[lo - c * C : hi - c * C]
+            self._decode_into(out, info, chunk, span, blob, base, start, stop)
             chunk = last + 1
         return out
+
+    def _decode_into(
+        self,
+        out: np.ndarray,
+        info: _ArrayInfo,
+        chunk: int,
+        span: np.ndarray,
+        blob: bytes,
+        base: int,
+        start: int,
+        stop: int,
+    ) -> None:
+        """Decode chunks chunk.. (their index rows `span`, bytes `blob` read from shard offset `base`) into the
+        rows of out (= rows [start, stop) of the array) that they cover; absent chunks give the fill value."""
+        C = info.chunk_tokens
+        chunk_bytes = C * info.dtype.itemsize * math.prod(info.inner)
+        for j in range(len(span)):
+            c = chunk + j
+            lo, hi = max(start, c * C), min(stop, (c + 1) * C)
+            dest = out[lo - start : hi - start]
+            if span[j, 0] == _EMPTY:
+                dest[...] = info.fill_value
+                continue
+            off, n = int(span[j, 0]) - base, int(span[j, 1])
+            raw: memoryview | bytes = memoryview(blob)[off : off + n]
+            try:
+                if len(raw) != n:
+                    raise ValueError("truncated")
+                if info.zstd:
+                    raw = _zstd_decompress(raw, chunk_bytes)
+                elif info.crc or info.blosc:  # raw or blosc chunk + its little-endian crc32c (zarr's codec)
+                    body = bytes(raw[:-4])  # google_crc32c takes bytes only; frombuffer reuses it below
+                    if (info.crc and n != chunk_bytes + 4) or _crc32c(body) != bytes(raw[-4:]):
+                        raise ValueError("crc32c mismatch")
+                    raw = _blosc_decompress(body, chunk_bytes) if info.blosc else body
+                rows = np.frombuffer(raw, dtype=info.dtype).reshape(-1, *info.inner)
+            except (RuntimeError, ValueError, _ZstdError) as err:
+                raise CorruptCache(
+                    f"store {self.name}: chunk {c} of {info.name} cannot be decoded ({err})"
+                ) from None
+            if len(rows) != C:
+                raise CorruptCache(f"store {self.name}: chunk {c} of {info.name} has a wrong size")
+            dest[...] = rows[lo - c * C : hi - c * C]
 
     def _read_crc_chunks(self, info: _ArrayInfo, first: int, last: int, row_bytes: int) -> np.ndarray | None:
         """Whole chunks first..last of one shard, read with one preadv straight into a numpy buffer (the crc32c

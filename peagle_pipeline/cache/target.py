@@ -27,13 +27,16 @@ class TargetSource:
     Attributes:
         source: the model directory, recorded in pieces.safetensors' metadata.
         files: files copied into target/ as they are (config.json and the tokenizer files present).
-        load_pieces: returns {"embed_tokens.weight": [V, H], "lm_head.weight": [V, H], "norm.weight": [H]};
-            called only when target/ is written.
+        load_pieces: returns {"embed_tokens.weight": [V, H], "lm_head.weight": [V, H], "norm.weight": [H]},
+            optionally with decoder layer `init_layer`'s tensors under layout.LAYER_PIECE_PREFIX; called only when
+            target/ is written.
+        init_layer: the index of that decoder layer (recorded in the file's metadata when its tensors came).
     """
 
     source: str
     files: tuple[Path, ...]
     load_pieces: Callable[[], dict[str, Any]]
+    init_layer: int | None = None
 
 
 def save_target_pieces(out_dir: str | os.PathLike[str], target: TargetSource) -> Path:
@@ -57,7 +60,10 @@ def save_target_pieces(out_dir: str | os.PathLike[str], target: TargetSource) ->
     fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{layout.PIECES_FILE}.", suffix=".tmp")
     os.close(fd)
     try:
-        save_file(pieces, tmp, metadata={"source": target.source})
+        metadata = {"source": target.source}
+        if target.init_layer is not None and any(k.startswith(layout.LAYER_PIECE_PREFIX) for k in pieces):
+            metadata[layout.LAYER_PIECE_METADATA] = str(target.init_layer)
+        save_file(pieces, tmp, metadata=metadata)
         make_readable(tmp)
         fsync_file(tmp)
         os.replace(tmp, out / layout.PIECES_FILE)

@@ -11,12 +11,14 @@ import torch
 from peagle_pipeline.config import TrainConfig
 from peagle_pipeline.core import vocab
 from peagle_pipeline.core.model import DraftConfig, PEagleDraft
+from peagle_pipeline.core.target_init import init_from_target_layer
 from peagle_pipeline.errors import BadConfig
 from peagle_pipeline.stages.export import DraftSpec
 from peagle_pipeline.stages.loader import mix_seed
 
 __all__ = [
     "build_draft",
+    "start_from_target",
     "choose_mask_token",
     "vocab_coverage",
     "describe_vocab_coverage",
@@ -62,6 +64,8 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
     keep = None if dvocab.is_identity else dvocab
     g = torch.Generator().manual_seed(mix_seed("init", cfg.seed))
     model = PEagleDraft(dcfg, pieces, keep, generator=g, grad_checkpointing=cfg.grad_checkpointing)
+    if cfg.init_from_target:
+        start_from_target(model, cache)
     spec = DraftSpec(
         target_config=target_config,
         verifier_name_or_path=meta.target_name_or_path,
@@ -74,6 +78,22 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
         depths=cfg.depths,
     )
     return model, spec, keep
+
+
+def start_from_target(model: PEagleDraft, cache: Any) -> None:
+    """Initialise the draft's fused layer and fc from the target layer the cache stores (`core/target_init.py`);
+    a cache without one keeps the random initialisation, with a warning saying how to get it."""
+    stored = cache.target_layer()
+    if stored is None:
+        log.warning(
+            "cache %s stores no target layer to start the draft from (written before it was stored, or not a "
+            "Llama-style checkpoint): random initialisation; re-extract it to start from the target",
+            cache.path,
+        )
+        return
+    index, tensors = stored
+    init_from_target_layer(model, tensors)
+    log.info("draft layer 0 starts from target layer %d; fc passes the last aux state through", index)
 
 
 def require_last_hidden(target: str, meta: Any, label: str) -> None:

@@ -31,6 +31,7 @@ from peagle_pipeline.cache.remote import RemoteCache, is_remote
 from peagle_pipeline.cache.target import TargetSource
 from peagle_pipeline.cache.writer import CacheWriter, SampleData, SampleRecord
 from peagle_pipeline.config import ExtractConfig, to_dict
+from peagle_pipeline.core.target_init import target_init_layer
 from peagle_pipeline.errors import (
     BadInput,
 )
@@ -308,9 +309,9 @@ def _recorded_compute_dtype(root: Path) -> Literal["bf16", "fp32"] | None:
     return computed.get(recorded_compute_dtype(root) or "")
 
 
-def target_source(model: str) -> TargetSource:
+def target_source(model: str, init_layer: int | None = None) -> TargetSource:
     """Where a cache's target/ comes from: the model's config and tokenizer files, and its pieces (read from its
-    safetensors only when target/ is written).
+    safetensors only when target/ is written), with decoder layer `init_layer` for the draft's initialisation.
 
     Raises:
         BadInput: missing model directory or config.json.
@@ -320,7 +321,8 @@ def target_source(model: str) -> TargetSource:
     return TargetSource(
         source=str(Path(model)),
         files=tuple(pieces.target_files(model)),
-        load_pieces=lambda: pieces.load_target_pieces_from_model(model),
+        load_pieces=lambda: pieces.load_target_pieces_from_model(model, init_layer),
+        init_layer=init_layer,
     )
 
 
@@ -334,7 +336,8 @@ def prepare_output(cfg: ExtractConfig, meta: CacheMeta, root: str | None = None)
     import yaml
 
     settings = yaml.safe_dump({"extract": to_dict(cfg)}, sort_keys=False)
-    return prepare_cache(root or cfg.output, meta, settings, target_source(cfg.model))
+    init_layer = target_init_layer(meta.num_hidden_layers)
+    return prepare_cache(root or cfg.output, meta, settings, target_source(cfg.model, init_layer))
 
 
 # ------------------------------------------------------------------------------------------------- run

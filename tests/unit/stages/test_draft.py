@@ -71,7 +71,60 @@ def test_the_draft_follows_the_cache_and_the_settings(cache_dir: Path) -> None:
     other, _, _ = draft.build_draft(
         cache, _cfg(cache_dir, draft_vocab_size=64, draft_layers=2, depths=3, seed=1)
     )
-    assert not torch.equal(model.fc.weight, other.fc.weight)  # the seed draws the init
+    assert not torch.equal(model.mask_hidden, other.mask_hidden)  # the seed draws the random init
+
+
+def test_the_draft_starts_from_the_stored_target_layer(cache_dir: Path, tiny_model: Path, caplog) -> None:
+    from safetensors.torch import load_file
+
+    from peagle_pipeline.core.target_init import target_init_layer
+
+    cache = open_cache(cache_dir)
+    index, tensors = cache.target_layer()
+    assert index == target_init_layer(cache.meta.num_hidden_layers) == cache.meta.num_hidden_layers - 1
+    weights = load_file(str(tiny_model / "model.safetensors"))
+    for name, t in tensors.items():  # the cache holds that layer of the target as it is
+        assert torch.equal(t, weights[f"model.layers.{index}.{name}"]), name
+    H = cache.meta.hidden_size
+    model, _, _ = draft.build_draft(cache, _cfg(cache_dir, draft_vocab_size=64, draft_layers=2))
+    first = model.layers[0]
+    assert torch.equal(first.mlp.down_proj.weight, tensors["mlp.down_proj.weight"].float())
+    assert torch.equal(first.self_attn.k_proj.weight[:, H:], tensors["self_attn.k_proj.weight"].float())
+    assert torch.equal(first.hidden_norm.weight, tensors["input_layernorm.weight"].float())
+    assert not torch.equal(first.self_attn.k_proj.weight[:, :H], tensors["self_attn.k_proj.weight"].float())
+    aux = torch.randn(3, model.cfg.aux_size)
+    assert torch.equal(model.fc(aux), aux[:, -H:])  # fc passes the last aux state through
+    off, _, _ = draft.build_draft(
+        cache, _cfg(cache_dir, draft_vocab_size=64, draft_layers=2, init_from_target=False)
+    )
+    assert not torch.equal(off.layers[0].mlp.down_proj.weight, first.mlp.down_proj.weight)
+    assert torch.equal(off.layers[1].mlp.down_proj.weight, model.layers[1].mlp.down_proj.weight)  # same seed
+
+
+def test_a_cache_without_a_target_layer_keeps_the_random_init(
+    cache_dir: Path, tmp_path: Path, caplog
+) -> None:
+    """Caches extracted before the layer was stored: training still runs, from random weights, and says so."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from peagle_pipeline.cache import layout
+
+    old = tmp_path / "old"
+    shutil.copytree(cache_dir, old)
+    pieces_file = old / layout.TARGET_DIR / layout.PIECES_FILE
+    pieces = {k: v for k, v in load_file(str(pieces_file)).items() if k in layout.PIECE_KEYS}
+    save_file(pieces, str(pieces_file), metadata={"source": "old"})
+    cache = open_cache(old)
+    assert cache.target_layer() is None
+    with caplog.at_level(logging.WARNING, logger="peagle_pipeline.stages.draft"):
+        model, _, _ = draft.build_draft(cache, _cfg(old, draft_vocab_size=64))
+    assert "stores no target layer" in caplog.text and "re-extract" in caplog.text
+    new, _, _ = draft.build_draft(
+        open_cache(cache_dir), _cfg(cache_dir, draft_vocab_size=64, init_from_target=False)
+    )
+    assert torch.equal(model.fc.weight, new.fc.weight)  # the random init, as with the setting off
 
 
 def test_the_vocabulary_size_is_capped_only_when_not_asked_for(cache_dir: Path, caplog) -> None:
