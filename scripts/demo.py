@@ -282,7 +282,7 @@ def summary(paths: dict[str, Path], state: dict[str, Any], vllm: dict[str, Any] 
         (
             "cache size",
             f"{dir_bytes(paths['cache']) / 1e6:.1f} MB on disk: {store_bytes / 1e6:.1f} MB of Zarr stores, "
-            "the rest the target pieces (embeddings, lm_head, norm, tokenizer)",
+            "the rest the target pieces (embeddings, lm_head, norm, last layer, tokenizer)",
         ),
         ("bytes per token", f"{store_bytes / max(tokens, 1):,.0f}"),
     ]
