@@ -45,7 +45,7 @@ __all__ = [
     "ARRAYS",
     "PIECE_KEYS",
     "LAYER_PIECE_PREFIX",
-    "LAYER_PIECE_METADATA",
+    "LAYER_INDEX_KEY",
     "SAMPLE_COLUMNS",
     "REJECT_COLUMNS",
     "CacheMeta",
@@ -91,9 +91,10 @@ ARRAYS: dict[str, str] = {
 PIECE_KEYS = ("embed_tokens.weight", "lm_head.weight", "norm.weight")
 # Optional, same file: one decoder layer of the target, to start a draft's fused layer from (`train
 # --init-from-target`): LAYER_PIECE_PREFIX + a Llama layer's tensor name (`self_attn.q_proj.weight`, ...), its
-# index in the metadata key LAYER_PIECE_METADATA. Caches written before it existed have none.
+# index as the int64 [1] tensor LAYER_INDEX_KEY (a tensor, not metadata: safetensors writes metadata keys in an
+# order that changes from process to process, and the file must be byte-identical). Older caches have none.
 LAYER_PIECE_PREFIX = "init_layer."
-LAYER_PIECE_METADATA = "init_layer"
+LAYER_INDEX_KEY = "init_layer_index"
 
 # Per-sample table (samples.parquet) and reject table (rejects.parquet) columns.
 SAMPLE_COLUMNS = (

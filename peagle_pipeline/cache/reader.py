@@ -129,14 +129,12 @@ class Cache:
         not name its layers the Llama way."""
         from safetensors.torch import load
 
-        blob = self._root.read_bytes(f"{layout.TARGET_DIR}/{layout.PIECES_FILE}")
-        header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])  # the safetensors header
-        index = (header.get("__metadata__") or {}).get(layout.LAYER_PIECE_METADATA)
-        if index is None:
-            return None
+        pieces = load(self._root.read_bytes(f"{layout.TARGET_DIR}/{layout.PIECES_FILE}"))
         n = len(layout.LAYER_PIECE_PREFIX)
-        tensors = {k[n:]: v for k, v in load(blob).items() if k.startswith(layout.LAYER_PIECE_PREFIX)}
-        return (int(index), tensors) if tensors else None
+        tensors = {k[n:]: v for k, v in pieces.items() if k.startswith(layout.LAYER_PIECE_PREFIX)}
+        if layout.LAYER_INDEX_KEY not in pieces or not tensors:
+            return None
+        return int(pieces[layout.LAYER_INDEX_KEY][0]), tensors
 
     def token_counts(self) -> np.ndarray:
         """int64 [V]: how often each token id is a supervised token, summed over all stores."""

@@ -30,7 +30,7 @@ class TargetSource:
         load_pieces: returns {"embed_tokens.weight": [V, H], "lm_head.weight": [V, H], "norm.weight": [H]},
             optionally with decoder layer `init_layer`'s tensors under layout.LAYER_PIECE_PREFIX; called only when
             target/ is written.
-        init_layer: the index of that decoder layer (recorded in the file's metadata when its tensors came).
+        init_layer: the index of that decoder layer (stored as layout.LAYER_INDEX_KEY when its tensors came).
     """
 
     source: str
@@ -60,10 +60,11 @@ def save_target_pieces(out_dir: str | os.PathLike[str], target: TargetSource) ->
     fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{layout.PIECES_FILE}.", suffix=".tmp")
     os.close(fd)
     try:
-        metadata = {"source": target.source}
         if target.init_layer is not None and any(k.startswith(layout.LAYER_PIECE_PREFIX) for k in pieces):
-            metadata[layout.LAYER_PIECE_METADATA] = str(target.init_layer)
-        save_file(pieces, tmp, metadata=metadata)
+            import torch
+
+            pieces = {**pieces, layout.LAYER_INDEX_KEY: torch.tensor([target.init_layer], dtype=torch.int64)}
+        save_file(pieces, tmp, metadata={"source": target.source})  # one key: the bytes never vary
         make_readable(tmp)
         fsync_file(tmp)
         os.replace(tmp, out / layout.PIECES_FILE)

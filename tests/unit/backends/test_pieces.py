@@ -123,3 +123,19 @@ def test_bad_model_paths(tmp_path):
     )
     with pytest.raises(BadInput, match="no lm_head"):
         _save(tmp_path, tmp_path / "out")
+
+
+def test_pieces_with_the_target_layer_are_the_same_bytes_every_time(tiny_model, tmp_path):
+    """The stored layer's index is a tensor, not a second metadata key: safetensors writes metadata keys in an order
+    that varies between writes, and a cache's files must be byte-identical however often they are written."""
+    from peagle_pipeline.cache import layout
+
+    blobs = set()
+    for i in range(8):
+        out = save_target_pieces(tmp_path / str(i), target_source(tiny_model, init_layer=5))
+        blobs.add((out / layout.PIECES_FILE).read_bytes())
+    assert len(blobs) == 1
+    pieces = load_file(str(tmp_path / "0" / layout.PIECES_FILE))
+    assert pieces[layout.LAYER_INDEX_KEY].tolist() == [5]
+    weights = load_file(str(tiny_model / "model.safetensors"))
+    assert torch.equal(pieces["init_layer.mlp.up_proj.weight"], weights["model.layers.5.mlp.up_proj.weight"])
