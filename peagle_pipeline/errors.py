@@ -24,6 +24,7 @@ __all__ = [
     "Terminated",
     "BackendMismatch",
     "SpeculativeMismatch",
+    "StoreUnreachable",
 ]
 
 
@@ -97,6 +98,13 @@ class SpeculativeMismatch(PeagleError):
     """Greedy output with the draft differs from greedy output without it."""
 
     exit_code = 11
+
+
+class StoreUnreachable(PeagleError):
+    """The object store holding a cache failed to answer a read (network, endpoint, credentials): the cache is not
+    at fault, and such a failure is never skipped as a corrupt sample."""
+
+    exit_code = 12
 
 
 class Interrupted(PeagleError):

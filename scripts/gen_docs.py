@@ -89,7 +89,8 @@ traceback). Exit codes: 1 generic, 2 bad input or settings, 3 incompatible or in
 5 resume with other settings, 6 output directory holds something else, 7 another process holds the lock of that
 extraction rank or training run,
 8 repeated non-finite loss, 9 disk full, 10 a target runtime returned other tokens or shapes than sent, 11 speculative
-greedy output differs from plain greedy output (`vllm-check`), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
+greedy output differs from plain greedy output (`vllm-check`), 12 the object store holding a cache did not answer a
+read (the cache is not damaged; run again, `train --resume`), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
 
 | command | what it does |
 |---|---|

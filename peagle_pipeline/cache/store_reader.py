@@ -1,34 +1,36 @@
 """Low-level reads of one cache store: the cache location (local directory or fsspec URL) and a per-store reader.
 
-Random sample reads on local disk take a fast path that parses each shard's index once and reads just the inner
-chunks a range of tokens needs: raw chunks with one `os.preadv` straight into the output (crc32c checked in place),
-zstd and blosc chunks decoded with a reused context. Other stores (fsspec URLs such as `memory://` or `s3://`) read
-through Zarr's own store layer. File handles are opened lazily per process, so a reader may be handed to DataLoader
-workers (fork or spawn). Never writes.
+Sample reads of the usual layouts (`shard_format.ArrayInfo.fast`) skip Zarr's store layer. On local disk each
+shard's index is parsed once and just the inner chunks a range of tokens needs are read: raw chunks with one
+`os.preadv` straight into the output (crc32c checked in place), zstd and blosc chunks decoded with a reused
+context. On an object store (fsspec URLs such as `memory://` or `s3://`) the same chunks are fetched as byte ranges
+issued together (`object_ranges.py`). Other layouts read through Zarr. File handles and filesystem instances are
+opened lazily per process, so a reader may be handed to DataLoader workers (fork or spawn). Never writes.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import zstandard
-from zstandard import ZstdError as _ZstdError
 
 from peagle_pipeline.cache import layout
-from peagle_pipeline.errors import BadInput, CorruptCache
+from peagle_pipeline.cache.object_ranges import fetch_ranges
+from peagle_pipeline.cache.shard_format import (
+    EMPTY,
+    ArrayInfo,
+    byte_range,
+    contiguous,
+    decode_chunks_into,
+    index_bytes,
+    parse_index,
+)
+from peagle_pipeline.errors import BadInput, CorruptCache, StoreUnreachable
 
 __all__ = ["StoreRoot", "StoreReader"]
-
-_EMPTY = np.uint64(2**64 - 1)
-# Object stores: a byte range longer than this is fetched as concurrent parts (one connection's throughput is
-# limited; parallel ranged GETs are how object stores are read fast).
-_PART_BYTES = 512 * 1024
 
 
 class StoreRoot:
@@ -107,93 +109,6 @@ class StoreRoot:
         return zarr.open_group(f"{self.url.rstrip('/')}/{rel}", mode="r")
 
 
-def _crc32c(data: bytes) -> bytes:
-    """crc32c of `data` as the 4 little-endian bytes zarr's crc32c codec appends."""
-    import google_crc32c
-
-    return np.uint32(google_crc32c.value(data)).tobytes()
-
-
-_ZSTD = (
-    threading.local()
-)  # one reusable decompression context per thread (creating one per chunk costs ~10 us)
-
-
-def _zstd_decompress(frame: memoryview | bytes, nbytes: int) -> bytes:
-    """One zstd frame (as zarr's zstd codec writes it) decoded to exactly `nbytes` bytes, else ValueError."""
-    dctx = getattr(_ZSTD, "dctx", None)
-    if dctx is None:
-        dctx = _ZSTD.dctx = zstandard.ZstdDecompressor()
-    data = dctx.decompress(frame, max_output_size=nbytes)
-    if len(data) != nbytes:
-        raise ValueError(f"decoded {len(data)} bytes, expected {nbytes}")
-    return data
-
-
-def _blosc_decompress(frame: bytes, nbytes: int) -> bytes:
-    """One blosc frame decoded to exactly `nbytes` bytes, else ValueError. (numcodecs decodes without its thread
-    pool in a forked process, e.g. a DataLoader worker, so this is fork-safe.)"""
-    from numcodecs import blosc
-
-    data = blosc.decompress(frame)
-    if len(data) != nbytes:
-        raise ValueError(f"decoded {len(data)} bytes, expected {nbytes}")
-    return data
-
-
-def _index_bytes(info: _ArrayInfo) -> int:
-    """Bytes of a shard's index at its end: (offset, nbytes) uint64 per inner chunk, then a crc32c."""
-    return info.chunks_per_shard * layout.SHARD_INDEX_ENTRY + 4
-
-
-def _byte_range(span: np.ndarray) -> tuple[int, int]:
-    """[begin, end) bytes of a shard that hold the present chunks of `span` (index rows); (0, 0) if none."""
-    present = span[:, 0] != _EMPTY
-    if not present.any():
-        return 0, 0
-    return int(span[present, 0].min()), int((span[present, 0] + span[present, 1]).max())
-
-
-class _ArrayInfo:
-    """Static description of one stored array, parsed from its zarr.json (for the fast path)."""
-
-    def __init__(self, name: str, meta: dict[str, Any]) -> None:
-        self.name = name
-        self.dtype = np.dtype(meta["data_type"]).newbyteorder("<")
-        self.inner = tuple(meta["shape"][1:])
-        self.shard_tokens = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
-        self.fill_value = meta.get("fill_value", 0)
-        self.logical_dtype = meta.get("attributes", {}).get("logical_dtype")
-        codecs = meta["codecs"]
-        self.fast = False
-        if len(codecs) == 1 and codecs[0]["name"] == "sharding_indexed":
-            conf = codecs[0]["configuration"]
-            inner_codecs = [c["name"] for c in conf["codecs"]]
-            index_codecs = [c["name"] for c in conf["index_codecs"]]
-            endian = [
-                c.get("configuration", {}).get("endian", "little")
-                for c in conf["codecs"]
-                if c["name"] == "bytes"
-            ]
-            self.chunk_tokens = int(conf["chunk_shape"][0])
-            self.zstd = inner_codecs == ["bytes", "zstd"]
-            self.crc = inner_codecs == ["bytes", "crc32c"]
-            self.blosc = inner_codecs == ["bytes", "blosc", "crc32c"]
-            self.fast = (
-                inner_codecs
-                in (["bytes"], ["bytes", "zstd"], ["bytes", "crc32c"], ["bytes", "blosc", "crc32c"])
-                and index_codecs == ["bytes", "crc32c"]
-                and conf.get("index_location", "end") == "end"
-                and endian == ["little"]
-                and list(conf["chunk_shape"][1:]) == list(self.inner)
-            )
-            self.chunks_per_shard = self.shard_tokens // self.chunk_tokens
-        else:
-            self.chunk_tokens = self.shard_tokens
-            self.zstd = self.crc = self.blosc = False
-            self.chunks_per_shard = 1
-
-
 class StoreReader:
     """Reads token ranges of one store. Local: pread fast path; otherwise zarr. Lazily opened per process."""
 
@@ -203,10 +118,10 @@ class StoreReader:
         self.rel = f"{layout.STORES_DIR}/{name}"
         self.manifest = manifest
         self.specs = specs
-        self.info: dict[str, _ArrayInfo] = {}
+        self.info: dict[str, ArrayInfo] = {}
         for array, (dtype, inner) in specs.items():
             try:
-                info = _ArrayInfo(array, json.loads(root.read_bytes(f"{self.rel}/{array}/zarr.json")))
+                info = ArrayInfo(array, json.loads(root.read_bytes(f"{self.rel}/{array}/zarr.json")))
                 ok = (
                     info.dtype == np.dtype(dtype).newbyteorder("<")
                     and info.inner == tuple(inner)
@@ -279,20 +194,20 @@ class StoreReader:
         except (CorruptCache, OSError, ValueError):
             return
 
-    def _prefetch_array(self, info: _ArrayInfo, start: int, stop: int) -> None:
+    def _prefetch_array(self, info: ArrayInfo, start: int, stop: int) -> None:
         first, last = start // info.chunk_tokens, (stop - 1) // info.chunk_tokens
         per_shard = info.chunks_per_shard
         for shard in range(first // per_shard, last // per_shard + 1):
             lo = max(first, shard * per_shard) - shard * per_shard
             hi = min(last, (shard + 1) * per_shard - 1) - shard * per_shard
             span = self._shard_index(info, shard)[lo : hi + 1]
-            span = span[span[:, 0] != _EMPTY]
+            span = span[span[:, 0] != EMPTY]
             if len(span):
                 begin = int(span[:, 0].min())
                 end = int((span[:, 0] + span[:, 1]).max())
                 os.posix_fadvise(self._fd(info, shard), begin, end - begin, os.POSIX_FADV_WILLNEED)
 
-    def _fd(self, info: _ArrayInfo, shard: int) -> int:
+    def _fd(self, info: ArrayInfo, shard: int) -> int:
         key = (info.name, shard)
         fd = self._fds.get(key)
         if fd is None:
@@ -307,27 +222,23 @@ class StoreReader:
             self._fds[key] = fd
         return fd
 
-    def _shard_rel(self, info: _ArrayInfo, shard: int) -> str:
+    def _shard_rel(self, info: ArrayInfo, shard: int) -> str:
         """The shard object's path relative to the cache root (Zarr v3's default chunk key encoding)."""
-        return f"{self.rel}/{info.name}/" + "/".join(["c", str(shard)] + ["0"] * len(info.inner))
+        return f"{self.rel}/{info.shard_key(shard)}"
 
-    def _shard_index(self, info: _ArrayInfo, shard: int) -> np.ndarray:
+    def _shard_index(self, info: ArrayInfo, shard: int) -> np.ndarray:
         """[chunks_per_shard, 2] uint64 (offset, nbytes) of each inner chunk; parsed once per shard."""
         key = (info.name, shard)
         index = self._index.get(key)
         if index is None:
             fd = self._fd(info, shard)
-            nbytes = _index_bytes(info)
+            nbytes = index_bytes(info)
             index = self._parse_index(info, shard, os.pread(fd, nbytes, os.fstat(fd).st_size - nbytes))
         return index
 
-    def _parse_index(self, info: _ArrayInfo, shard: int, raw: bytes) -> np.ndarray:
+    def _parse_index(self, info: ArrayInfo, shard: int, raw: bytes) -> np.ndarray:
         """Check (length, crc32c) and cache the index bytes read from the end of a shard."""
-        import google_crc32c
-
-        if len(raw) != _index_bytes(info) or np.uint32(google_crc32c.value(raw[:-4])).tobytes() != raw[-4:]:
-            raise CorruptCache(f"store {self.name}: shard index of {info.name}/c/{shard} is damaged")
-        index = np.frombuffer(raw[:-4], dtype="<u8").reshape(info.chunks_per_shard, 2)
+        index = parse_index(info, shard, raw, f"store {self.name}")
         self._index[(info.name, shard)] = index
         return index
 
@@ -347,12 +258,8 @@ class StoreReader:
         self._check_process()
         try:
             got = self._read_remote(fast, start, stop)
-        except CorruptCache:
+        except (CorruptCache, StoreUnreachable):
             raise
-        except FileNotFoundError:
-            raise CorruptCache(
-                f"store {self.name}: a shard of tokens {start}..{stop} is missing from {self.root.url}"
-            ) from None
         except Exception as err:  # damaged bytes surface as codec, size or value errors of many types
             raise CorruptCache(
                 f"store {self.name}: tokens {start}..{stop} cannot be read ({type(err).__name__})"
@@ -368,24 +275,9 @@ class StoreReader:
         return self._fs
 
     def _cat_ranges(self, ranges: list[tuple[str, int, int | None]]) -> list[bytes]:
-        """Bytes of (relative path, start, end) ranges, fetched together; a negative start with end None is a
-        suffix. Raises the first error (a missing object: FileNotFoundError)."""
-        if not ranges:
-            return []
-        fs = self._remote_fs()
-        parts = []  # (range number, path, start, end): a long range is read as several concurrent parts
-        for n, (rel, begin, end) in enumerate(ranges):
-            cuts = [begin] if end is None else list(range(begin, end, _PART_BYTES))
-            for i, a in enumerate(cuts):
-                b = end if end is None or i + 1 == len(cuts) else cuts[i + 1]
-                parts.append((n, f"{self.root.base}/{rel}", a, b))
-        got = fs.cat_ranges(
-            [p[1] for p in parts], [p[2] for p in parts], [p[3] for p in parts], on_error="raise"
-        )
-        out: list[list[bytes]] = [[] for _ in ranges]
-        for (n, _, _, _), blob in zip(parts, got, strict=True):
-            out[n].append(blob)
-        return [b"".join(pieces) if len(pieces) > 1 else pieces[0] for pieces in out]
+        """Bytes of (path relative to the cache root, start, end) ranges, fetched together (`fetch_ranges`)."""
+        base = self.root.base
+        return fetch_ranges(self._remote_fs(), [(f"{base}/{r}", a, b) for r, a, b in ranges], self.root.url)
 
     def _read_remote(self, arrays: list[str], start: int, stop: int) -> dict[str, np.ndarray]:
         pieces = []  # (info, shard, first chunk, last chunk) of every array and shard the rows touch
@@ -400,29 +292,32 @@ class StoreReader:
         wanted = {
             (info.name, shard): info for info, shard, _, _ in pieces if (info.name, shard) not in self._index
         }
-        blobs = self._cat_ranges(
-            [(self._shard_rel(i, s), -_index_bytes(i), None) for (_, s), i in wanted.items()]
+        indexes = self._cat_ranges(
+            [(self._shard_rel(i, s), -index_bytes(i), None) for (_, s), i in wanted.items()]
         )
-        for ((_, shard), info), raw in zip(wanted.items(), blobs, strict=True):
+        for ((_, shard), info), raw in zip(wanted.items(), indexes, strict=True):
             self._parse_index(info, shard, raw)
-        spans, ranges = [], []
+        spans: list[tuple[np.ndarray, int]] = []
+        ranges: list[tuple[str, int, int | None]] = []
         for info, shard, chunk, last in pieces:
             local = chunk - shard * info.chunks_per_shard
             span = self._index[(info.name, shard)][local : local + last - chunk + 1]
-            base, end = _byte_range(span)
+            base, end = byte_range(span)
             spans.append((span, base))
             if end > base:
                 ranges.append((self._shard_rel(info, shard), base, end))
         blobs = iter(self._cat_ranges(ranges))
         out = {a: np.empty((stop - start, *self.info[a].inner), dtype=self.info[a].dtype) for a in arrays}
         for (info, _, chunk, _), (span, base) in zip(pieces, spans, strict=True):
-            blob = next(blobs) if (span[:, 0] != _EMPTY).any() else b""
-            self._decode_into(out[info.name], info, chunk, span, blob, base, start, stop)
+            blob = next(blobs) if (span[:, 0] != EMPTY).any() else b""
+            decode_chunks_into(
+                out[info.name], info, chunk, span, blob, base, start, stop, f"store {self.name}"
+            )
         return out
 
-    def _read_fast(self, info: _ArrayInfo, start: int, stop: int) -> np.ndarray:
+    def _read_fast(self, info: ArrayInfo, start: int, stop: int) -> np.ndarray:
         C = info.chunk_tokens
-        row_bytes = info.dtype.itemsize * math.prod(info.inner)
+        row_bytes = info.row_bytes
         first, last = start // C, (stop - 1) // C
         if info.crc and first // info.chunks_per_shard == last // info.chunks_per_shard:
             rows = self._read_crc_chunks(info, first, last, row_bytes)
@@ -435,12 +330,12 @@ class StoreReader:
             last = min((stop - 1) // C, (shard + 1) * info.chunks_per_shard - 1)  # last chunk in this shard
             index = self._shard_index(info, shard)
             span = index[local : local + last - chunk + 1]
-            present = span[:, 0] != _EMPTY
+            present = span[:, 0] != EMPTY
             lo_row, hi_row = max(start, chunk * C), min(stop, (last + 1) * C)
             if (
                 not (info.zstd or info.crc or info.blosc)
                 and present.all()
-                and self._contiguous(span, C * row_bytes)
+                and contiguous(span, C * row_bytes)
             ):
                 # Raw chunks laid out back to back: read exactly the rows needed, straight into `out`.
                 dest = out[lo_row - start : hi_row - start].reshape(-1).view(np.uint8)
@@ -451,56 +346,13 @@ class StoreReader:
                 continue
             blob, base = b"", 0
             if present.any():
-                base, end = _byte_range(span)
+                base, end = byte_range(span)
                 blob = os.pread(self._fd(info, shard), end - base, base)  # one read for all chunks needed
-            self._decode_into(out, info, chunk, span, blob, base, start, stop)
+            decode_chunks_into(out, info, chunk, span, blob, base, start, stop, f"store {self.name}")
             chunk = last + 1
         return out
 
-    def _decode_into(
-        self,
-        out: np.ndarray,
-        info: _ArrayInfo,
-        chunk: int,
-        span: np.ndarray,
-        blob: bytes,
-        base: int,
-        start: int,
-        stop: int,
-    ) -> None:
-        """Decode chunks chunk.. (their index rows `span`, bytes `blob` read from shard offset `base`) into the
-        rows of out (= rows [start, stop) of the array) that they cover; absent chunks give the fill value."""
-        C = info.chunk_tokens
-        chunk_bytes = C * info.dtype.itemsize * math.prod(info.inner)
-        for j in range(len(span)):
-            c = chunk + j
-            lo, hi = max(start, c * C), min(stop, (c + 1) * C)
-            dest = out[lo - start : hi - start]
-            if span[j, 0] == _EMPTY:
-                dest[...] = info.fill_value
-                continue
-            off, n = int(span[j, 0]) - base, int(span[j, 1])
-            raw: memoryview | bytes = memoryview(blob)[off : off + n]
-            try:
-                if len(raw) != n:
-                    raise ValueError("truncated")
-                if info.zstd:
-                    raw = _zstd_decompress(raw, chunk_bytes)
-                elif info.crc or info.blosc:  # raw or blosc chunk + its little-endian crc32c (zarr's codec)
-                    body = bytes(raw[:-4])  # google_crc32c takes bytes only; frombuffer reuses it below
-                    if (info.crc and n != chunk_bytes + 4) or _crc32c(body) != bytes(raw[-4:]):
-                        raise ValueError("crc32c mismatch")
-                    raw = _blosc_decompress(body, chunk_bytes) if info.blosc else body
-                rows = np.frombuffer(raw, dtype=info.dtype).reshape(-1, *info.inner)
-            except (RuntimeError, ValueError, _ZstdError) as err:
-                raise CorruptCache(
-                    f"store {self.name}: chunk {c} of {info.name} cannot be decoded ({err})"
-                ) from None
-            if len(rows) != C:
-                raise CorruptCache(f"store {self.name}: chunk {c} of {info.name} has a wrong size")
-            dest[...] = rows[lo - c * C : hi - c * C]
-
-    def _read_crc_chunks(self, info: _ArrayInfo, first: int, last: int, row_bytes: int) -> np.ndarray | None:
+    def _read_crc_chunks(self, info: ArrayInfo, first: int, last: int, row_bytes: int) -> np.ndarray | None:
         """Whole chunks first..last of one shard, read with one preadv straight into a numpy buffer (the crc32c
         trailers into a side buffer) and checked in place; None when they are not stored back to back."""
         import google_crc32c
@@ -509,7 +361,7 @@ class StoreReader:
         shard, local = divmod(first, info.chunks_per_shard)
         span = self._shard_index(info, shard)[local : local + last - first + 1]
         chunk_bytes = C * row_bytes
-        if not ((span[:, 0] != _EMPTY).all() and self._contiguous(span, chunk_bytes + 4)):
+        if not ((span[:, 0] != EMPTY).all() and contiguous(span, chunk_bytes + 4)):
             return None
         n = len(span)
         rows = np.empty((n * C, *info.inner), dtype=info.dtype)
@@ -527,7 +379,3 @@ class StoreReader:
                     f"store {self.name}: chunk {first + j} of {info.name} cannot be decoded (crc32c mismatch)"
                 )
         return rows
-
-    @staticmethod
-    def _contiguous(span: np.ndarray, chunk_bytes: int) -> bool:
-        return bool((span[:, 1] == chunk_bytes).all() and (span[1:, 0] == span[:-1, 0] + span[:-1, 1]).all())

@@ -18,8 +18,11 @@ projections into the embedding half: 1.285. docs/quality-notes.md has the figure
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from peagle_pipeline.core.model import PEagleDraft
 from peagle_pipeline.errors import BadInput
 
 __all__ = ["target_init_layer", "init_from_target_layer"]
@@ -31,7 +34,7 @@ def target_init_layer(num_hidden_layers: int) -> int:
 
 
 @torch.no_grad()
-def init_from_target_layer(model: torch.nn.Module, layer: dict[str, torch.Tensor]) -> None:
+def init_from_target_layer(model: PEagleDraft, layer: dict[str, torch.Tensor]) -> None:
     """Copy a target decoder layer into the draft's fused layer 0 and make `fc` pass the last aux state through.
 
     Args:
@@ -45,8 +48,8 @@ def init_from_target_layer(model: torch.nn.Module, layer: dict[str, torch.Tensor
         BadInput: a tensor is missing or its shape does not fit the draft (another architecture or size).
     """
     H = model.cfg.hidden_size
-    first = model.layers[0]
-    attn = first.self_attn
+    first: Any = model.layers[0]  # the fused DecoderLayer
+    attn: Any = first.self_attn
     # (draft parameter, target tensor name, the draft parameter's columns the tensor fills)
     plan: list[tuple[torch.Tensor, str, slice | None]] = [
         (attn.q_proj.weight, "self_attn.q_proj.weight", slice(H, 2 * H)),
@@ -73,6 +76,6 @@ def init_from_target_layer(model: torch.nn.Module, layer: dict[str, torch.Tensor
                 f"target layer tensor {name} has shape {tuple(src.shape)}, the draft needs {tuple(dest.shape)}"
             )
         dest.copy_(src.to(dest.dtype))
-    fc = model.fc.weight  # [H, n_aux * H]
+    fc: torch.Tensor = model.fc.weight  # [H, n_aux * H]
     fc.zero_()
     fc[:, fc.shape[1] - H :] = torch.eye(H, dtype=fc.dtype)

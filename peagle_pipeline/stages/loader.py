@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from peagle_pipeline.errors import BadConfig, CorruptCache
+from peagle_pipeline.errors import BadConfig, CorruptCache, StoreUnreachable
 from peagle_pipeline.preemption import ignore_in_worker
 
 __all__ = [
@@ -101,6 +101,7 @@ class PackedBatch:
         sample_ids: cache sample ids, in packing order.
         epoch, row: where this row sits in the epoch plan (seeds the row's COD generator).
         corrupt: (sample id, message) of samples dropped because their data failed its check.
+        unreachable: the message of a read the object store did not answer (the row stops there; never skipped).
     """
 
     input_ids: torch.Tensor
@@ -114,6 +115,7 @@ class PackedBatch:
     epoch: int
     row: int
     corrupt: list[tuple[int, str]] = field(default_factory=list)
+    unreachable: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -251,15 +253,20 @@ def read_packed(
     `shift_sample`).
 
     A sample whose read raises CorruptCache is dropped and listed in `corrupt` (the trainer raises unless
-    skip_corrupt); the message is kept so the error is raised in the main process with one line.
+    skip_corrupt); the message is kept so the error is raised in the main process with one line. A read the
+    object store did not answer (StoreUnreachable) ends the row and is kept in `unreachable` the same way.
     """
     parts: list[dict[str, torch.Tensor | None]] = []
     lengths: list[int] = []
     ids: list[int] = []
     corrupt: list[tuple[int, str]] = []
+    unreachable = None
     for sid, n in zip(plan.sample_ids, plan.lengths, strict=True):
         try:
             sample = cache.read_sample(sid)
+        except StoreUnreachable as err:
+            unreachable = str(err)
+            break
         except CorruptCache as err:
             corrupt.append((sid, str(err)))
             if not skip_corrupt:
@@ -268,7 +275,7 @@ def read_packed(
         parts.append(shift_sample(sample, n, need_last_hidden, all_positions))
         lengths.append(n)
         ids.append(sid)
-    if not parts:  # every sample corrupt: an empty row (the trainer skips it)
+    if not parts:  # every sample corrupt (or none read): an empty row (the trainer skips it)
         return PackedBatch(
             torch.zeros(0, dtype=torch.long),
             torch.zeros(0, 0),
@@ -281,6 +288,7 @@ def read_packed(
             epoch,
             row,
             corrupt,
+            unreachable,
         )
 
     def cat(key: str) -> torch.Tensor:
@@ -298,6 +306,7 @@ def read_packed(
         epoch=epoch,
         row=row,
         corrupt=corrupt,
+        unreachable=unreachable,
     )
 
 

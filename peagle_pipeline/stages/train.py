@@ -36,6 +36,7 @@ from peagle_pipeline.errors import (
     IncompatibleCache,
     NumericalFault,
     ResumeMismatch,
+    StoreUnreachable,
 )
 from peagle_pipeline.preemption import StopRequest, stop_error
 from peagle_pipeline.runtime import (
@@ -206,6 +207,8 @@ class Trainer:
     # ---- one step ------------------------------------------------------------------------------------------
     def prepare(self, batch: PackedBatch, full: bool = False) -> Prepared:
         """Sample the row's COD layout (its own seeded generator) and plan its segments."""
+        if batch.unreachable:
+            raise StoreUnreachable(batch.unreachable)
         if batch.corrupt:
             sid, msg = batch.corrupt[0]
             if not self.cfg.skip_corrupt:

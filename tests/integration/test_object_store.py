@@ -27,6 +27,8 @@ from cli_argv import PEAGLE, extract_argv, small_train_flags
 from peagle_pipeline import cli
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
+from peagle_pipeline.errors import StoreUnreachable
+from peagle_pipeline.stages.loader import RowPlan, read_packed
 
 SETTINGS = ["--dtype", "fp32", "--max-length", "200", "--shard-tokens", "256", "--chunk-tokens", "64",
             "--batch-tokens", "512", "--max-samples", "10"]  # fmt: skip
@@ -349,3 +351,96 @@ def test_a_slow_server_gives_the_same_cache(
     assert checked.returncode == 0, checked.stderr[-2000:]
     assert proxy.chunks > 50  # the traffic went through the slow link
     assert_same_cache(local_cache, _download(s3_server, url, tmp_path / "copy"))
+
+
+@contextlib.contextmanager
+def _through(proxy: _Proxy, monkeypatch):
+    """In-process readers reach the S3 server through `proxy` (one attempt per request: failures show at once)."""
+    import s3fs
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    s3fs.S3FileSystem.clear_instance_cache()  # (fsspec reuses instances: a new one reads the endpoint above)
+    try:
+        yield
+    finally:
+        proxy.down()
+        monkeypatch.undo()
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.mark.slow
+def test_a_read_the_store_does_not_answer_is_not_a_corrupt_sample(
+    s3_server, tiny_model, conversations, local_cache, monkeypatch
+) -> None:
+    """The link to the store goes down between two sample reads: StoreUnreachable (exit 12) that says the cache is
+    not damaged, not CorruptCache, and `skip_corrupt` does not drop the sample. The link back, the same reader
+    reads every sample as the local cache holds it."""
+    url = f"s3://{s3_server.bucket()}/outage"
+    assert _extract(tiny_model, conversations, url) == 0
+    local = open_cache(local_cache)
+    sids = [int(s) for s in local.samples["sample_id"]]
+    proxy = _Proxy(s3_server.port)
+    with _through(proxy, monkeypatch):
+        cache = open_cache(url)
+        assert all(
+            np.array_equal(v, local.read_arrays(sids[0])[k]) for k, v in cache.read_arrays(sids[0]).items()
+        )
+        proxy.down()
+        with pytest.raises(StoreUnreachable, match=f"cannot read the cache {url} .*the cache is not damaged"):
+            cache.read_arrays(sids[-1])
+        assert StoreUnreachable.exit_code == 12
+        plan = RowPlan(sample_ids=tuple(sids[-2:]), lengths=(4, 4))
+        batch = read_packed(cache, plan, 0, 0, need_last_hidden=False, skip_corrupt=True)
+        assert batch.unreachable is not None and "cannot read the cache" in batch.unreachable
+        assert batch.corrupt == [] and batch.sample_ids == []
+        proxy.up()
+        for sid in sids:
+            want = local.read_arrays(sid)
+            assert all(np.array_equal(v, want[k]) for k, v in cache.read_arrays(sid).items())
+
+
+@pytest.mark.slow
+@pytest.mark.crash
+def test_training_stops_in_one_line_when_the_store_goes_away_and_resumes(
+    s3_server, tiny_model, conversations, tmp_path
+) -> None:
+    """`train --skip-corrupt` from s3:// through a link that goes down mid-run stops with exit 12 in one line
+    (no sample skipped as corrupt); with the link back, `--resume` finishes the run."""
+    url = f"s3://{s3_server.bucket()}/train-outage"
+    assert _extract(tiny_model, conversations, url) == 0
+    run = tmp_path / "run"
+    argv = [*PEAGLE, "train", "--cache", url, "--output", str(run), "--skip-corrupt",
+            *small_train_flags(depths=2, tokens_per_step=160, steps=400, eval_every=400, num_workers=1)]  # fmt: skip
+    proxy = _Proxy(s3_server.port)
+    env = _env(s3_server, AWS_ENDPOINT_URL=proxy.endpoint, AWS_MAX_ATTEMPTS="1")
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    metrics = run / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while not metrics.exists() or metrics.read_text().count('"kind": "train"') < 5:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+            time.sleep(0.05)
+        proxy.down()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proxy.down()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 12, err
+    lines = err.strip().splitlines()  # (the run's progress lines, then its one error line)
+    assert "Traceback" not in err and [ln for ln in lines if ln.startswith("error:")] == lines[-1:], err
+    assert lines[-1].startswith(f"error: cannot read the cache {url}") and "--resume" in lines[-1]
+    steps = [
+        json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"kind": "train"' in line
+    ]
+    assert 5 <= steps[-1] < 400
+    proxy.up()
+    done = subprocess.run([*argv, "--resume"], env=env, capture_output=True, text=True, timeout=600)
+    proxy.down()
+    assert done.returncode == 0, done.stderr[-2000:]
+    final = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert max(r["step"] for r in final if r.get("kind") == "train") == 400
+    assert all(r.get("skipped_corrupt", 0) == 0 for r in final)

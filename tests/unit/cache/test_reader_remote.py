@@ -64,10 +64,10 @@ def test_remote_ranges_equal_local_fast_path(remote_copy, compress):
 
 def test_remote_long_ranges_come_in_parts(remote_copy, monkeypatch):
     """A range longer than the part size is fetched as several ranged reads and joined in order."""
-    from peagle_pipeline.cache import store_reader
+    from peagle_pipeline.cache import object_ranges
 
     local_dir, url = remote_copy("none")
-    monkeypatch.setattr(store_reader, "_PART_BYTES", 100)
+    monkeypatch.setattr(object_ranges, "PART_BYTES", 100)
     local, remote = open_cache(local_dir), open_cache(url)
     for sid in local.samples["sample_id"]:
         r, l_ = remote.read_arrays(int(sid)), local.read_arrays(int(sid))
