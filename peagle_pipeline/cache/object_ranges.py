@@ -15,16 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from peagle_pipeline.cache.remote import describe_error
 from peagle_pipeline.errors import CorruptCache, StoreUnreachable
 
 __all__ = ["PART_BYTES", "fetch_ranges"]
 
 PART_BYTES = 512 * 1024
-
-
-def _why(err: BaseException) -> str:
-    text = (str(err).strip().splitlines() or [""])[0][:200]
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def fetch_ranges(fs: Any, ranges: list[tuple[str, int, int | None]], url: str) -> list[bytes]:
@@ -53,7 +49,7 @@ def fetch_ranges(fs: Any, ranges: list[tuple[str, int, int | None]], url: str) -
         ) from None
     except Exception as err:  # s3fs/aiohttp/botocore raise many types
         raise StoreUnreachable(
-            f"cannot read the cache {url} ({_why(err)}); the cache is not damaged: run the same command again "
+            f"cannot read the cache {url} ({describe_error(err)}); the cache is not damaged: run the same command again "
             "once the store answers (train: add --resume)"
         ) from None
     out: list[list[bytes]] = [[] for _ in ranges]

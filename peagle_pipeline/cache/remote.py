@@ -33,7 +33,7 @@ from peagle_pipeline.cache.layout import CacheMeta
 from peagle_pipeline.cache.location import check_meta
 from peagle_pipeline.errors import BadInput, Busy, IncompatibleCache, OutputExists, ResumeMismatch
 
-__all__ = ["is_remote", "RemoteCache", "STAGING_ENV"]
+__all__ = ["is_remote", "describe_error", "RemoteCache", "STAGING_ENV"]
 
 STAGING_ENV = "PEAGLE_STAGING_DIR"  # where staging directories go (default: the system temp directory)
 
@@ -43,7 +43,8 @@ def is_remote(url: str) -> bool:
     return "://" in url and not url.startswith("file://")
 
 
-def _why(err: BaseException) -> str:
+def describe_error(err: BaseException) -> str:
+    """`Type: first line of the message` (200 characters at most) of an object store's error, for one-line errors."""
     text = (str(err).strip().splitlines() or [""])[0][:200]
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
@@ -62,7 +63,7 @@ class RemoteCache:
 
             self.fs, self.base = fsspec.core.url_to_fs(self.url)
         except (ImportError, ValueError) as err:
-            raise BadInput(f"cannot use {url} as a cache location: {_why(err)}") from None
+            raise BadInput(f"cannot use {url} as a cache location: {describe_error(err)}") from None
         self.base = self.base.rstrip("/")
         self.fs.invalidate_cache()  # (a cached instance's listings may predate other writers' objects)
         if staging is None:
@@ -93,7 +94,7 @@ class RemoteCache:
         except (BadInput, Busy, OutputExists, ResumeMismatch, IncompatibleCache):
             raise
         except Exception as err:  # s3fs/aiohttp/botocore raise many types
-            raise BadInput(f"cannot {doing} {self.url}: {_why(err)}{after}") from None
+            raise BadInput(f"cannot {doing} {self.url}: {describe_error(err)}{after}") from None
 
     # ----------------------------------------------------------------------------------------- the root
     def pull_root(self) -> bool:

@@ -250,6 +250,18 @@ def _run_until(cmd: list[str], env: dict[str, str], url: str, server, commits: i
     return proc
 
 
+def _cut_link(proxy: _Proxy, proc: subprocess.Popen) -> str:
+    """Take the link down under a running command and return its stderr once it stops (killed after 120 s)."""
+    try:
+        proxy.down()
+        return proc.communicate(timeout=120)[1]
+    finally:
+        proxy.down()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 @pytest.mark.slow
 @pytest.mark.crash
 def test_kill9_and_network_outage_mid_run_resume_to_the_identical_cache(
@@ -274,14 +286,7 @@ def test_kill9_and_network_outage_mid_run_resume_to_the_identical_cache(
         s3_server, AWS_ENDPOINT_URL=proxy.endpoint, AWS_MAX_ATTEMPTS="2", PEAGLE_TEST_COMMIT_SLEEP="0.2"
     )
     proc = _run_until(argv, env, url, s3_server, commits=killed["commits"] + 1)
-    try:
-        proxy.down()
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proxy.down()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    err = _cut_link(proxy, proc)
     assert proc.returncode == 2, err
     assert err.strip().count("\n") == 0 and "Traceback" not in err, err
     assert f"cannot upload to {url}" in err and "re-run the same command to resume" in err
@@ -417,18 +422,12 @@ def test_training_stops_in_one_line_when_the_store_goes_away_and_resumes(
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     metrics = run / "metrics.jsonl"
-    try:
-        deadline = time.monotonic() + 120
-        while not metrics.exists() or metrics.read_text().count('"kind": "train"') < 5:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
-            time.sleep(0.05)
-        proxy.down()
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proxy.down()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    deadline = time.monotonic() + 120
+    while not metrics.exists() or metrics.read_text().count('"kind": "train"') < 5:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"train did not reach step 5: {_cut_link(proxy, proc)[-2000:]}")
+        time.sleep(0.05)
+    err = _cut_link(proxy, proc)
     assert proc.returncode == 12, err
     lines = err.strip().splitlines()  # (the run's progress lines, then its one error line)
     assert "Traceback" not in err and [ln for ln in lines if ln.startswith("error:")] == lines[-1:], err
