@@ -110,12 +110,16 @@ class RemoteCache:
         with self._errors("read"):
             if not self.fs.exists(self.key(layout.CACHE_META)):
                 found = self.fs.find(self.base, maxdepth=None) if self.fs.exists(self.base) else []
-                if found:
+                held = [key.removeprefix(self.base + "/") for key in found]
+                if not held:
+                    return False
+                # Another rank may have claimed the prefix between the two reads: cache.json is the first object
+                # a writer puts, so a listing that holds it is a cache being started, not a foreign prefix.
+                if layout.CACHE_META not in held:
                     raise OutputExists(
                         f"output {self.url} exists and is not a peagle cache (it holds "
-                        f"{found[0].removeprefix(self.base + '/')!r}, ...); choose an empty or new prefix"
+                        f"{held[0]!r}, ...); choose an empty or new prefix"
                     )
-                return False
             for name in (layout.CACHE_META, layout.EXTRACT_YAML):
                 if self.fs.exists(self.key(name)):
                     self.fs.get_file(self.key(name), str(self.staging / name))

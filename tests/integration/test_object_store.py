@@ -335,6 +335,43 @@ def test_two_ranks_write_one_s3_prefix_at_once(s3_server, tiny_model, conversati
     assert [r["step"] for r in rows if r.get("kind") == "train"] == [1, 2]
 
 
+def test_a_rank_that_sees_another_claim_the_prefix_between_its_reads_joins_the_cache(
+    s3_server, tmp_path
+) -> None:
+    """The window that made two ranks' extraction into one prefix fail now and then: rank A finds no cache.json,
+    rank B puts it, and A's listing of the prefix then holds it. A joins the cache B started (it pulls B's
+    cache.json) instead of refusing the prefix as foreign."""
+    from peagle_pipeline.cache.remote import RemoteCache
+
+    url = f"s3://{s3_server.bucket()}/caches/claimed-between-reads"
+    other = b'{"written": "by the other rank"}\n'
+    remote = RemoteCache(url, staging=tmp_path / "staging")
+    real_exists = remote.fs.exists
+    meta_key = remote.key(layout.CACHE_META)
+
+    def exists_then_other_rank_claims(path: str, **kw) -> bool:
+        found = real_exists(path, **kw)
+        if path == meta_key and not found:  # the other rank's conditional put lands right after this read
+            _fs(s3_server).pipe_file(meta_key, other, mode="create")
+        return found
+
+    remote.fs.exists = exists_then_other_rank_claims
+    assert remote.pull_root() is True
+    assert (tmp_path / "staging" / layout.CACHE_META).read_bytes() == other
+
+
+def test_a_prefix_holding_other_objects_is_refused_in_one_line(
+    s3_server, tiny_model, conversations, capsys
+) -> None:
+    url = f"s3://{s3_server.bucket()}/caches/someone-elses"
+    _fs(s3_server).pipe_file(url[5:] + "/notes.txt", b"not a cache")
+    assert _extract(tiny_model, conversations, url) == 6
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: output {url} exists and is not a peagle cache (it holds 'notes.txt', ...); "
+                   "choose an empty or new prefix"]  # fmt: skip
+    assert _fs(s3_server).find(url[5:]) == [url[5:] + "/notes.txt"]
+
+
 @pytest.mark.slow
 def test_a_slow_server_gives_the_same_cache(
     s3_server, tiny_model, conversations, local_cache, tmp_path
