@@ -198,7 +198,9 @@ def claim_output_dir(root: Path, marker: str, what: str) -> None:
         raise OutputExists(f"output {root} exists and is not a directory; choose another --output")
     if root.exists() and not (root / marker).exists():
         foreign = [p.name for p in root.iterdir() if not p.name.startswith(".peagle-")]
-        if foreign:
+        # (a concurrent first writer of another rank may have put the marker between the two looks: it is the
+        # first file a writer puts, so a listing that holds it is that writer's output being started)
+        if foreign and marker not in foreign:
             raise OutputExists(
                 f"output {root} exists and is not {what} (it holds {foreign[0]!r}, ...); "
                 "choose an empty or new directory"

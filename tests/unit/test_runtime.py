@@ -1,15 +1,18 @@
-"""runtime: the compute dtype chosen from the hardware (both CPU branches, via PEAGLE_CPU_BF16), and its log line."""
+"""runtime: the compute dtype chosen from the hardware (both CPU branches, via PEAGLE_CPU_BF16), and its log line;
+claiming an output directory."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
-from peagle_pipeline.errors import BadConfig
+from peagle_pipeline.errors import BadConfig, OutputExists
 from peagle_pipeline.runtime import (
     CPU_BF16_ENV,
+    claim_output_dir,
     cpu_bf16_flags,
     cpu_has_bf16_units,
     describe_compute_dtype,
@@ -177,3 +180,33 @@ def test_rank_lock_refuses_a_second_holder_naming_the_first(tmp_path):
     lock = RankLock(path, "store").acquire()  # the kernel dropped the dead holder's lock
     assert path.read_text().split()[0] == str(os.getpid())
     lock.release()
+
+
+def test_claim_accepts_an_empty_or_own_directory_and_refuses_a_foreign_one(tmp_path):
+    claim_output_dir(tmp_path / "new", "cache.json", "a peagle cache")
+    assert (tmp_path / "new").is_dir()
+    (tmp_path / "new" / ".peagle-tmp-1").write_text("ours")
+    claim_output_dir(tmp_path / "new", "cache.json", "a peagle cache")
+    (tmp_path / "new" / "notes.txt").write_text("theirs")
+    with pytest.raises(OutputExists, match=r"is not a peagle cache \(it holds 'notes.txt'"):
+        claim_output_dir(tmp_path / "new", "cache.json", "a peagle cache")
+
+
+def test_claim_joins_a_directory_another_rank_starts_between_its_two_looks(tmp_path, monkeypatch):
+    """Rank A sees no marker; rank B's exclusive create lands; A's listing then holds the marker (the window that
+    failed CI for an object store, and the same on local disk)."""
+    root = tmp_path / "cache"
+    root.mkdir()
+    marker = root / "cache.json"
+    real_exists = Path.exists
+
+    def exists_then_other_rank_claims(self: Path, *a, **kw) -> bool:
+        found = real_exists(self, *a, **kw)
+        if self == marker and not found:
+            marker.write_text("{}")
+        return found
+
+    monkeypatch.setattr(Path, "exists", exists_then_other_rank_claims)
+    claim_output_dir(root, "cache.json", "a peagle cache")
+    monkeypatch.undo()
+    assert marker.read_text() == "{}"
