@@ -18,7 +18,7 @@ from typing import Any
 from peagle_pipeline.cache.remote import describe_error
 from peagle_pipeline.errors import CorruptCache, StoreUnreachable
 
-__all__ = ["PART_BYTES", "fetch_ranges"]
+__all__ = ["PART_BYTES", "fetch_ranges", "unreachable"]
 
 PART_BYTES = 512 * 1024
 
@@ -48,11 +48,16 @@ def fetch_ranges(fs: Any, ranges: list[tuple[str, int, int | None]], url: str) -
             f"an object of the cache {url} is missing ({err.args[0] if err.args else err})"
         ) from None
     except Exception as err:  # s3fs/aiohttp/botocore raise many types
-        raise StoreUnreachable(
-            f"cannot read the cache {url} ({describe_error(err)}); the cache is not damaged: run the same command again "
-            "once the store answers (train: add --resume)"
-        ) from None
+        raise unreachable(url, err) from None
     out: list[list[bytes]] = [[] for _ in ranges]
     for (n, _, _, _), blob in zip(parts, got, strict=True):
         out[n].append(blob)
     return [b"".join(pieces) if len(pieces) > 1 else pieces[0] for pieces in out]
+
+
+def unreachable(url: str, err: BaseException) -> StoreUnreachable:
+    """The error for a read of the cache at `url` that its store did not answer (`err`: the driver's exception)."""
+    return StoreUnreachable(
+        f"cannot read the cache {url} ({describe_error(err)}); the cache is not damaged: run the same command again "
+        "once the store answers (train: add --resume)"
+    )

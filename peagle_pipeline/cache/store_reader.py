@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from peagle_pipeline.cache import layout
-from peagle_pipeline.cache.object_ranges import fetch_ranges
+from peagle_pipeline.cache.object_ranges import fetch_ranges, unreachable
 from peagle_pipeline.cache.shard_format import (
     EMPTY,
     ArrayInfo,
@@ -63,6 +63,20 @@ class StoreRoot:
         except Exception as err:  # s3fs/aiohttp/botocore raise many types
             why = (str(err).strip().splitlines() or [""])[0][:200]
             raise BadInput(f"cannot reach {self.url}: {type(err).__name__}: {why}") from None
+
+    def raise_if_unreachable(self) -> None:
+        """StoreUnreachable when this location is an object store that does not answer now: a read that failed
+        there is the network's doing, not the cache's. Nothing for a local directory, or a store that answers
+        (a missing object is an answer)."""
+        if self.fs is None:
+            return
+        try:
+            self.fs.invalidate_cache()
+            self.fs.info(f"{self.base}/{layout.CACHE_META}")
+        except FileNotFoundError:
+            return
+        except Exception as err:  # s3fs/aiohttp/botocore raise many types
+            raise unreachable(self.url, err) from None
 
     def read_bytes(self, rel: str) -> bytes:
         if self.local is not None:

@@ -5,21 +5,30 @@ sound. Arrays are read through Zarr itself (the reference decoder), independentl
 Only what the manifests commit is checked: a store being written (or a copy taken meanwhile) may hold shards and
 tables past its manifest; those are the next commit in progress, not damage. Such a store is reported as
 incomplete (a `Finding` of kind "incomplete"), never as damage.
+
+On an object store a failed read is damage only if the store answers and the read fails again: when the store
+does not answer, verify stops with StoreUnreachable (the cache is not judged), and a read that a dropped
+connection broke once is simply read again.
 """
 
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from peagle_pipeline.cache import layout
+from peagle_pipeline.errors import StoreUnreachable
 
 if TYPE_CHECKING:
     from peagle_pipeline.cache.reader import Cache
 
 __all__ = ["verify_cache", "Finding"]
+
+T = TypeVar("T")
 
 
 class Finding(str):
@@ -53,6 +62,20 @@ def verify_cache(cache: Cache) -> list[str]:
     return problems
 
 
+def _read(cache: Cache, read: Callable[[], T]) -> T:
+    """`read()`; if it fails on an object store: StoreUnreachable when the store does not answer, else one more
+    try, whose failure is the caller's to report as damage.
+
+    Raises: StoreUnreachable, or whatever the second `read()` raises."""
+    try:
+        return read()
+    except Exception:
+        if cache._root.fs is None:
+            raise
+        cache._root.raise_if_unreachable()
+        return read()
+
+
 def _samples_in(table: Any, start: int, stop: int) -> str:
     hit = table[(table["offset"] < stop) & (table["offset"] + table["length"] > start)]["sample_id"].tolist()
     if not hit:
@@ -67,7 +90,9 @@ def _verify_store(cache: Cache, name: str, manifest: dict[str, Any], seen: dict[
     samples = cache.samples[cache.samples["store"] == name].reset_index(drop=True)
     out += _check_samples(cache, name, manifest, samples, seen)
     try:
-        group = cache._root.zarr_group(f"{layout.STORES_DIR}/{name}")
+        group = _read(cache, lambda: cache._root.zarr_group(f"{layout.STORES_DIR}/{name}"))
+    except StoreUnreachable:
+        raise
     except Exception as err:  # a damaged zarr.json: zarr raises several types
         return [
             *out,
@@ -85,8 +110,10 @@ def _check_tables(cache: Cache, name: str, manifest: dict[str, Any]) -> tuple[li
     ahead: set[str] = set()
     for table, digest in manifest["tables"].items():
         try:
-            ok = layout.file_hash(cache._root.read_bytes(f"{rel}/{table}")) == digest
-        except FileNotFoundError:
+            ok = layout.file_hash(_read(cache, partial(cache._root.read_bytes, f"{rel}/{table}"))) == digest
+        except StoreUnreachable:
+            raise
+        except Exception:  # missing, or unreadable while the store answers
             ok = False
         if not ok and manifest.get("complete"):
             out.append(f"{name}: {table} does not match its manifest checksum (missing or changed)")
@@ -141,7 +168,9 @@ def _check_arrays(
     data: dict[str, np.ndarray] = {}
     for array, (dtype, inner) in cache.specs.items():
         try:
-            arr = group[array]
+            arr = _read(cache, partial(group.__getitem__, array))
+        except StoreUnreachable:
+            raise
         except Exception as err:  # missing (KeyError) or damaged zarr.json (several types)
             out.append(f"{name}: array {array} missing or unreadable ({type(err).__name__})")
             continue
@@ -153,7 +182,7 @@ def _check_arrays(
             continue
         parts = []
         for shard in manifest["shards"]:
-            parts.append(_read_shard(arr, array, shard, name, samples, dtype, inner, out))
+            parts.append(_read_shard(cache, arr, array, shard, name, samples, dtype, inner, out))
             covered = max(covered, int(shard["stop"]))
         if array in ("input_ids", "loss_mask", "topk_ids"):
             data[array] = np.concatenate(parts) if parts else np.zeros((0, *inner), dtype=dtype)
@@ -163,6 +192,7 @@ def _check_arrays(
 
 
 def _read_shard(
+    cache: Cache,
     arr: Any,
     array: str,
     shard: dict[str, Any],
@@ -176,7 +206,9 @@ def _read_shard(
     zeros when the shard cannot be decoded."""
     start, stop = int(shard["start"]), int(shard["stop"])
     try:
-        values = np.asarray(arr[start:stop])
+        values = np.asarray(_read(cache, lambda: arr[start:stop]))
+    except StoreUnreachable:
+        raise
     except Exception as err:  # a damaged shard: zarr raises codec/crc errors of several types
         out.append(
             f"{name}: {array} shard {shard['index']} unreadable ({type(err).__name__}); "
@@ -235,8 +267,11 @@ def _check_counts(
 ) -> list[str]:
     """A counts table against the committed samples; one written by a later commit may only count more."""
     try:
-        stored = np.load(io.BytesIO(cache._root.read_bytes(f"{layout.STORES_DIR}/{name}/{table}")))
-    except (OSError, ValueError, EOFError):  # missing, truncated or damaged .npy
+        blob = _read(cache, lambda: cache._root.read_bytes(f"{layout.STORES_DIR}/{name}/{table}"))
+        stored = np.load(io.BytesIO(blob))
+    except StoreUnreachable:
+        raise
+    except Exception:  # missing, truncated or damaged .npy
         return [f"{name}: {table} missing or unreadable"]
     if is_ahead:  # a later commit's counts: they include every committed sample, plus more
         if stored.shape != counts.shape or bool((stored < counts).any()):

@@ -443,6 +443,27 @@ def test_a_read_the_store_does_not_answer_is_not_a_corrupt_sample(
 
 
 @pytest.mark.slow
+def test_verify_calls_a_store_that_does_not_answer_unreachable_not_damaged(
+    s3_server, tiny_model, conversations, monkeypatch
+) -> None:
+    """The link goes down after the cache is opened: verify stops with StoreUnreachable (exit 12, "not damaged")
+    instead of listing every shard as unreadable (exit 4, which would send the user to delete a sound cache).
+    With the link back, the same cache verifies clean."""
+    from peagle_pipeline.cache.verify import verify_cache
+
+    url = f"s3://{s3_server.bucket()}/verify-outage"
+    assert _extract(tiny_model, conversations, url) == 0
+    proxy = _Proxy(s3_server.port)
+    with _through(proxy, monkeypatch):
+        cache = open_cache(url, check=False)
+        proxy.down()
+        with pytest.raises(StoreUnreachable, match=f"cannot read the cache {url} .*the cache is not damaged"):
+            verify_cache(cache)
+        proxy.up()
+        assert verify_cache(open_cache(url, check=False)) == []
+
+
+@pytest.mark.slow
 @pytest.mark.crash
 def test_training_stops_in_one_line_when_the_store_goes_away_and_resumes(
     s3_server, tiny_model, conversations, tmp_path
