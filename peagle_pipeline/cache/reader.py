@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -115,9 +116,7 @@ class Cache:
 
     def target_pieces(self) -> dict[str, torch.Tensor]:
         """The target's embed_tokens.weight [V, H], lm_head.weight [V, H], norm.weight [H] (keys layout.PIECE_KEYS)."""
-        from safetensors.torch import load
-
-        pieces = load(self._root.read_bytes(f"{layout.TARGET_DIR}/{layout.PIECES_FILE}"))
+        pieces = self._read_pieces(lambda key: key in layout.PIECE_KEYS)
         missing = [k for k in layout.PIECE_KEYS if k not in pieces]
         if missing:
             raise IncompatibleCache(f"{self.path}: target pieces lack {', '.join(missing)}")
@@ -127,14 +126,20 @@ class Cache:
         """(index, tensors keyed by Llama names) of the target decoder layer stored for starting a draft from it
         (`core/target_init.py`), or None: a cache written before it was stored, or a target whose checkpoint does
         not name its layers the Llama way."""
-        from safetensors.torch import load
-
-        pieces = load(self._root.read_bytes(f"{layout.TARGET_DIR}/{layout.PIECES_FILE}"))
-        n = len(layout.LAYER_PIECE_PREFIX)
-        tensors = {k[n:]: v for k, v in pieces.items() if k.startswith(layout.LAYER_PIECE_PREFIX)}
+        prefix = layout.LAYER_PIECE_PREFIX
+        pieces = self._read_pieces(lambda key: key.startswith(prefix) or key == layout.LAYER_INDEX_KEY)
+        tensors = {k[len(prefix) :]: v for k, v in pieces.items() if k.startswith(prefix)}
         if layout.LAYER_INDEX_KEY not in pieces or not tensors:
             return None
         return int(pieces[layout.LAYER_INDEX_KEY][0]), tensors
+
+    def _read_pieces(self, wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+        """The tensors of target/pieces.safetensors whose keys `wanted` accepts, and only those (the embedding
+        and LM head are gigabytes for a large vocabulary: the layer alone is not read with them)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.target_dir / layout.PIECES_FILE), framework="pt") as f:
+            return {key: f.get_tensor(key) for key in f.keys() if wanted(key)}
 
     def token_counts(self) -> np.ndarray:
         """int64 [V]: how often each token id is a supervised token, summed over all stores."""
