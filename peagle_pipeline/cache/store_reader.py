@@ -19,6 +19,7 @@ import numpy as np
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.object_ranges import fetch_ranges, unreachable
+from peagle_pipeline.cache.remote import describe_error
 from peagle_pipeline.cache.shard_format import (
     EMPTY,
     ArrayInfo,
@@ -61,8 +62,7 @@ class StoreRoot:
         except FileNotFoundError:
             raise BadInput(f"cannot read the cache {self.url}: bucket {bucket!r} does not exist") from None
         except Exception as err:  # s3fs/aiohttp/botocore raise many types
-            why = (str(err).strip().splitlines() or [""])[0][:200]
-            raise BadInput(f"cannot reach {self.url}: {type(err).__name__}: {why}") from None
+            raise BadInput(f"cannot reach {self.url}: {describe_error(err)}") from None
 
     def raise_if_unreachable(self) -> None:
         """StoreUnreachable when this location is an object store that does not answer now: a read that failed
