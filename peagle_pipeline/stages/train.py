@@ -416,60 +416,62 @@ class Trainer:
         """
         cfg, K = self.cfg, self.cfg.depths
         window = StepWindow(K)
-        stream = self.loader.iterate(self.cursor)
         last_eval: dict[str, Any] | None = None
         saved_at = self.step
-        while self.step < self.total_steps:
-            signum = self._stop_signal(should_stop()) if should_stop is not None else 0
-            if signum:
-                if saved_at != self.step:
+        # `closing` ends the loader's worker on every way out. Left to the interpreter's exit, the worker would be
+        # sent a SIGTERM that it ignores (`preemption.ignore_in_worker`), and the exit would wait on it forever.
+        with contextlib.closing(self.loader.iterate(self.cursor)) as stream:
+            while self.step < self.total_steps:
+                signum = self._stop_signal(should_stop()) if should_stop is not None else 0
+                if signum:
+                    if saved_at != self.step:
+                        self.save()
+                    raise stop_error(
+                        signum,
+                        f" at step {self.step} of {self.total_steps}: "
+                        + (f"checkpoint step-{self.step} saved" if self.step else "nothing trained yet")
+                        + "; re-run with --resume to continue",
+                    )
+                t0 = time.perf_counter()
+                cursor, micro = next(stream)
+                t_data = time.perf_counter() - t0
+                stats = self.train_step(micro)
+                self.cursor, self.step = cursor, self.step + 1
+                window.add(stats, t_data, time.perf_counter() - t0)
+                done = self.step == self.total_steps
+                if self.step % cfg.log_every == 0 or done:
+                    record = window.record(
+                        self.step,
+                        lr_at(self.step - 1, cfg.lr, cfg.warmup, self.total_steps, cfg.schedule),
+                        self.skipped_corrupt,
+                    )
+                    self.sink.log(record)
+                    window = StepWindow(K)
+                    self.sink.progress(
+                        0,
+                        {
+                            "loss": _fmt(record["loss"], 3),
+                            "agree0": _fmt(record["agreement"][0]),
+                            "tok/s": f"{record['tokens_per_s']:.0f}",
+                        },
+                    )
+                self.sink.progress(1, {})
+                if (self.step % cfg.eval_every == 0 or done) and self.eval_set.eval_ids.size:
+                    last_eval = self.evaluate() if self.dist.main else None
+                    is_best = False
+                    if last_eval is not None:
+                        self.sink.log(last_eval)
+                        acc = last_eval["acceptance"]
+                        is_best = acc is not None and (self.best is None or acc > self.best)
+                        if is_best:
+                            self.best = acc
+                    flag = self.dist.all_sum(torch.tensor([1.0 if is_best else 0.0]))
+                    if float(flag[0]) > 0:
+                        self.save(best=True, metrics=last_eval)
+                        saved_at = self.step
+                if (self.step % cfg.save_every == 0 or done) and saved_at != self.step:
                     self.save()
-                raise stop_error(
-                    signum,
-                    f" at step {self.step} of {self.total_steps}: "
-                    + (f"checkpoint step-{self.step} saved" if self.step else "nothing trained yet")
-                    + "; re-run with --resume to continue",
-                )
-            t0 = time.perf_counter()
-            cursor, micro = next(stream)
-            t_data = time.perf_counter() - t0
-            stats = self.train_step(micro)
-            self.cursor, self.step = cursor, self.step + 1
-            window.add(stats, t_data, time.perf_counter() - t0)
-            done = self.step == self.total_steps
-            if self.step % cfg.log_every == 0 or done:
-                record = window.record(
-                    self.step,
-                    lr_at(self.step - 1, cfg.lr, cfg.warmup, self.total_steps, cfg.schedule),
-                    self.skipped_corrupt,
-                )
-                self.sink.log(record)
-                window = StepWindow(K)
-                self.sink.progress(
-                    0,
-                    {
-                        "loss": _fmt(record["loss"], 3),
-                        "agree0": _fmt(record["agreement"][0]),
-                        "tok/s": f"{record['tokens_per_s']:.0f}",
-                    },
-                )
-            self.sink.progress(1, {})
-            if (self.step % cfg.eval_every == 0 or done) and self.eval_set.eval_ids.size:
-                last_eval = self.evaluate() if self.dist.main else None
-                is_best = False
-                if last_eval is not None:
-                    self.sink.log(last_eval)
-                    acc = last_eval["acceptance"]
-                    is_best = acc is not None and (self.best is None or acc > self.best)
-                    if is_best:
-                        self.best = acc
-                flag = self.dist.all_sum(torch.tensor([1.0 if is_best else 0.0]))
-                if float(flag[0]) > 0:
-                    self.save(best=True, metrics=last_eval)
                     saved_at = self.step
-            if (self.step % cfg.save_every == 0 or done) and saved_at != self.step:
-                self.save()
-                saved_at = self.step
         return last_eval or {}
 
     def _stop_signal(self, local: int) -> int:

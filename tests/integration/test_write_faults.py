@@ -129,6 +129,27 @@ def test_no_space_left_during_training_is_exit_9(tiny_cache: Path, tmp_path: Pat
         assert not [p for p in out.rglob("*") if ".tmp" in p.name]
 
 
+def test_no_space_left_during_training_with_a_loader_worker_ends_the_process(
+    tiny_cache: Path, tmp_path: Path
+) -> None:
+    # With a loader worker (the default; it ignores SIGTERM), a run that stopped on an error hung in the
+    # interpreter's exit, waiting for the worker. A real full disk here: RLIMIT_FSIZE would also cap the worker's
+    # shared memory.
+    flags = small_train_flags(
+        depths=2, tokens_per_step=256, steps=3, save_every=2, num_workers=1, eval_samples=4
+    )
+    with _small_tmpfs(tmp_path / "mnt", "400k") as mnt:
+        out = mnt / "run"
+        proc = subprocess.run(
+            [*PEAGLE, "train", "--cache", str(tiny_cache), "--output", str(out), *flags],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        _one_error(proc, 9, "no space left while writing")
+
+
 def test_disk_full_during_export_is_exit_9_and_leaves_nothing(finished: Path, tmp_path: Path) -> None:
     out = tmp_path / "exp"
     _one_error(_run(["export", str(finished), "--output", str(out)], limit=FSIZE), 9, f"while writing {out}")
