@@ -58,7 +58,7 @@ ON_POLICY_ROWS = ("on-single", "on-multi", "on-single-greedy")
 SLOW_HOST_SCALE = 0.65
 BASE = {
     "source_conversations": 400,
-    "heldout_prompts": 24,
+    "heldout_prompts": 80,  # 24 could not separate rows (docs/quality-notes.md, "The held-out rows on 200 prompts")
     "mtbench_prompts": 80,
     "max_new_tokens": 160,
     "max_prompt_tokens": 768,
