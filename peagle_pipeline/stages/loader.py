@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -390,8 +390,10 @@ class TrainLoader:
                 yield epoch, s
             epoch, step = epoch + 1, 0
 
-    def iterate(self, cursor: Cursor) -> Iterator[tuple[Cursor, list[PackedBatch]]]:
-        """Endless stream from `cursor`: (cursor after this step, this step's micro-batches), across epochs."""
+    def iterate(self, cursor: Cursor) -> Generator[tuple[Cursor, list[PackedBatch]], None, None]:
+        """Endless stream from `cursor`: (cursor after this step, this step's micro-batches), across epochs.
+
+        Close the generator when done with it: that ends the loader's worker at once (it ignores SIGTERM)."""
         loader = torch.utils.data.DataLoader(
             PackedRows(self),
             batch_size=None,
