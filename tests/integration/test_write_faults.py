@@ -140,13 +140,7 @@ def test_no_space_left_during_training_with_a_loader_worker_ends_the_process(
     )
     with _small_tmpfs(tmp_path / "mnt", "400k") as mnt:
         out = mnt / "run"
-        proc = subprocess.run(
-            [*PEAGLE, "train", "--cache", str(tiny_cache), "--output", str(out), *flags],
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        proc = _run(["train", "--cache", str(tiny_cache), "--output", str(out), *flags])
         _one_error(proc, 9, "no space left while writing")
 
 
