@@ -41,6 +41,7 @@ __all__ = [
     "pack_rows",
     "pack_epoch",
     "shift_sample",
+    "into_shared_memory",
     "PackedRows",
     "LoaderSettings",
     "TrainLoader",
@@ -102,6 +103,8 @@ class PackedBatch:
         epoch, row: where this row sits in the epoch plan (seeds the row's COD generator).
         corrupt: (sample id, message) of samples dropped because their data failed its check.
         unreachable: the message of a read the object store did not answer (the row stops there; never skipped).
+        no_shared_memory: the message of a loader worker that found no room in shared memory for the row (the
+            row comes back empty; see `into_shared_memory`).
     """
 
     input_ids: torch.Tensor
@@ -116,6 +119,7 @@ class PackedBatch:
     row: int
     corrupt: list[tuple[int, str]] = field(default_factory=list)
     unreachable: str | None = None
+    no_shared_memory: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -225,7 +229,10 @@ class PackedRows(torch.utils.data.Dataset):
         epoch, row = key
         lo = self.loader
         plan = lo.plan(epoch)[row]
-        return read_packed(lo.cache, plan, epoch, row, lo.need_last_hidden, lo.skip_corrupt, lo.all_positions)
+        batch = read_packed(
+            lo.cache, plan, epoch, row, lo.need_last_hidden, lo.skip_corrupt, lo.all_positions
+        )
+        return into_shared_memory(batch) if torch.utils.data.get_worker_info() is not None else batch
 
 
 class _RowOrder(torch.utils.data.Sampler):
@@ -276,20 +283,7 @@ def read_packed(
         lengths.append(n)
         ids.append(sid)
     if not parts:  # every sample corrupt (or none read): an empty row (the trainer skips it)
-        return PackedBatch(
-            torch.zeros(0, dtype=torch.long),
-            torch.zeros(0, 0),
-            torch.zeros(0, 0, dtype=torch.long),
-            torch.zeros(0, 0),
-            torch.zeros(0, dtype=torch.bool),
-            None,
-            [],
-            [],
-            epoch,
-            row,
-            corrupt,
-            unreachable,
-        )
+        return _empty_row(epoch, row, corrupt=corrupt, unreachable=unreachable)
 
     def cat(key: str) -> torch.Tensor:
         return torch.cat([p[key] for p in parts])  # type: ignore[misc]
@@ -308,6 +302,57 @@ def read_packed(
         corrupt=corrupt,
         unreachable=unreachable,
     )
+
+
+def _empty_row(epoch: int, row: int, **why: Any) -> PackedBatch:
+    """A row with no tokens; `why` says what emptied it (`corrupt`, `unreachable` or `no_shared_memory`)."""
+    return PackedBatch(
+        torch.zeros(0, dtype=torch.long),
+        torch.zeros(0, 0),
+        torch.zeros(0, 0, dtype=torch.long),
+        torch.zeros(0, 0),
+        torch.zeros(0, dtype=torch.bool),
+        None,
+        [],
+        [],
+        epoch,
+        row,
+        **why,
+    )
+
+
+def into_shared_memory(batch: PackedBatch) -> PackedBatch:
+    """Move a worker's row into shared memory before the DataLoader sends it, so a full /dev/shm is reported.
+
+    Left to the DataLoader, the move happens while its queue pickles the row in a background thread: there a full
+    /dev/shm (a container's default 64 MB holds less than one bf16 row of 8,192 tokens of a 2,048-wide target) is printed as a
+    traceback, the row is dropped and the trainer waits for it forever. Here the failure comes back as an empty
+    row whose `no_shared_memory` the trainer raises as one line. Tensors already in shared memory are sent as they
+    are (no second copy).
+    """
+    tensors = [
+        batch.input_ids,
+        batch.aux_hidden,
+        batch.topk_ids,
+        batch.topk_logprobs,
+        batch.weight,
+        *([] if batch.last_hidden is None else [batch.last_hidden]),
+    ]
+    try:
+        for t in tensors:
+            t.share_memory_()
+    except RuntimeError as err:
+        if "shared memory" not in str(err):
+            raise
+        mb = sum(t.numel() * t.element_size() for t in tensors) / 2**20
+        return _empty_row(
+            batch.epoch,
+            batch.row,
+            no_shared_memory=f"the data loader's worker found no room in shared memory (/dev/shm) for a row of "
+            f"{batch.num_tokens} tokens ({mb:.1f} MB; several are in flight at once): give /dev/shm more "
+            f"room (docker run --shm-size=...), lower tokens_per_step, or set num_workers: 0",
+        )
+    return batch
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

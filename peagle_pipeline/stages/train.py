@@ -35,6 +35,7 @@ from peagle_pipeline.errors import (
     CorruptCache,
     IncompatibleCache,
     NumericalFault,
+    OutOfSpace,
     ResumeMismatch,
     StoreUnreachable,
 )
@@ -209,6 +210,8 @@ class Trainer:
         """Sample the row's COD layout (its own seeded generator) and plan its segments."""
         if batch.unreachable:
             raise StoreUnreachable(batch.unreachable)
+        if batch.no_shared_memory:
+            raise OutOfSpace(batch.no_shared_memory)
         if batch.corrupt:
             sid, msg = batch.corrupt[0]
             if not self.cfg.skip_corrupt:

@@ -144,6 +144,27 @@ def test_no_space_left_during_training_with_a_loader_worker_ends_the_process(
         _one_error(proc, 9, "no space left while writing")
 
 
+def test_full_shared_memory_in_the_loader_worker_is_exit_9_not_a_hang(
+    tiny_cache: Path, tmp_path: Path
+) -> None:
+    # A /dev/shm too small for one packed row (a container's 64 MB default against rows of a wide target): the
+    # DataLoader dropped the worker's row in its feeder thread with a printed traceback and the trainer waited
+    # forever. A real small /dev/shm: a tmpfs mounted over it in a mount namespace of the run's own.
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("mounting over /dev/shm needs root and unshare")
+    flags = small_train_flags(depths=2, tokens_per_step=512, steps=3, num_workers=1, eval_samples=4)
+    argv = ["train", "--cache", str(tiny_cache), "--output", str(tmp_path / "run"), *flags]
+    mount_then_run = 'mount -t tmpfs -o size=128k tmpfs /dev/shm && exec "$@"'
+    proc = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", mount_then_run, "sh", *PEAGLE, *argv],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    _one_error(proc, 9, "no room in shared memory (/dev/shm)", "--shm-size", "num_workers: 0")
+
+
 def test_disk_full_during_export_is_exit_9_and_leaves_nothing(finished: Path, tmp_path: Path) -> None:
     out = tmp_path / "exp"
     _one_error(_run(["export", str(finished), "--output", str(out)], limit=FSIZE), 9, f"while writing {out}")

@@ -12,7 +12,9 @@ from peagle_pipeline.errors import BadConfig, CorruptCache
 from peagle_pipeline.stages.loader import (
     Cursor,
     LoaderSettings,
+    RowPlan,
     TrainLoader,
+    into_shared_memory,
     pack_epoch,
     pack_rows,
     read_packed,
@@ -119,8 +121,6 @@ class _Cache:
 
 
 def test_read_packed_concatenates_and_reports_corrupt() -> None:
-    from peagle_pipeline.stages.loader import RowPlan
-
     plan = RowPlan((1, 2, 3), (7, 3, 5))
     b = read_packed(_Cache(set()), plan, 0, 0, False, False)
     assert b.doc_lengths == [7, 3, 5] and b.num_tokens == 15 and b.aux_hidden.shape == (15, 8)
@@ -129,6 +129,17 @@ def test_read_packed_concatenates_and_reports_corrupt() -> None:
     assert skipped.sample_ids == [1, 3] and skipped.corrupt[0][0] == 2 and skipped.num_tokens == 12
     stopped = read_packed(_Cache({2}), plan, 0, 0, False, False)
     assert stopped.corrupt and stopped.sample_ids == [1]
+
+
+def test_a_worker_row_goes_into_shared_memory_before_it_is_sent() -> None:
+    # The row is moved by the worker itself, where a full /dev/shm can be reported (tests/integration/
+    # test_write_faults.py runs that case on a real small /dev/shm).
+    b = read_packed(_Cache(set()), RowPlan((1, 2), (7, 3)), 0, 0, False, False)
+    assert not b.aux_hidden.is_shared()
+    shared = into_shared_memory(b)
+    assert shared is b and shared.no_shared_memory is None
+    assert all(t.is_shared() for t in (b.input_ids, b.aux_hidden, b.topk_ids, b.topk_logprobs, b.weight))
+    assert b.input_ids[7:10].tolist() == [201, 202, 203]
 
 
 def test_iterate_resumes_from_cursor() -> None:
@@ -147,8 +158,6 @@ def test_all_positions_weighs_every_shifted_row() -> None:
     out = shift_sample(s, 5, need_last_hidden=False, all_positions=True)
     assert out["weight"].tolist() == [True] * 5
     assert out["input_ids"].tolist() == shift_sample(s, 5, need_last_hidden=False)["input_ids"].tolist()
-    from peagle_pipeline.stages.loader import RowPlan
-
     plan = RowPlan((1, 2), (7, 3))
     masked = read_packed(_Cache(set()), plan, 0, 0, False, False)
     everywhere = read_packed(_Cache(set()), plan, 0, 0, False, False, all_positions=True)
