@@ -357,7 +357,7 @@ def into_shared_memory(batch: PackedBatch) -> PackedBatch:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LoaderSettings:
-    """The training loader's own settings (built from the train section by `stages.train.loader_settings`)."""
+    """The training loader's own settings (built from the train section by `stages.train_data.loader_settings`)."""
 
     budget: int
     """Shifted tokens per packed row (`tokens_per_step`)."""

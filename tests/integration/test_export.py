@@ -18,7 +18,7 @@ from peagle_pipeline.config import TrainConfig, resolve
 from peagle_pipeline.core import cod
 from peagle_pipeline.core.mask import dense_mask
 from peagle_pipeline.errors import BadInput, OutputExists
-from peagle_pipeline.stages import draft, export, train
+from peagle_pipeline.stages import draft, export, train, trainer
 from peagle_pipeline.stages.checkpoint import CheckpointManager
 
 pytestmark = pytest.mark.slow
@@ -192,11 +192,11 @@ def test_non_finite_weights_are_never_exported_or_saved(
         export.write_export(out, spec, state)
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
-    trainer = train.Trainer(_cfg(tiny_cache, tmp_path / "run"), Dist())
+    run_trainer = trainer.Trainer(_cfg(tiny_cache, tmp_path / "run"), Dist())
     with torch.no_grad():
-        trainer.model.fc.weight[0, 0] = float("inf")
+        run_trainer.model.fc.weight[0, 0] = float("inf")
     with pytest.raises(NumericalFault, match=r"weights became non-finite by step 0 \(fc.weight\)"):
-        trainer.save()
+        run_trainer.save()
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

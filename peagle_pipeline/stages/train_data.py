@@ -1,0 +1,87 @@
+"""What a training run reads: the loader's settings, the training split and the held-out set.
+
+Pure composition over the cache reader and `stages.loader` (no model, no writes): `loader_settings` picks the
+loader's own settings out of the train section, `check_truncation` says what `tokens_per_step` cuts, and
+`held_out_set` names the samples (of the training cache or of `eval_cache`) behind the held-out figures.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from peagle_pipeline.config import TrainConfig
+from peagle_pipeline.errors import BadConfig, IncompatibleCache
+from peagle_pipeline.stages.draft import require_last_hidden
+from peagle_pipeline.stages.loader import DataSplit, LoaderSettings, split_samples, truncation
+
+__all__ = ["loader_settings", "separate_eval_cache", "held_out_set", "check_truncation"]
+
+log = logging.getLogger(__name__)
+
+
+def loader_settings(cfg: TrainConfig) -> LoaderSettings:
+    """The training loader's own settings from the train section."""
+    return LoaderSettings(
+        budget=cfg.tokens_per_step,
+        seed=cfg.seed,
+        num_workers=cfg.num_workers,
+        need_last_hidden=cfg.target == "exact",
+        skip_corrupt=cfg.skip_corrupt,
+        all_positions=cfg.loss_positions == "all",
+    )
+
+
+def separate_eval_cache(cfg: TrainConfig) -> bool:
+    """True when the held-out figures come from another cache than the training one (`eval_cache`)."""
+    return bool(cfg.eval_cache) and os.path.realpath(cfg.eval_cache) != os.path.realpath(cfg.cache)
+
+
+def held_out_set(cache: Any, split: DataSplit, cfg: TrainConfig) -> tuple[Any, DataSplit]:
+    """The cache and split whose `eval_ids` the held-out figures use: the training cache's own split, or with
+    `eval_cache` that cache's seeded held-out subset (the same subset its own training runs hold out).
+
+    Raises:
+        IncompatibleCache: the eval cache holds another target's states (names the settings).
+    """
+    from peagle_pipeline.cache.reader import open_cache
+
+    if not separate_eval_cache(cfg):
+        return cache, split
+    other = open_cache(cfg.eval_cache, check=True)
+    require_last_hidden(cfg.target, other.meta, f"eval_cache {cfg.eval_cache}")
+    differ = cache.meta.target_differences(other.meta)
+    if not differ:
+        mine, theirs = cache.target_pieces(), other.target_pieces()
+        differ = [f"{k} weights" for k in mine if not torch.equal(mine[k], theirs[k])]
+    if differ:
+        raise IncompatibleCache(
+            f"eval_cache {cfg.eval_cache} was extracted from another target than cache {cfg.cache} "
+            f"({', '.join(differ)} differ)"
+        )
+    return other, split_samples(other.samples, cfg.eval_samples, cfg.seed)
+
+
+def check_truncation(split: Any, budget: int) -> None:
+    """Samples longer than tokens_per_step are cut to their first `budget` tokens: say so, and refuse a budget
+    that would drop half or more of the training tokens (`--tokens-per-step 1` trains on one token per sample).
+
+    Raises:
+        BadConfig: half or more of the training tokens would be dropped.
+    """
+    cut, dropped, total, longest = truncation(split, budget)
+    if not cut:
+        return
+    share = dropped / max(total, 1)
+    what = (
+        f"tokens_per_step {budget} is shorter than {cut} of {len(split.train_ids)} training samples (longest "
+        f"{longest} shifted tokens): {share:.0%} of the training tokens would never be trained on"
+    )
+    if share >= 0.5:
+        raise BadConfig(
+            f"{what}; use --tokens-per-step {longest} or more (--sequence-partitions cuts memory)"
+        )
+    log.warning("%s; use --tokens-per-step %d or more to train on whole samples", what, longest)

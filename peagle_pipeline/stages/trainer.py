@@ -1,0 +1,452 @@
+"""The trainer of one run: draft, optimizer, data stream, steps, held-out figures and checkpoints.
+
+One optimizer step, composed (each arrow a tested pure call):
+packed row -> `core.cod.build_layout` (generator seeded by (seed, epoch, row)) -> `core.partition.plan_segments`
+-> mask (`core.mask.dense_mask` on CPU, `build_block_mask` on CUDA) -> DDP-wrapped `PEagleDraft` -> chunked KL
+`(loss_sum, count)` -> scale by world / GLOBAL count (counted before any backward) -> backward per segment
+(`no_sync` for all but the last) -> clip -> AdamW at `lr_at(step)`.
+
+Randomness: COD draws use a fresh generator per packed row seeded by (seed, epoch, row index), so resuming and
+changing how rows are spread over ranks/micro-steps give bit-identical layouts; the shuffle is seeded by
+(seed, epoch), the held-out split and the init by seed. The checkpoint keeps the data cursor and step (all a
+resume needs) plus torch's global RNG state as a guard. Process groups, logging sinks and seeding happen in
+`stages.train.run()` only. Outputs (checkpoints, metrics, export) are written by rank 0 only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from peagle_pipeline.config import TrainConfig
+from peagle_pipeline.core import cod, loss, mask, partition
+from peagle_pipeline.errors import CorruptCache, NumericalFault, OutOfSpace, StoreUnreachable
+from peagle_pipeline.preemption import stop_error
+from peagle_pipeline.runtime import resolve_compute_dtype
+from peagle_pipeline.stages import metrics as metrics_mod
+from peagle_pipeline.stages.checkpoint import CheckpointManager
+from peagle_pipeline.stages.distributed import Dist
+from peagle_pipeline.stages.draft import build_draft
+from peagle_pipeline.stages.loader import (
+    Cursor,
+    PackedBatch,
+    TrainLoader,
+    mix_seed,
+    pack_rows,
+    read_packed,
+    split_samples,
+)
+from peagle_pipeline.stages.metrics import StepStats, StepWindow
+from peagle_pipeline.stages.optim import build_optimizer, lr_at
+from peagle_pipeline.stages.train_data import (
+    check_truncation,
+    held_out_set,
+    loader_settings,
+    separate_eval_cache,
+)
+
+__all__ = ["Trainer", "Prepared"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """One packed row ready for forward: batch on device, its COD layout, counted elements, segments."""
+
+    batch: PackedBatch
+    layout: cod.CODLayout
+    valid: torch.Tensor  # BoolTensor[N]: elements that carry loss
+    segments: list[partition.Segment]
+
+
+class Trainer:
+    """Owns the model, optimizer, data stream and checkpoints of one run (one per process)."""
+
+    def __init__(self, cfg: TrainConfig, dist: Dist, micro_steps: int = 1, sink: Any = None) -> None:
+        from peagle_pipeline.cache.reader import open_cache
+
+        self.cfg, self.dist, self.micro_steps = cfg, dist, micro_steps
+        self.cache = open_cache(cfg.cache, check=True)
+        self.model, self.spec, self.vocab = build_draft(self.cache, cfg)
+        self.model.to(dist.device)
+        self.ddp: torch.nn.Module = self.model
+        if dist.world > 1:
+            self.ddp = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None
+            )
+        self.optimizer = build_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.cod = cfg.cod()
+        # With a separate eval cache nothing of the training cache is held out: every usable sample trains.
+        held = 0 if separate_eval_cache(cfg) else cfg.eval_samples
+        self.split = split_samples(self.cache.samples, held, cfg.seed)
+        check_truncation(self.split, cfg.tokens_per_step)
+        self.eval_cache, self.eval_set = held_out_set(self.cache, self.split, cfg)
+        self.loader = TrainLoader(
+            self.cache, self.split, loader_settings(cfg), dist.rank, dist.world, micro_steps
+        )
+        self.total_steps = cfg.steps or sum(self.loader.steps_in_epoch(e) for e in range(cfg.epochs))
+        self.ckpt = CheckpointManager(cfg.output, cfg.keep_checkpoints)
+        self.sink = sink or metrics_mod.NullSink()
+        self.step, self.cursor, self.bad_steps = 0, Cursor(), 0
+        self.best: float | None = None
+        self.skipped_corrupt = 0
+        self.saved_total: int | None = (
+            None  # total_steps of the checkpoint restored (None: fresh or older run)
+        )
+        self.precision = resolve_compute_dtype(cfg.precision, str(dist.device))  # auto -> from the hardware
+        self.autocast: dict[str, Any] = dict(
+            device_type=dist.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"
+        )
+        if cfg.target == "exact":
+            self.target_norm = self.cache.target_pieces()["norm.weight"].to(dist.device)
+            self.target_eps = float(self.cache.target_config().get("rms_norm_eps", 1e-6))
+
+    # ---- state ---------------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "epoch": self.cursor.epoch,
+            "epoch_step": self.cursor.step,
+            "bad_steps": self.bad_steps,
+            "best": self.best,
+            "skipped_corrupt": self.skipped_corrupt,
+            "torch_rng": torch.get_rng_state(),
+            "seed": self.cfg.seed,
+            "total_steps": self.total_steps,
+        }
+
+    def restore(self) -> bool:
+        """Load the highest complete checkpoint, if any; True when one was loaded."""
+        ckpt = self.ckpt.load_latest()
+        if ckpt is None:
+            return False
+        self.model.load_state_dict({k: v.to(self.dist.device) for k, v in ckpt.model.items()}, strict=True)
+        self.optimizer.load_state_dict(ckpt.optimizer)  # type: ignore[arg-type]  # loaded with_optimizer
+        s = ckpt.state
+        self.step, self.cursor = int(s["step"]), Cursor(int(s["epoch"]), int(s["epoch_step"]))
+        self.bad_steps, self.best, self.skipped_corrupt = (
+            int(s["bad_steps"]),
+            s["best"],
+            int(s["skipped_corrupt"]),
+        )
+        torch.set_rng_state(s["torch_rng"])
+        self.saved_total = int(s["total_steps"]) if "total_steps" in s else None
+        return True
+
+    def save(self, best: bool = False, metrics: dict[str, Any] | None = None) -> None:
+        """Checkpoint the current step (rank 0 writes).
+
+        Raises:
+            NumericalFault: the weights are no longer finite (such a checkpoint would only poison a resume).
+        """
+        bad = [
+            k for k, v in self.model.state_dict().items() if v.is_floating_point() and not v.isfinite().all()
+        ]
+        if bad:
+            raise NumericalFault(
+                f"weights became non-finite by step {self.step} ({', '.join(bad[:3])}): not saved; the learning "
+                "rate is likely too high (resume from the last checkpoint with a lower one in a new run)"
+            )
+        if self.dist.main:
+            self.ckpt.save(
+                self.step,
+                self.model.state_dict(),
+                self.optimizer.state_dict(),
+                self.state(),
+                {"metrics": metrics or {}},
+                best=best,
+            )
+        self.dist.barrier()
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    def prepare(self, batch: PackedBatch, full: bool = False) -> Prepared:
+        """Sample the row's COD layout (its own seeded generator) and plan its segments."""
+        if batch.unreachable:
+            raise StoreUnreachable(batch.unreachable)
+        if batch.no_shared_memory:
+            raise OutOfSpace(batch.no_shared_memory)
+        if batch.corrupt:
+            sid, msg = batch.corrupt[0]
+            if not self.cfg.skip_corrupt:
+                raise CorruptCache(
+                    f"{msg} (sample {sid}); re-extract or pass --skip-corrupt to skip such samples"
+                )
+            self.skipped_corrupt += len(batch.corrupt)
+            log.warning("skipped %d corrupt sample(s) in row %d: %s", len(batch.corrupt), batch.row, msg)
+        dev = self.dist.device
+        b = dataclasses.replace(
+            batch,
+            **{
+                k: getattr(batch, k).to(dev)
+                for k in ("input_ids", "aux_hidden", "topk_ids", "topk_logprobs", "weight")
+            },
+            last_hidden=None if batch.last_hidden is None else batch.last_hidden.to(dev),
+        )
+        g = torch.Generator().manual_seed(mix_seed("cod", self.cfg.seed, batch.epoch, batch.row))
+        lay = cod.build_layout(b.doc_lengths, b.weight.cpu(), self.cod, g, full=full).to(dev)
+        valid = lay.element_weight(b.weight)
+        if self.cfg.target == "topk" and len(lay):
+            _, _, has, _ = loss.topk_targets(b.topk_ids[lay.target], b.topk_logprobs[lay.target], self.vocab)
+            valid = valid & has
+        segs = (
+            partition.plan_segments(lay, 1 if full else self.cfg.sequence_partitions, valid)
+            if len(lay)
+            else []
+        )
+        return Prepared(b, lay, valid, segs)
+
+    def _mask(self, lay: cod.CODLayout, query: torch.Tensor | None = None) -> Any:
+        if self.dist.device.type == "cuda":
+            return mask.build_block_mask(lay, self.dist.device, query)
+        return mask.dense_mask(lay, query)
+
+    def forward_segment(
+        self, p: Prepared, seg: partition.Segment, module: torch.nn.Module
+    ) -> loss.LossOutput:
+        """Forward one segment through `module` (DDP-wrapped in training) and return its loss sums."""
+        sub = p.layout.select(seg.index)
+        q = None if bool(seg.owned.all()) else seg.out_index  # all owned: plain forward, no query subset
+        real = sub.depth == 0
+        aux_index = torch.zeros_like(sub.target)
+        aux_index[real] = torch.arange(int(real.sum()), device=sub.target.device)
+        aux = p.batch.aux_hidden[sub.target[real]]
+        if self.precision == "fp32":
+            aux = aux.float()
+        with torch.autocast(**self.autocast):
+            hidden = module(
+                p.batch.input_ids[sub.target],
+                aux,
+                ~real,
+                sub.position,
+                self._mask(sub),
+                aux_index=aux_index,
+                out_index=q,
+                out_mask=None if q is None else self._mask(sub, q),
+            )
+            owned = seg.owned_elements
+            rows, depth, w = p.layout.target[owned], p.layout.depth[owned], p.valid[owned]
+            head = self.model.lm_head.weight
+            if self.cfg.target == "exact":
+                return loss.kl_exact(
+                    hidden,
+                    head,
+                    p.batch.last_hidden[rows],  # type: ignore[index]  # read when target is exact
+                    self.target_norm,
+                    self.target_eps,
+                    w,
+                    depth,
+                    self.cfg.depths,
+                    self.cfg.loss_chunk,
+                )
+            return loss.kl_topk(
+                hidden,
+                head,
+                p.batch.topk_ids[rows],
+                p.batch.topk_logprobs[rows],
+                w,
+                depth,
+                self.vocab,
+                self.cfg.depths,
+                self.cfg.loss_chunk,
+            )
+
+    def train_step(self, micro: list[PackedBatch]) -> StepStats:
+        """Forward/backward every micro-batch and segment, then one guarded optimizer update."""
+        self.ddp.train()
+        prepared = [self.prepare(b) for b in micro]
+        K = self.cfg.depths
+        local_count = sum(int(p.valid.sum()) for p in prepared)
+        count = int(self.dist.all_sum(torch.tensor([local_count], dtype=torch.float64))[0])
+        acc = torch.zeros(2 + 2 * K, dtype=torch.float64)  # loss_sum, tokens, correct[K], total[K]
+        acc[1] = sum(p.batch.num_tokens for p in prepared)
+        if count > 0:
+            scale = self.dist.world / count  # DDP averages over ranks: sum / global count overall
+            work = [(p, s) for p in prepared for s in p.segments]
+            for i, (p, seg) in enumerate(work):
+                sync = i == len(work) - 1
+                ctx = self.ddp.no_sync() if (self.dist.world > 1 and not sync) else contextlib.nullcontext()  # type: ignore[operator]
+                with ctx:
+                    out = self.forward_segment(p, seg, self.ddp)
+                    (out.loss_sum * scale).backward()
+                acc[0] += float(out.loss_sum.detach())
+                acc[2 : 2 + K] += out.correct.cpu().double()
+                acc[2 + K :] += out.total.cpu().double()
+            if not work and self.dist.world > 1:  # keep DDP's collective pattern: a zero-loss backward
+                self._zero_backward()
+        self.dist.all_sum(acc)
+        stats = StepStats(
+            loss_sum=float(acc[0]),
+            count=count,
+            correct=acc[2 : 2 + K].long().tolist(),
+            total=acc[2 + K :].long().tolist(),
+            tokens=int(acc[1]),
+        )
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if count == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            stats.skipped = True
+            return stats
+        norm = torch.nn.utils.clip_grad_norm_(
+            params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
+        )
+        stats.grad_norm = float(norm)
+        if not (math.isfinite(stats.loss_sum) and math.isfinite(stats.grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.bad_steps += 1
+            stats.skipped = True
+            msg = (
+                f"step {self.step + 1}: non-finite loss or gradient (loss sum {stats.loss_sum}, grad norm "
+                f"{stats.grad_norm}); update skipped ({self.bad_steps}/{self.cfg.max_bad_steps} in a row)"
+            )
+            log.warning(msg)
+            if self.bad_steps >= self.cfg.max_bad_steps:
+                raise NumericalFault(
+                    f"{self.bad_steps} consecutive steps with non-finite loss or gradients; "
+                    "lower lr, use precision=fp32, or check the cache with `verify`"
+                )
+            return stats
+        self.bad_steps = 0
+        lr = lr_at(self.step, self.cfg.lr, self.cfg.warmup, self.total_steps, self.cfg.schedule)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return stats
+
+    def _zero_backward(self) -> None:
+        out = sum(p.sum() * 0.0 for p in self.ddp.parameters() if p.requires_grad)
+        out.backward()  # type: ignore[union-attr]
+
+    # ---- evaluation ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any] | None:
+        """Held-out loss, per-depth top-1 agreement and estimated acceptance length (full-depth chains)."""
+        if len(self.eval_set.eval_ids) == 0:
+            return None
+        self.model.eval()
+        K = self.cfg.depths
+        budget = max(64, self.cfg.tokens_per_step // max(1, K // 2))
+        plans = pack_rows(self.eval_set.eval_ids, self.eval_set.eval_lengths, budget)
+        loss_sum, count, acc_sum, acc_n = 0.0, 0, 0.0, 0
+        correct, total = torch.zeros(K, dtype=torch.long), torch.zeros(K, dtype=torch.long)
+        for i, plan in enumerate(plans):
+            batch = read_packed(
+                self.eval_cache, plan, -1, i, self.cfg.target == "exact", self.cfg.skip_corrupt
+            )
+            p = self.prepare(batch, full=True)
+            if not p.segments:
+                continue
+            whole = partition.Segment(
+                index=torch.arange(len(p.layout), device=self.dist.device),
+                owned=torch.ones(len(p.layout), dtype=torch.bool, device=self.dist.device),
+            )
+            out = self.forward_segment(p, whole, self.model)
+            loss_sum += float(out.loss_sum)
+            count += int(out.count)
+            correct += out.correct.cpu()
+            total += out.total.cpu()
+            s, n = loss.acceptance_estimate(p.layout, out.element_correct, out.element_valid, K)
+            acc_sum, acc_n = acc_sum + float(s), acc_n + int(n)
+        self.model.train()
+        return {
+            "step": self.step,
+            "kind": "eval",
+            "loss": loss_sum / max(count, 1),
+            "agreement": [
+                c / t if t else None for c, t in zip(correct.tolist(), total.tolist(), strict=True)
+            ],
+            "acceptance": acc_sum / acc_n if acc_n else None,
+            "eval_elements": count,
+            "eval_samples": len(self.eval_set.eval_ids),
+        }
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+    def fit(self, should_stop: Any = None) -> dict[str, Any]:
+        """Run steps until `total_steps`; eval, save and log on their cadences. Returns the final eval record.
+
+        `should_stop()` is asked before every step and returns the stop signal received (0 = none): when any
+        rank got one, the current step is saved and `Interrupted` (SIGINT) or `Terminated` (SIGTERM) is raised.
+
+        Raises:
+            Interrupted: a stop was requested (after the checkpoint is written).
+        """
+        cfg, K = self.cfg, self.cfg.depths
+        window = StepWindow(K)
+        last_eval: dict[str, Any] | None = None
+        saved_at = self.step
+        # `closing` ends the loader's worker on every way out. Left to the interpreter's exit, the worker would be
+        # sent a SIGTERM that it ignores (`preemption.ignore_in_worker`), and the exit would wait on it forever.
+        with contextlib.closing(self.loader.iterate(self.cursor)) as stream:
+            while self.step < self.total_steps:
+                signum = self._stop_signal(should_stop()) if should_stop is not None else 0
+                if signum:
+                    if saved_at != self.step:
+                        self.save()
+                    raise stop_error(
+                        signum,
+                        f" at step {self.step} of {self.total_steps}: "
+                        + (f"checkpoint step-{self.step} saved" if self.step else "nothing trained yet")
+                        + "; re-run with --resume to continue",
+                    )
+                t0 = time.perf_counter()
+                cursor, micro = next(stream)
+                t_data = time.perf_counter() - t0
+                stats = self.train_step(micro)
+                self.cursor, self.step = cursor, self.step + 1
+                window.add(stats, t_data, time.perf_counter() - t0)
+                done = self.step == self.total_steps
+                if self.step % cfg.log_every == 0 or done:
+                    record = window.record(
+                        self.step,
+                        lr_at(self.step - 1, cfg.lr, cfg.warmup, self.total_steps, cfg.schedule),
+                        self.skipped_corrupt,
+                    )
+                    self.sink.log(record)
+                    window = StepWindow(K)
+                    self.sink.progress(
+                        0,
+                        {
+                            "loss": format_figure(record["loss"], 3),
+                            "agree0": format_figure(record["agreement"][0]),
+                            "tok/s": f"{record['tokens_per_s']:.0f}",
+                        },
+                    )
+                self.sink.progress(1, {})
+                if (self.step % cfg.eval_every == 0 or done) and self.eval_set.eval_ids.size:
+                    last_eval = self.evaluate() if self.dist.main else None
+                    is_best = False
+                    if last_eval is not None:
+                        self.sink.log(last_eval)
+                        acc = last_eval["acceptance"]
+                        is_best = acc is not None and (self.best is None or acc > self.best)
+                        if is_best:
+                            self.best = acc
+                    flag = self.dist.all_sum(torch.tensor([1.0 if is_best else 0.0]))
+                    if float(flag[0]) > 0:
+                        self.save(best=True, metrics=last_eval)
+                        saved_at = self.step
+                if (self.step % cfg.save_every == 0 or done) and saved_at != self.step:
+                    self.save()
+                    saved_at = self.step
+        return last_eval or {}
+
+    def _stop_signal(self, local: int) -> int:
+        """The stop signal any rank received, 0 for none (one tiny all-reduce per step under DDP; SIGTERM wins
+        over SIGINT when ranks got different ones)."""
+        if self.dist.world == 1:
+            return local
+        got = self.dist.all_sum(torch.tensor([float(local == 15), float(local == 2)]))
+        return 15 if float(got[0]) > 0 else (2 if float(got[1]) > 0 else 0)
+
+
+def format_figure(x: float | None, digits: int = 2) -> str:
+    """`x` with `digits` decimals, or "-" for a figure not measured."""
+    return "-" if x is None else f"{x:.{digits}f}"
