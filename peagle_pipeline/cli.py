@@ -26,6 +26,7 @@ from peagle_pipeline.config import (
     TrainConfig,
     describe_fields,
     field_choices,
+    is_required,
     resolve,
 )
 from peagle_pipeline.errors import Interrupted, PeagleError, from_os_error
@@ -62,9 +63,9 @@ app = _App(
 
 def _default_note(cls: type, name: str, default: Any) -> str:
     """ " [default: ...]" for the help line of field `name` ("" when there is nothing to show)."""
-    if default in ("", []):
+    if is_required(cls, name):
         return " [required: flag or pipeline file]"
-    if default is None:
+    if default in ("", [], None):
         return ""
     if isinstance(default, bool):
         flag = name.replace("_", "-")
@@ -205,6 +206,7 @@ def extract(
 def train(
     config: ConfigOpt = None,
     cache: Annotated[str | None, _opt(TrainConfig, "cache")] = None,
+    extra_cache: Annotated[list[str] | None, _opt(TrainConfig, "extra_cache")] = None,
     output: Annotated[str | None, _opt(TrainConfig, "output")] = None,
     draft_layers: Annotated[int | None, _opt(TrainConfig, "draft_layers")] = None,
     depths: Annotated[int | None, _opt(TrainConfig, "depths")] = None,

@@ -30,6 +30,7 @@ __all__ = [
     "load_section",
     "to_dict",
     "describe_fields",
+    "is_required",
     "field_choices",
 ]
 
@@ -48,12 +49,17 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 class GenerateConfig:
     """Settings of `peagle-pipeline generate` (pipeline-file section `generate:`)."""
 
-    model: str = _f("", "Target model: a local HF model directory (config.json + safetensors + tokenizer).")
+    model: str = _f(
+        "", "Target model: a local HF model directory (config.json + safetensors + tokenizer).", required=True
+    )
     data: list[str] = _f(
         [],
         "Chat data whose assistant replies are regenerated (every format extract reads). Repeatable.",
+        required=True,
     )
-    output: str = _f("", "Output directory of on-policy rows to create or resume (extract reads it).")
+    output: str = _f(
+        "", "Output directory of on-policy rows to create or resume (extract reads it).", required=True
+    )
     backend: Literal["auto", "vllm", "hf"] = _f(
         "auto", "Generation runtime: vllm, hf (transformers), or auto = vllm when installed, else hf."
     )
@@ -118,12 +124,15 @@ class GenerateConfig:
 class ExtractConfig:
     """Settings of `peagle-pipeline extract` (pipeline-file section `extract:`)."""
 
-    model: str = _f("", "Target model: a local HF model directory (config.json + safetensors + tokenizer).")
+    model: str = _f(
+        "", "Target model: a local HF model directory (config.json + safetensors + tokenizer).", required=True
+    )
     data: list[str] = _f(
         [],
         "Dataset files or HF datasets saved to disk (ShareGPT or OpenAI messages; JSON, JSONL, Parquet). Repeatable.",
+        required=True,
     )
-    output: str = _f("", "Cache directory to create or resume.")
+    output: str = _f("", "Cache directory to create or resume.", required=True)
     backend: Literal["hf", "vllm"] = _f("hf", "Target runtime: hf (transformers) or vllm.")
     layers: list[int] | None = _f(
         None, "Aux hidden-state layer ids in vLLM convention (0 = embeddings); default 2, L//2, L-3."
@@ -207,8 +216,13 @@ class ExtractConfig:
 class TrainConfig:
     """Settings of `peagle-pipeline train` (pipeline-file section `train:`)."""
 
-    cache: str = _f("", "Cache directory written by `peagle-pipeline extract`.")
-    output: str = _f("", "Run directory (checkpoints, metrics, plots, export).")
+    cache: str = _f("", "Cache directory written by `peagle-pipeline extract`.", required=True)
+    extra_cache: list[str] = _f(
+        [],
+        "Further caches of the same target (same top-k and stored dtype) whose every sample trains beside cache's "
+        "training split; the held-out split, the target's files and the run's identity stay cache's. Repeatable.",
+    )
+    output: str = _f("", "Run directory (checkpoints, metrics, plots, export).", required=True)
     draft_layers: int = _f(1, "Decoder layers of the draft (the first is the fused EAGLE-3 layer).")
     depths: int = _f(_COD["depths"], "K: tokens drafted in parallel (COD depths 0..K-1).")
     draft_vocab_size: int = _f(
@@ -285,6 +299,7 @@ class TrainConfig:
         _device(self.device)
         _require(self.cache, "cache", "--cache")
         _require(self.output, "output", "--output")
+        _refuse_duplicate_paths([self.cache, *self.extra_cache], "cache and extra_cache name", "cache")
         _positive(
             self,
             "draft_layers",
@@ -341,14 +356,14 @@ def _device(device: str) -> None:
         raise BadConfig(f"device must be auto, cpu, cuda or cuda:N (also mps, xpu, xpu:N); got {device!r}")
 
 
-def _refuse_duplicate_paths(paths: list[str]) -> None:
-    """Two spellings of one data file (`d.jsonl`, `./d.jsonl`, its absolute path) would extract it twice."""
+def _refuse_duplicate_paths(paths: list[str], where: str = "data names", unit: str = "data file") -> None:
+    """Two spellings of one path (`d.jsonl`, `./d.jsonl`, its absolute path) would read it twice."""
     seen: dict[str, str] = {}
     for path in paths:
         key = os.path.realpath(path)
         if key in seen:
             raise BadConfig(
-                f"data names the same file twice: {seen[key]!r} and {path!r}; give each data file once"
+                f"{where} the same {unit.split()[-1]} twice: {seen[key]!r} and {path!r}; give each {unit} once"
             )
         seen[key] = path
 
@@ -479,6 +494,11 @@ def field_choices(cls: type, name: str) -> tuple[Any, ...]:
     if typing.get_origin(hint) in (types.UnionType, typing.Union):
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
+
+
+def is_required(cls: type, name: str) -> bool:
+    """True for a field the user must give (flag or pipeline file); its check is `_require` in `__post_init__`."""
+    return bool({f.name: f for f in dataclasses.fields(cls)}[name].metadata.get("required", False))
 
 
 def describe_fields(cls: type) -> list[tuple[str, str, Any]]:

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from peagle_pipeline.config import ExtractConfig, GenerateConfig, TrainConfig, describe_fields
+from peagle_pipeline.config import ExtractConfig, GenerateConfig, TrainConfig, describe_fields, is_required
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -20,7 +20,9 @@ def _table(cls: type) -> str:
     rows = ["| key / flag | default | meaning |", "|---|---|---|"]
     for name, help_text, default in describe_fields(cls):
         flag = "--" + name.replace("_", "-")
-        shown = "(required)" if default in ("", []) else f"`{default}`"
+        shown = (
+            "(required)" if is_required(cls, name) else "(none)" if default in ("", []) else f"`{default}`"
+        )
         rows.append(f"| `{name}` / `{flag}` | {shown} | {help_text} |")
     return "\n".join(rows)
 

@@ -125,8 +125,12 @@ def prepare_output(cfg: TrainConfig, world: int, micro_steps: int) -> bool:
     saved = (yaml.safe_load((out / TRAIN_YAML).read_text()) or {}).get("train", {})
     now = to_dict(cfg)
     for f in dataclasses.fields(TrainConfig):  # a setting newer than the run: the run had its default
-        if f.name not in saved and f.default is not dataclasses.MISSING:
+        if f.name in saved:
+            continue
+        if f.default is not dataclasses.MISSING:
             saved[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # a list setting (extra_cache)
+            saved[f.name] = f.default_factory()
     facts = _read_run_json(out)
     saved.update(world_size=facts.get("world_size", world), micro_steps=facts.get("micro_steps", micro_steps))
     now.update(world_size=world, micro_steps=micro_steps)

@@ -134,6 +134,13 @@ def _start_notes(cfg: TrainConfig, trainer: Trainer) -> list[str]:
             f"schedule is recomputed for {trainer.total_steps} steps from step {trainer.step} "
             f"(lr {lr_then:.3g} -> {lr_now:.3g}; warm-up is not repeated)"
         )
+    if cfg.extra_cache:
+        starts = trainer.cache.starts  # a CacheUnion: the primary's ids come first
+        extra = split.train_ids >= starts[1]
+        notes.append(
+            f"training on {int((~extra).sum())} samples of cache {cfg.cache} and {int(extra.sum())} of "
+            f"{len(cfg.extra_cache)} extra cache(s) (held-out samples come from cache only)"
+        )
     if split.skipped_unsupervised:
         notes.append(f"skipped {split.skipped_unsupervised} sample(s) without supervised tokens")
     if len(held.eval_ids) < cfg.eval_samples:

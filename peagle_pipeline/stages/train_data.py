@@ -1,8 +1,9 @@
 """What a training run reads: the loader's settings, the training split and the held-out set.
 
 Pure composition over the cache reader and `stages.loader` (no model, no writes): `loader_settings` picks the
-loader's own settings out of the train section, `check_truncation` says what `tokens_per_step` cuts, and
-`held_out_set` names the samples (of the training cache or of `eval_cache`) behind the held-out figures.
+loader's own settings out of the train section, `training_data` opens the cache (with `extra_cache`, all of them as
+one `CacheUnion`) and splits it, `check_truncation` says what `tokens_per_step` cuts, and `held_out_set` names the
+samples (of the training cache or of `eval_cache`) behind the held-out figures.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ import logging
 import os
 from typing import Any
 
-import torch
+import numpy as np
 
+from peagle_pipeline.cache.union import CacheUnion, cache_differences
 from peagle_pipeline.config import TrainConfig
 from peagle_pipeline.errors import BadConfig, IncompatibleCache
 from peagle_pipeline.stages.draft import require_last_hidden
 from peagle_pipeline.stages.loader import DataSplit, LoaderSettings, split_samples, truncation
 
-__all__ = ["loader_settings", "separate_eval_cache", "held_out_set", "check_truncation"]
+__all__ = ["loader_settings", "training_data", "separate_eval_cache", "held_out_set", "check_truncation"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,42 @@ def loader_settings(cfg: TrainConfig) -> LoaderSettings:
         need_last_hidden=cfg.target == "exact",
         skip_corrupt=cfg.skip_corrupt,
         all_positions=cfg.loss_positions == "all",
+    )
+
+
+def training_data(cfg: TrainConfig) -> tuple[Any, DataSplit]:
+    """The opened training cache and its split.
+
+    `eval_samples` of `cache` are held out (none when `eval_cache` is another cache). With `extra_cache`, the
+    cache returned is a `CacheUnion` of `cache` and those caches, and every usable sample of the extra caches joins
+    the training split: the held-out samples, and so the held-out figures, are the same as without them.
+
+    Raises:
+        IncompatibleCache: an extra cache holds another target's states or arrays that do not stack (names them).
+    """
+    from peagle_pipeline.cache.reader import open_cache
+
+    primary = open_cache(cfg.cache, check=True)
+    split = split_samples(primary.samples, 0 if separate_eval_cache(cfg) else cfg.eval_samples, cfg.seed)
+    if not cfg.extra_cache:
+        return primary, split
+    caches = [primary]
+    for path in cfg.extra_cache:
+        other = open_cache(path, check=True)
+        differ = cache_differences(primary, other, stacking=True)
+        if differ:
+            raise IncompatibleCache(
+                f"extra_cache {path} cannot train beside cache {cfg.cache}: {', '.join(differ)} differ"
+            )
+        caches.append(other)
+    union = CacheUnion(caches)
+    extra = split_samples(union.samples[union.samples["sample_id"] >= union.starts[1]], 0, cfg.seed)
+    return union, DataSplit(
+        train_ids=np.concatenate([split.train_ids, extra.train_ids]),
+        train_lengths=np.concatenate([split.train_lengths, extra.train_lengths]),
+        eval_ids=split.eval_ids,
+        eval_lengths=split.eval_lengths,
+        skipped_unsupervised=split.skipped_unsupervised + extra.skipped_unsupervised,
     )
 
 
@@ -53,10 +91,7 @@ def held_out_set(cache: Any, split: DataSplit, cfg: TrainConfig) -> tuple[Any, D
         return cache, split
     other = open_cache(cfg.eval_cache, check=True)
     require_last_hidden(cfg.target, other.meta, f"eval_cache {cfg.eval_cache}")
-    differ = cache.meta.target_differences(other.meta)
-    if not differ:
-        mine, theirs = cache.target_pieces(), other.target_pieces()
-        differ = [f"{k} weights" for k in mine if not torch.equal(mine[k], theirs[k])]
+    differ = cache_differences(cache, other, stacking=False)
     if differ:
         raise IncompatibleCache(
             f"eval_cache {cfg.eval_cache} was extracted from another target than cache {cfg.cache} "

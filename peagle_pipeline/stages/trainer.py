@@ -41,7 +41,6 @@ from peagle_pipeline.stages.loader import (
     mix_seed,
     pack_rows,
     read_packed,
-    split_samples,
 )
 from peagle_pipeline.stages.metrics import StepStats, StepWindow
 from peagle_pipeline.stages.optim import build_optimizer, lr_at
@@ -49,7 +48,7 @@ from peagle_pipeline.stages.train_data import (
     check_truncation,
     held_out_set,
     loader_settings,
-    separate_eval_cache,
+    training_data,
 )
 
 __all__ = ["Trainer", "Prepared"]
@@ -71,10 +70,8 @@ class Trainer:
     """Owns the model, optimizer, data stream and checkpoints of one run (one per process)."""
 
     def __init__(self, cfg: TrainConfig, dist: Dist, micro_steps: int = 1, sink: Any = None) -> None:
-        from peagle_pipeline.cache.reader import open_cache
-
         self.cfg, self.dist, self.micro_steps = cfg, dist, micro_steps
-        self.cache = open_cache(cfg.cache, check=True)
+        self.cache, self.split = training_data(cfg)  # with extra_cache: a CacheUnion
         self.model, self.spec, self.vocab = build_draft(self.cache, cfg)
         self.model.to(dist.device)
         self.ddp: torch.nn.Module = self.model
@@ -84,9 +81,6 @@ class Trainer:
             )
         self.optimizer = build_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.cod = cfg.cod()
-        # With a separate eval cache nothing of the training cache is held out: every usable sample trains.
-        held = 0 if separate_eval_cache(cfg) else cfg.eval_samples
-        self.split = split_samples(self.cache.samples, held, cfg.seed)
         check_truncation(self.split, cfg.tokens_per_step)
         self.eval_cache, self.eval_set = held_out_set(self.cache, self.split, cfg)
         self.loader = TrainLoader(

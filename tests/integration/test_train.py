@@ -298,6 +298,72 @@ def test_eval_cache_gives_the_held_out_set(
     assert "eval_cache" in line and "another target" in line and "aux_layer_ids" in line
 
 
+def test_extra_cache_trains_beside_the_cache_with_its_held_out_set(
+    tiny_cache: Path,
+    other_tiny_cache: Path,
+    foreign_tiny_cache: Path,
+    tiny_cache_last_hidden: Path,
+    tmp_path: Path,
+    capsys,
+) -> None:
+    """train.extra_cache: every usable sample of an extra cache trains beside the cache's training split, read from
+    its own cache; the held-out set stays the cache's own, so the held-out figures compare with a run on the cache
+    alone. Another target, arrays that do not stack, or the same cache twice are refused in one line."""
+    import dataclasses
+
+    import torch
+
+    from peagle_pipeline.cache.reader import open_cache
+    from peagle_pipeline.config import TrainConfig
+    from peagle_pipeline.stages.train_data import training_data
+
+    cfg = TrainConfig(
+        cache=str(tiny_cache), extra_cache=[str(other_tiny_cache)], output=str(tmp_path / "x"), eval_samples=6
+    )
+    union, split = training_data(cfg)
+    alone, alone_split = training_data(dataclasses.replace(cfg, extra_cache=[]))
+    other = open_cache(other_tiny_cache)
+    start = int(union.starts[1])
+    assert start > int(alone.samples["sample_id"].max())  # the ranges do not overlap
+    assert split.eval_ids.tolist() == alone_split.eval_ids.tolist() and len(split.eval_ids) == 6
+    assert split.train_ids[split.train_ids < start].tolist() == alone_split.train_ids.tolist()
+    usable = other.samples[(other.samples["num_supervised"] > 0) & (other.samples["length"] > 1)]
+    extra_ids = split.train_ids[split.train_ids >= start] - start
+    assert sorted(extra_ids.tolist()) == sorted(usable["sample_id"].tolist()) and len(extra_ids) > 0
+    sid = int(extra_ids[-1])
+    got, want = union.read_sample(start + sid), other.read_sample(sid)
+    assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.aux_hidden, want.aux_hidden)
+    assert (union.token_counts() == alone.token_counts() + other.token_counts()).all()
+
+    short = ["--steps", "2", "--eval-every", "2", "--no-export"]
+    assert train(tiny_cache, tmp_path / "alone", *short) == 0
+    capsys.readouterr()
+    assert train(tiny_cache, tmp_path / "both", *short, "--extra-cache", str(other_tiny_cache)) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"training on {len(alone_split.train_ids)} samples of cache {tiny_cache} and {len(extra_ids)} of 1 extra "
+        "cache(s)" in err
+    ), err
+    both, ref = _eval_records(tmp_path / "both")[-1], _eval_records(tmp_path / "alone")[-1]
+    assert both["eval_elements"] == ref["eval_elements"] and both["eval_samples"] == ref["eval_samples"] == 6
+    saved = yaml.safe_load((tmp_path / "both" / "train.yaml").read_text())["train"]
+    assert saved["extra_cache"] == [str(other_tiny_cache)]
+    # a resume without the extra cache would train on other data: refused
+    assert train(tiny_cache, tmp_path / "both", *short, "--resume", "--steps", "3") == 5
+    assert "extra_cache" in one_error_line(capsys)
+
+    refusals = [
+        (foreign_tiny_cache, 3, ["extra_cache", "cannot train beside cache", "aux_layer_ids"]),
+        (tiny_cache_last_hidden, 3, ["extra_cache", "has_last_hidden"]),
+        (tiny_cache, 2, ["cache and extra_cache name the same cache twice"]),
+    ]
+    for i, (extra, code, parts) in enumerate(refusals):
+        assert train(tiny_cache, tmp_path / f"bad{i}", *short, "--extra-cache", str(extra)) == code
+        line = one_error_line(capsys)
+        assert all(part in line for part in parts), line
+        assert not (tmp_path / f"bad{i}").exists()
+
+
 def test_loss_on_all_positions(tiny_cache: Path, tmp_path: Path) -> None:
     """train.loss_positions all: every position carries loss (more COD elements per step than the replies alone);
     the held-out figures still use the loss mask, so both runs report the same held-out elements."""
@@ -315,12 +381,13 @@ def test_loss_on_all_positions(tiny_cache: Path, tmp_path: Path) -> None:
 
 
 def test_run_from_before_a_new_setting_resumes(finished_run: Path, tiny_cache: Path, tmp_path: Path) -> None:
-    """A run whose train.yaml predates a setting (here loss_positions, eval_cache) resumes: it had the default."""
+    """A run whose train.yaml predates a setting (here loss_positions, eval_cache, extra_cache) resumes: it had the
+    default."""
     run = tmp_path / "old"
     shutil.copytree(finished_run, run)
     path = run / "train.yaml"
     saved = yaml.safe_load(path.read_text())
-    del saved["train"]["loss_positions"], saved["train"]["eval_cache"]
+    del saved["train"]["loss_positions"], saved["train"]["eval_cache"], saved["train"]["extra_cache"]
     saved["train"]["output"] = str(run)
     path.write_text(yaml.safe_dump(saved))
     assert train(tiny_cache, run, "--resume", "--steps", "7", "--no-export") == 0
