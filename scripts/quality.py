@@ -10,7 +10,8 @@ and on held-out ShareGPT prompts (records >= 17,000, never trained on), K = 4, T
     mask token  <|im_end|> (the old choice) vs the rule of SPEC 5.3 (an unused special token)
     draft       1 vs 2 layers
     loss        on every position (`--loss-positions all`, every row's default) vs on the replies only
-    curve       the carrier data trained longer; AL against training tokens (vLLM at checkpoints, trainer estimate)
+    curve       the main draft: every on-policy cache of the run, trained longer; AL against training tokens (vLLM
+                at checkpoints, trainer estimate)
     speed       the main draft at concurrency 1 (SPEC 4b): AL and tokens/s with and without it
 
 One run from nothing took 75.1 minutes on an idle 2-core host with bf16 units, against the issue's 90
@@ -49,6 +50,11 @@ IM_END = 2  # SmolLM2's <|im_end|> (= pad = eos): the mask token before SPEC 5.3
 # Fixed rather than picked from the data rows' AL, so that every draft is measured in one `evaluate` run.
 CARRIER = "on-multi"
 ON_POLICY_ROWS = ("on-single", "on-multi", "on-single-greedy")
+# The main draft trains on the carrier and, through `train --extra-cache`, on the run's other on-policy caches: 2.8x
+# the carrier's tokens at no extraction cost (measured at this budget: +0.023 AL on MT-Bench, +0.029 held-out;
+# docs/quality-notes.md). Its held-out samples stay the carrier's, and train leaves the extra caches' samples of
+# their prompts out of training, so its trainer estimate stays held-out.
+MAIN_EXTRA = ("on-single", "on-single-greedy")
 
 # Sizes at --scale 1 (the measured times are in docs/quality.md). `--scale auto` (the default) uses 1 on a CPU with
 # bf16 units and SLOW_HOST_SCALE on one without: there fp32 runs every stage slower (this host's cores in fp32,
@@ -134,6 +140,9 @@ def flags(**opts: Any) -> list[str]:
             out.append(flag)
         elif value is False:
             out.append("--no-" + name.replace("_", "-"))
+        elif isinstance(value, list | tuple):
+            for item in value:
+                out += [flag, str(item)]
         else:
             out += [flag, str(value)]
     return out
@@ -409,7 +418,14 @@ def main() -> int:
     main_steps = s["main_steps"]
     every = max(main_steps // s["curve_points"], 1)
     main_run = timed(
-        "train: main run (learning curve)", train, root, "main", caches[CARRIER], main_steps, every
+        "train: main run (learning curve)",
+        train,
+        root,
+        "main",
+        caches[CARRIER],
+        main_steps,
+        every,
+        extra_cache=[str(caches[name]) for name in MAIN_EXTRA],
     )
     curve_steps = [every * i for i in range(1, s["curve_points"] + 1) if every * i <= main_steps]
     curve_exports = [export_checkpoint(main_run, st) for st in curve_steps]
@@ -427,7 +443,14 @@ def main() -> int:
     results = results_by_draft(report)
     speed = timed("evaluate: main draft at concurrency 1", evaluate_speed, root, main_run / "export", s)
     summary = {
-        "settings": {**s, "train": TRAIN, "sampled": SAMPLED, "greedy": GREEDY, "carrier": CARRIER},
+        "settings": {
+            **s,
+            "train": TRAIN,
+            "sampled": SAMPLED,
+            "greedy": GREEDY,
+            "carrier": CARRIER,
+            "main_extra": list(MAIN_EXTRA),
+        },
         "host": report.get("hardware"),
         "bf16_units": bf16_units(),
         "times_s": {k: round(v, 1) for k, v in times.items()},
@@ -634,10 +657,23 @@ def render_doc(summary: dict[str, Any], root: Path, doc: Path) -> str:
     if off:
         lines += ["", "On-policy against off-policy, same prompts and budget, in vLLM:", ""]
         lines += [on_vs_off(r, off) for r in summary["rows"] if r["name"] in ON_POLICY_ROWS]
+    extra = s.get("main_extra") or []  # absent in the reports of runs before the main draft took extra caches
     lines += [
         "",
-        "## Learning curve: the main draft (the carrier data, trained longer)",
+        "## Learning curve: the main draft ("
+        + ("all the run's on-policy data" if extra else "the carrier data")
+        + ", trained longer)",
         "",
+    ]
+    if extra:
+        lines += [
+            f"The main draft trains on the {s['carrier']} cache and, beside it (`train --extra-cache`), on the "
+            + " and ".join(extra)
+            + " caches, at no extra extraction. Its trainer estimates use the held-out samples of "
+            f"{s['carrier']}; `train` leaves the samples of those prompts in the other caches out of training.",
+            "",
+        ]
+    lines += [
         "| training tokens | MT-Bench AL | per position | held-out AL | per position | trainer est. AL | speedup |",
         "|---|---|---|---|---|---|---|",
     ]

@@ -7,6 +7,7 @@ handed to DataLoader workers (fork or spawn). Never writes.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -26,7 +27,19 @@ if TYPE_CHECKING:
     import pandas as pd
     import torch
 
-__all__ = ["SampleArrays", "Cache", "open_cache"]
+__all__ = ["SampleArrays", "Cache", "open_cache", "prompt_length"]
+
+# Token rows read at once by `Cache.prompt_keys` (input_ids and loss_mask: 5 bytes a token, so about 80 MB).
+_KEY_WINDOW_TOKENS = 1 << 24
+
+
+def prompt_length(loss_mask: np.ndarray) -> int:
+    """A sample's prompt length: the tokens before its first supervised one (0 when it has none).
+
+    Example: loss_mask [0, 0, 0, 1, 1, 0, 1] -> 3.
+    """
+    hits = np.flatnonzero(np.asarray(loss_mask))
+    return int(hits[0]) if len(hits) else 0
 
 
 @dataclass
@@ -229,6 +242,42 @@ class Cache:
             topk_logprobs=torch.from_numpy(a["topk_logprobs"].astype(np.float32, copy=False)),
             last_hidden=layout.from_storage(a["last_hidden"], dtype) if "last_hidden" in a else None,
         )
+
+    def prompt_keys(self, sample_ids: np.ndarray) -> list[bytes | None]:
+        """A digest of each sample's prompt (its token ids before its first supervised token; `prompt_length`),
+        or None for a sample without one. Samples drawn from one prompt (several replies generated per prompt, or
+        the same conversation in two caches) share a digest.
+
+        Reads only input_ids and loss_mask, a window of consecutive token rows per store at a time.
+        """
+        located = [self.locate(int(i)) for i in sample_ids]
+        keys: list[bytes | None] = [None] * len(located)
+        order = sorted(range(len(located)), key=lambda k: (located[k][0], located[k][1]))
+        window: list[int] = []
+        for k in [*order, None]:
+            if window and (
+                k is None
+                or located[k][0] != located[window[0]][0]
+                or located[k][1] + located[k][2] - located[window[0]][1] > _KEY_WINDOW_TOKENS
+            ):
+                self._key_window(window, located, keys)
+                window = []
+            if k is not None:
+                window.append(k)
+        return keys
+
+    def _key_window(
+        self, window: list[int], located: list[tuple[str, int, int]], keys: list[bytes | None]
+    ) -> None:
+        store, lo = located[window[0]][0], located[window[0]][1]
+        hi = max(located[k][1] + located[k][2] for k in window)
+        rows = self._stores[store].read_many(["input_ids", "loss_mask"], lo, hi)
+        for k in window:
+            start, length = located[k][1] - lo, located[k][2]
+            n = prompt_length(rows["loss_mask"][start : start + length])
+            if n:
+                ids = rows["input_ids"][start : start + n].astype(np.int64)
+                keys[k] = hashlib.blake2b(ids.tobytes(), digest_size=16).digest()
 
     # ---------------------------------------------------------------------------------- human-readable
     def tokenizer(self) -> Any:

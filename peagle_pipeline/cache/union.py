@@ -81,6 +81,17 @@ class CacheUnion:
         cache, local = self.part_of(sample_id)
         return cache.read_sample(local)
 
+    def prompt_keys(self, sample_ids: np.ndarray) -> list[bytes | None]:
+        """`Cache.prompt_keys` of union ids (one read pass per cache)."""
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        part = np.searchsorted(self.starts, ids, side="right") - 1
+        keys: list[bytes | None] = [None] * len(ids)
+        for i, cache in enumerate(self.caches):
+            where = np.flatnonzero(part == i)
+            for k, key in zip(where, cache.prompt_keys(ids[where] - self.starts[i]), strict=True):
+                keys[int(k)] = key
+        return keys
+
     def token_counts(self) -> np.ndarray:
         return np.sum([c.token_counts() for c in self.caches], axis=0)
 

@@ -77,6 +77,7 @@ class DataSplit:
     eval_ids: np.ndarray  # int64 [n_eval]
     eval_lengths: np.ndarray  # int64 [n_eval]
     skipped_unsupervised: int
+    shared_prompts: int = 0  # training samples left out for sharing a held-out sample's prompt
 
 
 @dataclass(frozen=True, order=True)

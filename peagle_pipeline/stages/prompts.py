@@ -265,7 +265,7 @@ def heldout_prompts(cache_dir: Path, eval_samples: int, seed: int, n: int) -> tu
 
     A prompt is the cached token ids before the sample's first supervised token.
     """
-    from peagle_pipeline.cache.reader import open_cache
+    from peagle_pipeline.cache.reader import open_cache, prompt_length
     from peagle_pipeline.stages.loader import split_samples
 
     cache = open_cache(cache_dir)
@@ -274,8 +274,7 @@ def heldout_prompts(cache_dir: Path, eval_samples: int, seed: int, n: int) -> tu
     skipped = 0
     for sample_id in split.eval_ids.tolist():
         sample = cache.read_sample(int(sample_id))
-        mask = sample.loss_mask  # [T] bool
-        first = int(mask.int().argmax()) if bool(mask.any()) else 0
+        first = prompt_length(sample.loss_mask.numpy())
         if 0 < first <= MAX_PROMPT_TOKENS:
             out.append(sample.input_ids[:first].tolist())
             if len(out) == n:

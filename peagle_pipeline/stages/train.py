@@ -141,12 +141,17 @@ def _start_notes(cfg: TrainConfig, trainer: Trainer) -> list[str]:
             f"training on {int((~extra).sum())} samples of cache {cfg.cache} and {int(extra.sum())} of "
             f"{len(cfg.extra_cache)} extra cache(s) (held-out samples come from cache only)"
         )
+    if split.shared_prompts:
+        notes.append(
+            f"left {split.shared_prompts} sample(s) out of training: their prompt is a held-out sample's prompt "
+            "(so the held-out figures stay unseen)"
+        )
     if split.skipped_unsupervised:
         notes.append(f"skipped {split.skipped_unsupervised} sample(s) without supervised tokens")
     if len(held.eval_ids) < cfg.eval_samples:
         notes.append(
             f"eval_samples {cfg.eval_samples} capped at {len(held.eval_ids)}: at most half of the "
-            f"{len(held.eval_ids) + len(held.train_ids)} usable samples are held out"
+            f"{len(held.eval_ids) + len(held.train_ids) + held.shared_prompts} usable samples are held out"
         )
     return notes
 

@@ -2,12 +2,14 @@
 
 Pure composition over the cache reader and `stages.loader` (no model, no writes): `loader_settings` picks the
 loader's own settings out of the train section, `training_data` opens the cache (with `extra_cache`, all of them as
-one `CacheUnion`) and splits it, `check_truncation` says what `tokens_per_step` cuts, and `held_out_set` names the
-samples (of the training cache or of `eval_cache`) behind the held-out figures.
+one `CacheUnion`) and splits it, `held_out_set` names the samples (of the training cache or of `eval_cache`) behind
+the held-out figures, `without_held_out_prompts` keeps their prompts out of training, and `check_truncation` says
+what `tokens_per_step` cuts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -20,7 +22,14 @@ from peagle_pipeline.errors import BadConfig, IncompatibleCache
 from peagle_pipeline.stages.draft import require_last_hidden
 from peagle_pipeline.stages.loader import DataSplit, LoaderSettings, split_samples, truncation
 
-__all__ = ["loader_settings", "training_data", "separate_eval_cache", "held_out_set", "check_truncation"]
+__all__ = [
+    "loader_settings",
+    "training_data",
+    "separate_eval_cache",
+    "held_out_set",
+    "without_held_out_prompts",
+    "check_truncation",
+]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +107,28 @@ def held_out_set(cache: Any, split: DataSplit, cfg: TrainConfig) -> tuple[Any, D
             f"({', '.join(differ)} differ)"
         )
     return other, split_samples(other.samples, cfg.eval_samples, cfg.seed)
+
+
+def without_held_out_prompts(cache: Any, split: DataSplit, eval_cache: Any, eval_set: DataSplit) -> DataSplit:
+    """`split` less the training samples whose prompt is also a held-out sample's prompt (`Cache.prompt_keys`),
+    counted in `shared_prompts`.
+
+    Several replies generated for one prompt, or one conversation in two caches (`extra_cache`, `eval_cache`),
+    would otherwise put the held-out sample's prompt, and often its very reply, into training, and the held-out
+    figures would read high. `eval_cache`/`eval_set` are where the held-out samples come from (`held_out_set`).
+    """
+    if not len(eval_set.eval_ids) or not len(split.train_ids):
+        return split
+    held = {key for key in eval_cache.prompt_keys(eval_set.eval_ids) if key is not None}
+    keep = np.array([key not in held for key in cache.prompt_keys(split.train_ids)], dtype=bool)
+    if keep.all():
+        return split
+    return dataclasses.replace(
+        split,
+        train_ids=split.train_ids[keep],
+        train_lengths=split.train_lengths[keep],
+        shared_prompts=split.shared_prompts + int((~keep).sum()),
+    )
 
 
 def check_truncation(split: Any, budget: int) -> None:

@@ -49,6 +49,7 @@ from peagle_pipeline.stages.train_data import (
     held_out_set,
     loader_settings,
     training_data,
+    without_held_out_prompts,
 )
 
 __all__ = ["Trainer", "Prepared"]
@@ -81,8 +82,11 @@ class Trainer:
             )
         self.optimizer = build_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.cod = cfg.cod()
-        check_truncation(self.split, cfg.tokens_per_step)
         self.eval_cache, self.eval_set = held_out_set(self.cache, self.split, cfg)
+        self.split = without_held_out_prompts(self.cache, self.split, self.eval_cache, self.eval_set)
+        if self.eval_cache is self.cache:
+            self.eval_set = self.split
+        check_truncation(self.split, cfg.tokens_per_step)
         self.loader = TrainLoader(
             self.cache, self.split, loader_settings(cfg), dist.rank, dist.world, micro_steps
         )

@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -334,6 +335,12 @@ def test_extra_cache_trains_beside_the_cache_with_its_held_out_set(
     got, want = union.read_sample(start + sid), other.read_sample(sid)
     assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.aux_hidden, want.aux_hidden)
     assert (union.token_counts() == alone.token_counts() + other.token_counts()).all()
+    some = np.array([0, 3, start + sid, 1])
+    assert union.prompt_keys(some) == [
+        *alone.prompt_keys(some[:2]),
+        *other.prompt_keys([sid]),
+        alone.prompt_keys([1])[0],
+    ]
 
     short = ["--steps", "2", "--eval-every", "2", "--no-export"]
     assert train(tiny_cache, tmp_path / "alone", *short) == 0
@@ -362,6 +369,44 @@ def test_extra_cache_trains_beside_the_cache_with_its_held_out_set(
         line = one_error_line(capsys)
         assert all(part in line for part in parts), line
         assert not (tmp_path / f"bad{i}").exists()
+
+
+def test_training_leaves_out_the_prompts_of_held_out_samples(
+    tiny_cache: Path, tiny_cache_last_hidden: Path, other_tiny_cache: Path, tmp_path: Path, capsys
+) -> None:
+    """A training sample whose prompt is a held-out sample's (here: the same conversations in the eval cache; also
+    several replies to one prompt, or an extra cache of the same prompts) is left out of training and counted, so
+    the held-out figures stay unseen. Training on other conversations loses nothing."""
+    from peagle_pipeline.cache.reader import open_cache
+    from peagle_pipeline.config import TrainConfig
+    from peagle_pipeline.stages.loader import split_samples
+    from peagle_pipeline.stages.train_data import held_out_set, training_data, without_held_out_prompts
+
+    cfg = TrainConfig(
+        cache=str(tiny_cache_last_hidden),
+        eval_cache=str(tiny_cache),
+        output=str(tmp_path / "x"),
+        eval_samples=6,
+    )
+    cache, split = training_data(cfg)
+    eval_cache, eval_set = held_out_set(cache, split, cfg)
+    kept = without_held_out_prompts(cache, split, eval_cache, eval_set)
+    held = set(eval_cache.prompt_keys(eval_set.eval_ids))
+    assert len(eval_set.eval_ids) == 6 and set(eval_set.eval_ids) <= set(split.train_ids)  # one data file
+    assert not set(eval_set.eval_ids) & set(kept.train_ids)
+    assert kept.shared_prompts == len(split.train_ids) - len(kept.train_ids) >= 6
+    assert not held & set(cache.prompt_keys(kept.train_ids))
+    lengths = dict(zip(split.train_ids.tolist(), split.train_lengths.tolist(), strict=True))
+    assert kept.train_lengths.tolist() == [lengths[i] for i in kept.train_ids.tolist()]
+    other = open_cache(other_tiny_cache)
+    other_split = split_samples(other.samples, 0, cfg.seed)
+    assert without_held_out_prompts(other, other_split, eval_cache, eval_set) is other_split
+
+    short = ["--steps", "2", "--eval-every", "2", "--no-export", "--eval-samples", "6"]
+    assert train(tiny_cache_last_hidden, tmp_path / "run", *short, "--eval-cache", str(tiny_cache)) == 0
+    err = capsys.readouterr().err
+    assert f"left {kept.shared_prompts} sample(s) out of training" in err, err
+    assert _eval_records(tmp_path / "run")[-1]["eval_samples"] == 6
 
 
 def test_loss_on_all_positions(tiny_cache: Path, tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 import pickle
@@ -10,11 +11,13 @@ import shutil
 import numpy as np
 import pytest
 from cache_fixtures import LENGTHS, write_cache
-from fakes import fake_meta
+from fakes import fake_meta, fake_sample
 
 from peagle_pipeline.cache import layout
-from peagle_pipeline.cache.reader import open_cache
+from peagle_pipeline.cache import reader as reader_mod
+from peagle_pipeline.cache.reader import open_cache, prompt_length
 from peagle_pipeline.cache.verify import verify_cache
+from peagle_pipeline.cache.writer import CacheWriter
 from peagle_pipeline.errors import BadInput, CorruptCache, IncompatibleCache
 
 STORE = layout.store_name(0, 1)
@@ -195,3 +198,44 @@ def test_inspect_of_a_rejected_sample_gives_the_reject_reason(tmp_path, capsys):
     ]
     assert main(["inspect", str(tmp_path / "c"), "--sample", "999"]) == 2
     assert "sample 999 is not in cache" in capsys.readouterr().err
+
+
+def test_prompt_length_is_the_tokens_before_the_first_supervised_one():
+    assert prompt_length(np.array([0, 0, 0, 1, 1, 0, 1], bool)) == 3
+    assert prompt_length(np.array([1, 1], bool)) == 0
+    assert prompt_length(np.zeros(4, bool)) == 0
+
+
+def test_prompt_keys_are_equal_exactly_for_samples_with_one_prompt(tmp_path, monkeypatch):
+    """Cache.prompt_keys: one digest per prompt (the ids before the first supervised token), the same for samples
+    that share it whatever follows, None without a prompt; a small read window gives the same keys."""
+    rows = [  # (input_ids, loss_mask)
+        ([5, 6, 7, 8, 9], [0, 0, 0, 1, 1]),  # prompt 5 6 7
+        ([5, 6, 7, 1, 2, 3], [0, 0, 0, 1, 0, 1]),  # the same prompt, another reply
+        ([5, 6, 7, 8, 9], [0, 0, 1, 1, 1]),  # prompt 5 6
+        ([4, 6, 7, 8, 9], [0, 0, 0, 1, 1]),  # prompt 4 6 7
+        ([5, 6, 7, 8], [1, 1, 1, 1]),  # no prompt
+        ([5, 6, 7, 8], [0, 0, 0, 0]),  # nothing supervised
+        ([5, 6, 7, 8, 9, 9, 9], [0, 0, 0, 0, 0, 0, 1]),  # a longer prompt that starts with 5 6 7
+    ]
+    meta = fake_meta()
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / layout.CACHE_META).write_text(json.dumps(meta.to_dict()))
+    w = CacheWriter(tmp_path / "c", meta, 0, 1).open()
+    for i, (ids, mask) in enumerate(rows):
+        rec, data = fake_sample(meta, i, len(ids))
+        w.add(
+            i,
+            rec,
+            dataclasses.replace(data, input_ids=np.array(ids, np.int32), loss_mask=np.array(mask, bool)),
+        )
+    w.close()
+    cache = open_cache(tmp_path / "c")
+    keys = cache.prompt_keys(np.array([6, 0, 1, 2, 3, 4, 5]))
+    assert keys[1] == keys[2] and keys[1] is not None
+    assert keys[5] is None and keys[6] is None
+    assert len({keys[0], keys[1], keys[3], keys[4]}) == 4  # the longer prompt, 5 6 7 and 5 6, 4 6 7
+    monkeypatch.setattr(reader_mod, "_KEY_WINDOW_TOKENS", 6)  # a window per sample or two
+    assert cache.prompt_keys(np.array([6, 0, 1, 2, 3, 4, 5])) == keys
+    with pytest.raises(BadInput, match="sample 99"):
+        cache.prompt_keys(np.array([99]))
