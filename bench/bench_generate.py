@@ -36,7 +36,8 @@ def first_turn_prompts(cfg: GenerateConfig, n: int) -> tuple[list[tuple[int, lis
 
     from peagle_pipeline.data.chat import ChatRenderer, RejectRow
     from peagle_pipeline.data.dialogue import DialogueBuilder
-    from peagle_pipeline.data.formats import Conversation, iter_rows
+    from peagle_pipeline.data.formats import iter_rows
+    from peagle_pipeline.data.records import Conversation
 
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(cfg.model))
     stops = stage.resolve_stop_ids(cfg.model, renderer)

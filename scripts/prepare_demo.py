@@ -129,7 +129,8 @@ def prepare_model(out: Path, gguf: Path | None = None) -> Path:
 
 def prepare_data(out: Path) -> Path:
     """Write every complete ShareGPT record as one JSONL line (skipped if already written)."""
-    from peagle_pipeline.data.formats import Reject, iter_json_records
+    from peagle_pipeline.data.formats import iter_json_records
+    from peagle_pipeline.data.records import Reject
 
     final = out / "data" / "sharegpt.jsonl"
     if final.is_file():

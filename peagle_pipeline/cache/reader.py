@@ -248,7 +248,8 @@ class Cache:
         or None for a sample without one. Samples drawn from one prompt (several replies generated per prompt, or
         the same conversation in two caches) share a digest.
 
-        Reads only input_ids and loss_mask, a window of consecutive token rows per store at a time.
+        Reads only input_ids and loss_mask, a window of consecutive token rows per store at a time. A sample whose
+        rows cannot be read (CorruptCache) gets None: reading it for training says so, or skips it (skip_corrupt).
         """
         located = [self.locate(int(i)) for i in sample_ids]
         keys: list[bytes | None] = [None] * len(located)
@@ -271,7 +272,13 @@ class Cache:
     ) -> None:
         store, lo = located[window[0]][0], located[window[0]][1]
         hi = max(located[k][1] + located[k][2] for k in window)
-        rows = self._stores[store].read_many(["input_ids", "loss_mask"], lo, hi)
+        try:
+            rows = self._stores[store].read_many(["input_ids", "loss_mask"], lo, hi)
+        except CorruptCache:
+            if len(window) > 1:  # find the damaged samples one by one; the others keep their keys
+                for k in window:
+                    self._key_window([k], located, keys)
+            return
         for k in window:
             start, length = located[k][1] - lo, located[k][2]
             n = prompt_length(rows["loss_mask"][start : start + length])

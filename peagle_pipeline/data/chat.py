@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from peagle_pipeline.data.formats import Message
+from peagle_pipeline.data.records import Message
 from peagle_pipeline.errors import BadInput
 
 __all__ = ["ChatRenderer", "RenderedSample", "RejectRow", "template_token_ids"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from peagle_pipeline.data.chat import ChatRenderer, RejectRow
-from peagle_pipeline.data.formats import Conversation
+from peagle_pipeline.data.records import Conversation
 
 __all__ = [
     "Dialogue",

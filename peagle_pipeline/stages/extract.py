@@ -139,7 +139,7 @@ def render_rows(
 ) -> Iterator[PlannedSample | RowReject]:
     """Rendered samples (numbered 0, 1, ... in storage order) and rejects, in row order."""
     from peagle_pipeline.data.chat import RejectRow
-    from peagle_pipeline.data.formats import Reject, TokenizedConversation
+    from peagle_pipeline.data.records import Reject, TokenizedConversation
 
     ordinal = 0
     for index, row in rows:

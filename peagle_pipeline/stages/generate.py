@@ -175,7 +175,7 @@ def generate_chunk(
         on_wave: called after each wave with (replies, generated tokens) of that wave.
     """
     from peagle_pipeline.data.chat import RejectRow
-    from peagle_pipeline.data.formats import Reject
+    from peagle_pipeline.data.records import Reject
 
     out = ChunkOutput()
     plan: list[tuple[Any, str | None, list[Dialogue]]] = []

@@ -315,7 +315,8 @@ def _file_messages(path: Path) -> Iterator[list[dict[str, str]]]:
     if path.suffix in (".jsonl", ".ndjson") and _first_record_has_prompt(path):
         yield from _prompt_records(path)
         return
-    from peagle_pipeline.data.formats import Conversation, iter_rows
+    from peagle_pipeline.data.formats import iter_rows
+    from peagle_pipeline.data.records import Conversation
 
     for row in iter_rows([path]):
         if isinstance(row, Conversation):

@@ -15,7 +15,7 @@ from fakes import FakeBackend
 
 from peagle_pipeline.cache.reader import open_cache
 from peagle_pipeline.config import ExtractConfig
-from peagle_pipeline.data.formats import Conversation, Message, Reject
+from peagle_pipeline.data.records import Conversation, Message, Reject
 from peagle_pipeline.errors import BadInput, Interrupted
 from peagle_pipeline.stages import extract as stage
 from peagle_pipeline.stages.extract import PlannedSample, RowReject, plan_batches, rank_rows, render_rows

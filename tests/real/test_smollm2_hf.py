@@ -12,7 +12,8 @@ from peagle_pipeline.backends.pieces import read_target_info
 from peagle_pipeline.cache.target import save_target_pieces
 from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.data.chat import ChatRenderer
-from peagle_pipeline.data.formats import Conversation, iter_rows
+from peagle_pipeline.data.formats import iter_rows
+from peagle_pipeline.data.records import Conversation
 from peagle_pipeline.stages.extract import backend_settings, target_source
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]

@@ -14,7 +14,8 @@ def render_samples(model: str, data: str, n: int, max_length: int) -> list[list[
     from transformers import AutoTokenizer
 
     from peagle_pipeline.data.chat import ChatRenderer, RejectRow
-    from peagle_pipeline.data.formats import Conversation, iter_rows
+    from peagle_pipeline.data.formats import iter_rows
+    from peagle_pipeline.data.records import Conversation
 
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(model))
     out: list[list[int]] = []

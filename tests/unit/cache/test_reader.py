@@ -105,6 +105,31 @@ def test_verify_names_store_and_samples_of_a_damaged_shard(tmp_path):
         cache.read_arrays(3)
 
 
+def test_prompt_keys_of_damaged_token_rows_are_none(tmp_path):
+    """A damaged input_ids chunk costs the keys of the samples in it (None), not the whole read: training then
+    reports those samples, or skips them with skip_corrupt, as before."""
+    write_cache(tmp_path / "c")
+    ids = open_cache(tmp_path / "c").samples["sample_id"].to_numpy()
+    clean = open_cache(tmp_path / "c").prompt_keys(ids)
+    shard = tmp_path / "c" / "stores" / STORE / "input_ids" / "c" / "1"  # a shard file per 1-D shard
+    blob = bytearray(shard.read_bytes())
+    blob[20] ^= 0xFF  # inside the first chunk's compressed bytes
+    shard.write_bytes(bytes(blob))
+    cache = open_cache(tmp_path / "c")
+    damaged = []
+    for sid in ids.tolist():
+        try:
+            cache.read_arrays(sid)
+        except CorruptCache:
+            damaged.append(sid)
+    assert damaged and len(damaged) < len(ids)
+    keys = cache.prompt_keys(ids)
+    assert [k for k, sid in zip(keys, ids.tolist(), strict=True) if sid in damaged] == [None] * len(damaged)
+    assert [k for k, sid in zip(keys, ids.tolist(), strict=True) if sid not in damaged] == [
+        k for k, sid in zip(clean, ids.tolist(), strict=True) if sid not in damaged
+    ]
+
+
 def test_verify_detects_table_changes(tmp_path):
     write_cache(tmp_path / "c")
     path = tmp_path / "c" / "stores" / STORE / "token_counts.npy"

@@ -6,7 +6,7 @@ import pytest
 from tiny import build_tokenizer
 
 from peagle_pipeline.data.chat import ChatRenderer, RejectRow
-from peagle_pipeline.data.formats import Message
+from peagle_pipeline.data.records import Message
 from peagle_pipeline.errors import BadInput
 
 END = {"chatml": "<|im_end|>", "chatml_system": "<|im_end|>", "llama3": "<|eot_id|>"}

@@ -13,7 +13,7 @@ from peagle_pipeline.data.dialogue import (
     DialogueBuilder,
     template_end_of_turn_ids,
 )
-from peagle_pipeline.data.formats import Conversation, Message
+from peagle_pipeline.data.records import Conversation, Message
 
 END = {"chatml": "<|im_end|>", "chatml_system": "<|im_end|>", "llama3": "<|eot_id|>"}
 CONV = Conversation(

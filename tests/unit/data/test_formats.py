@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from peagle_pipeline.data.formats import Conversation, Message, Reject, dataset_fingerprint, iter_rows
+from peagle_pipeline.data.formats import dataset_fingerprint, iter_rows
+from peagle_pipeline.data.records import Conversation, Message, Reject
 from peagle_pipeline.errors import BadInput
 
 SHAREGPT = {

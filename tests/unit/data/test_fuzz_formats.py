@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from tiny import build_tokenizer
 
 from peagle_pipeline.data.chat import ChatRenderer, RejectRow, RenderedSample
-from peagle_pipeline.data.formats import Conversation, Message, Reject, iter_rows, to_conversation
+from peagle_pipeline.data.formats import iter_rows
+from peagle_pipeline.data.records import Conversation, Message, Reject, to_conversation
 from peagle_pipeline.errors import PeagleError
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from peagle_pipeline.data.formats import GENERATE_META, Reject, TokenizedConversation, iter_rows
+from peagle_pipeline.data.formats import GENERATE_META, iter_rows
+from peagle_pipeline.data.records import Reject, TokenizedConversation
 
 
 def _jsonl(path: Path, records: list) -> Path:

@@ -1,0 +1,213 @@
+"""One parsed source row, checked and normalised: a `Conversation` (text turns), a `TokenizedConversation` (token ids
+and a loss mask kept as generated) or a `Reject` with a one-line reason.
+
+`to_conversation` takes a record as a reader yields it (a dict from JSON, JSONL, Parquet or Arrow) and accepts the
+ShareGPT (`conversations: [{from, value}]`) and OpenAI (`messages: [{role, content}]`) schemas, tool calls included.
+The readers of files and directories are in `formats.py`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "Role",
+    "ROLE_MAP",
+    "Message",
+    "Conversation",
+    "TokenizedConversation",
+    "Reject",
+    "Row",
+    "to_conversation",
+]
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+# Source role names (lower-cased) -> our role. ShareGPT and OpenAI spellings in one table.
+ROLE_MAP: dict[str, Role] = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "tool": "tool",  # OpenAI tool results (rendered as context, never supervised)
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One turn of a conversation.
+
+    `tool_calls` (assistant turns) are OpenAI tool calls with their JSON `arguments` parsed into objects, as vLLM
+    hands them to chat templates; `tool_call_id` is what a `tool` turn answers. Both go to the chat template as is.
+    """
+
+    role: Role
+    content: str
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """A usable source row: `source` is the file (or dataset directory), `source_row` its row index there."""
+
+    source: str
+    source_row: int
+    messages: list[Message]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizedConversation:
+    """A row that carries its own token ids and loss mask (on-policy data written by `generate`): used as is.
+
+    `input_ids` [T] are the tokens the target saw and produced; `loss_mask` [T] is True on generated reply
+    tokens. Re-rendering the text could give other ids than were generated (SPEC §4a), so none is done.
+    """
+
+    source: str
+    source_row: int
+    input_ids: list[int]
+    loss_mask: list[bool]
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """A source row that cannot be used, with a one-line reason."""
+
+    source: str
+    source_row: int
+    reason: str
+
+
+Row = Conversation | TokenizedConversation | Reject
+"""One source row as read: usable as text, usable as token ids, or rejected with a reason."""
+
+
+def to_conversation(record: Any, source: str, row: int) -> Conversation | TokenizedConversation | Reject:
+    """Validate one parsed record (a dict) and normalise it to a Conversation, or explain why not.
+
+    A record with both `input_ids` and `loss_mask` is a TokenizedConversation (its text, if any, is ignored).
+    """
+
+    def reject(reason: str) -> Reject:
+        return Reject(source, row, reason)
+
+    if not isinstance(record, dict):
+        return reject(f"wrong schema: row is a JSON {type(record).__name__}, expected an object")
+    if record.get("input_ids") is not None or record.get("loss_mask") is not None:
+        return _to_tokenized(record, source, row)
+    if record.get("conversations") is not None:
+        turns, key = record["conversations"], "conversations"
+    elif record.get("messages") is not None:
+        turns, key = record["messages"], "messages"
+    else:
+        keys = ", ".join(repr(k) for k in sorted(map(str, record)))[:120]  # repr: a reason stays one line
+        return reject(
+            f"wrong schema: no 'conversations' (ShareGPT) or 'messages' (OpenAI) list; keys: [{keys}]"
+        )
+    if not isinstance(turns, list):
+        return reject(f"wrong schema: '{key}' is a {type(turns).__name__}, expected a list")
+    if not turns:
+        return reject("empty conversation")
+    messages: list[Message] = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            return reject(f"wrong schema: turn {i} is a {type(turn).__name__}, expected an object")
+        role_raw = turn.get("from", turn.get("role"))
+        content = turn["value"] if "value" in turn else turn.get("content")
+        if not isinstance(role_raw, str):
+            return reject(f"wrong schema: turn {i} has no string 'from'/'role'")
+        role = ROLE_MAP.get(role_raw.strip().lower())
+        if role is None:
+            return reject(f"unknown role {role_raw[:40]!r} in turn {i}")
+        if turn.get("tool_calls") and role != "assistant":
+            return reject(f"tool calls in a {role} turn (turn {i})")
+        calls = _tool_calls(turn.get("tool_calls"))
+        if isinstance(calls, str):
+            return reject(f"malformed tool call in turn {i}: {calls}")
+        text = "" if content is None and calls else _content_text(content)  # OpenAI: `content: null` + calls
+        if not isinstance(text, str):
+            return reject(f"non-string content in turn {i}: {text}")
+        if not _is_valid_unicode(text) or not _is_valid_unicode(role_raw):
+            return reject(f"non-UTF-8 bytes (or lone surrogates) in turn {i}")
+        call_id = turn.get("tool_call_id") if role == "tool" else None
+        messages.append(Message(role, text, calls, call_id if isinstance(call_id, str) else None))
+    if not any(m.role == "assistant" for m in messages):
+        return reject("no assistant turn")
+    return Conversation(source, row, messages)
+
+
+def _to_tokenized(record: dict[str, Any], source: str, row: int) -> TokenizedConversation | Reject:
+    ids, mask = record.get("input_ids"), record.get("loss_mask")
+    if not isinstance(ids, list) or not isinstance(mask, list):
+        return Reject(
+            source, row, "wrong schema: a tokenised row needs both 'input_ids' and 'loss_mask' lists"
+        )
+    if len(ids) != len(mask):
+        return Reject(source, row, f"input_ids ({len(ids)}) and loss_mask ({len(mask)}) differ in length")
+    if not all(type(i) is int and i >= 0 for i in ids):
+        return Reject(source, row, "input_ids must be non-negative integers")
+    if not all(m in (0, 1) and type(m) in (int, bool) for m in mask):
+        return Reject(source, row, "loss_mask must hold 0/1 (or booleans)")
+    if not any(mask):
+        return Reject(source, row, "no supervised token (loss_mask is all 0)")
+    return TokenizedConversation(source, row, ids, [bool(m) for m in mask])
+
+
+def _content_text(content: Any) -> str | Exception:
+    """The text of a turn: a string, or OpenAI's list of text parts joined; otherwise an error to report."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif (
+                isinstance(part, dict)
+                and part.get("type", "text") == "text"
+                and isinstance(part.get("text"), str)
+            ):
+                parts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                return TypeError(f"content part of type {kind!r} is not text")
+        return "".join(parts)
+    return TypeError(f"got {type(content).__name__}")
+
+
+def _tool_calls(calls: Any) -> list[dict[str, Any]] | None | str:
+    """OpenAI `tool_calls` with string `arguments` parsed (vLLM does the same before templating); a str is why not."""
+    if not calls:
+        return None
+    if not isinstance(calls, list):
+        return f"'tool_calls' is a {type(calls).__name__}, expected a list"
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            return "a call without a function name"
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args)
+            except json.JSONDecodeError:
+                parsed = None
+            args = parsed if isinstance(parsed, dict) else args
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
+
+
+def _is_valid_unicode(text: str) -> bool:
+    # Undecodable bytes arrive as lone surrogates (surrogateescape); they cannot be encoded back to UTF-8.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
