@@ -254,13 +254,17 @@ class TrainConfig:
         "prompt tokens too; the target's next-token distribution is a valid target everywhere, so each cached token "
         "teaches). The held-out figures always use the loss mask.",
     )
-    eval_samples: int = _f(64, "Held-out samples (fixed by seed) for agreement and acceptance estimates.")
+    eval_samples: int = _f(
+        64,
+        "Held-out samples (fixed by seed) for agreement and acceptance estimates; training samples with the prompt "
+        "of a held-out sample (in any cache) do not train.",
+    )
     eval_cache: str = _f(
         "",
         "Cache whose held-out samples give the held-out loss, agreement and estimated AL (default: the training "
         "cache's own held-out split). Same target required. Give one on-policy cache to compare drafts trained on "
         "different data on one held-out set (off-policy validation overstates quality); every sample of the training "
-        "cache then trains.",
+        "cache then trains, except those with a held-out sample's prompt.",
     )
     eval_every: int = _f(100, "Evaluate every N steps (and always at the end).")
     seed: int = _f(0, "Seed of the shuffle, the held-out split, COD sampling and the draft init.")
