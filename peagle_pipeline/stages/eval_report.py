@@ -83,10 +83,12 @@ def format_table(report: dict[str, Any]) -> str:
     for d in report["drafts"]:
         e = d["trainer_estimate"]
         if e is not None:
+            exported = e.get("exported_acceptance_length")
+            held = f"exported step {e['exported_step']} {_f(exported)}, " if exported is not None else ""
             lines.append(
-                f"trainer estimate for {d['name']} (held-out, K={e['depths']}): last {_f(e['acceptance_length'])} "
-                f"at step {e['step']}, best {_f(e['best_acceptance_length'])} at step {e['best_step']} "
-                f"({e['run']})"
+                f"trainer estimate for {d['name']} (held-out, K={e['depths']}): {held}last "
+                f"{_f(e['acceptance_length'])} at step {e['step']}, best {_f(e['best_acceptance_length'])} at step "
+                f"{e['best_step']} ({e['run']})"
             )
         else:
             lines.append(f"trainer estimate for {d['name']}: - (its training run was not found)")

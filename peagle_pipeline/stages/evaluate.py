@@ -4,9 +4,10 @@ One engine for the plain target, then one engine per draft (each shut down befor
 memory), all with the same settings and the same prompts. Per draft and prompt set: vLLM's acceptance length
 (AL = 1 + accepted / drafts, counters differenced around the run), per-position acceptance, output tokens/s with and
 without the draft and the speedup, at temperature T (default 0) with concurrency 1 for AL (or
-`--acceptance-concurrency`); tokens/s also at every `--concurrency`. At T = 0 the speculative output is compared with the plain output. The trainer's estimated AL (from
-the run's metrics.jsonl) is reported beside vLLM's. Writes DIR/report.json and DIR/acceptance.png when asked.
-Never trains and never writes a cache.
+`--acceptance-concurrency`); tokens/s also at every `--concurrency`. At T = 0 the speculative output is compared
+with the plain output. The trainer's estimated AL (from the run's metrics.jsonl, at the exported checkpoint's step)
+is reported beside vLLM's. Writes DIR/report.json and DIR/acceptance.png when asked. Never trains and never writes
+a cache.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ __all__ = [
     "CHART_FILE",
     "find_run",
     "trainer_estimate",
+    "exported_step",
+    "estimate_of_export",
     "resolve_draft",
     "build_report",
     "finite",
@@ -127,29 +130,41 @@ class Draft:
 # ------------------------------------------------------------------------------------------------ drafts
 
 
+def _marker(export: Path) -> dict[str, Any]:
+    """The facts of an export's `.peagle-export.json` ({} when it has none or it cannot be read)."""
+    try:
+        facts = json.loads((export / EXPORT_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return facts if isinstance(facts, dict) else {}
+
+
 def find_run(export_dir: str | Path) -> Path | None:
     """The training run an export came from: named by its `.peagle-export.json` (`run` or `run_dir`, relative to
     the export), else the export's parent when the export sits in a run (`train` writes RUN/export); else None."""
     from peagle_pipeline.stages.rundir import TRAIN_YAML
 
     export = Path(export_dir)
-    marker = export / EXPORT_MARKER
-    if marker.is_file():
-        try:
-            facts = json.loads(marker.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            facts = {}
-        named = facts.get("run") or facts.get("run_dir") if isinstance(facts, dict) else None
-        if isinstance(named, str):
-            run = Path(named) if Path(named).is_absolute() else export / named
-            if (run / TRAIN_YAML).is_file():
-                return run
+    facts = _marker(export)
+    named = facts.get("run") or facts.get("run_dir")
+    if isinstance(named, str):
+        run = Path(named) if Path(named).is_absolute() else export / named
+        if (run / TRAIN_YAML).is_file():
+            return run
     parent = export.resolve().parent
     return parent if (parent / TRAIN_YAML).is_file() else None
 
 
-def trainer_estimate(run_dir: Path) -> dict[str, Any] | None:
-    """The trainer's held-out acceptance estimates: the last one and the best one (what `export` takes by default)."""
+def exported_step(export_dir: str | Path) -> int | None:
+    """The training step of the checkpoint an export holds (its marker's `step`), or None (unknown)."""
+    step = _marker(Path(export_dir)).get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def trainer_estimate(run_dir: Path, step: int | None = None) -> dict[str, Any] | None:
+    """The trainer's held-out acceptance estimates: the last one, the best one (what `export` takes by default) and,
+    given the exported checkpoint's `step`, the one of that step (`exported_acceptance_length`, None when the run
+    did not evaluate at that step)."""
     from peagle_pipeline.stages.metrics import read_metrics
     from peagle_pipeline.stages.prompts import read_train_settings
 
@@ -165,14 +180,25 @@ def trainer_estimate(run_dir: Path) -> dict[str, Any] | None:
         depths: int | None = int(read_train_settings(run_dir)["depths"])
     except (BadInput, KeyError, TypeError, ValueError):
         depths = None
+    at_step = [r["acceptance"] for r in evals if step is not None and r.get("step") == step]
     return {
         "acceptance_length": evals[-1]["acceptance"],
         "step": evals[-1]["step"],
+        "exported_acceptance_length": at_step[-1] if at_step else None,
+        "exported_step": step,
         "best_acceptance_length": best["acceptance"],
         "best_step": best["step"],
         "depths": depths,
         "run": str(run_dir),
     }
+
+
+def estimate_of_export(estimate: dict[str, Any] | None) -> float | None:
+    """The estimate that belongs beside vLLM's AL: that of the exported checkpoint's step, else the run's last."""
+    if estimate is None:
+        return None
+    exported = estimate.get("exported_acceptance_length")
+    return exported if exported is not None else estimate["acceptance_length"]
 
 
 def resolve_draft(path: str, depths: int | None) -> Draft:
@@ -196,7 +222,7 @@ def resolve_draft(path: str, depths: int | None) -> Draft:
         trained_depths=trained,
         depths=depths if depths is not None else trained,
         run=str(run_dir) if run_dir is not None else None,
-        estimate=trainer_estimate(run_dir) if run_dir is not None else None,
+        estimate=trainer_estimate(run_dir, exported_step(path)) if run_dir is not None else None,
     )
 
 
@@ -298,7 +324,7 @@ def build_report(
                     "identical": (not diff) if greedy else None,
                     "mismatched_prompts": len(diff) if greedy else None,
                     "mismatches": diff[:MAX_MISMATCHES],
-                    "trainer_estimate": d.estimate["acceptance_length"] if d.estimate else None,
+                    "trainer_estimate": estimate_of_export(d.estimate),
                     "throughput": throughput,
                 }
             )

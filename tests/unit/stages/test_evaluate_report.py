@@ -19,6 +19,8 @@ from peagle_pipeline.stages.evaluate import (
     Draft,
     EvalOptions,
     build_report,
+    estimate_of_export,
+    exported_step,
     find_run,
     finite,
     trainer_estimate,
@@ -70,7 +72,7 @@ def _report(temperature: float = 0.0) -> dict:
         ("b", "p", 4): EngineRun([[7, 8, 0, 0], [11, 12]], 4.0, SpecCounters(per_pos=(0, 0)), concurrency=4),
     }
     est = {"acceptance_length": 1.5, "step": 10, "best_acceptance_length": 1.6, "best_step": 5, "depths": 2,
-           "run": "/r"}  # fmt: skip
+           "exported_acceptance_length": 1.6, "exported_step": 5, "run": "/r"}  # fmt: skip
     return build_report(
         opts,
         target="/t",
@@ -89,7 +91,8 @@ def test_report_figures() -> None:
     json.dumps(report, allow_nan=False)
     a, b = report["results"]
     assert a["acceptance_length"] == pytest.approx(1.75) and a["acceptance_per_position"] == [0.5, 0.25]
-    assert a["identical"] is True and a["mismatched_prompts"] == 0 and a["trainer_estimate"] == 1.5
+    assert a["identical"] is True and a["mismatched_prompts"] == 0
+    assert a["trainer_estimate"] == 1.6  # the exported step's, not the last (1.5)
     assert [t["concurrency"] for t in a["throughput"]] == [1, 4]
     t1, t4 = a["throughput"]
     assert (t1["tokens_per_s"], t1["plain_tokens_per_s"], t1["speedup"]) == (6.0, 3.0, 2.0)
@@ -112,7 +115,10 @@ def test_report_figures() -> None:
 
     table = format_table(report)
     assert "1.750  0.50 0.25" in table and "2.00x" in table and "NO (1/2 differ)" in table
-    assert "last 1.500 at step 10, best 1.600 at step 5" in table and "T=0, max 4 new tokens" in table
+    assert (
+        "exported step 5 1.600, last 1.500 at step 10, best 1.600 at step 5" in table
+        and "T=0, max 4 new tokens" in table
+    )
     assert "--dtype fp32 checks exact equality" in table  # bf16 with a mismatch: the note
 
 
@@ -144,6 +150,21 @@ def test_find_run_and_trainer_estimate(tmp_path: Path) -> None:
     est = trainer_estimate(run)
     assert est["acceptance_length"] == 1.4 and est["step"] == 40  # the last eval with an estimate
     assert (est["best_acceptance_length"], est["best_step"], est["depths"]) == (1.5, 20, 3)
+    assert est["exported_acceptance_length"] is None and est["exported_step"] is None  # no step given
+    assert trainer_estimate(run, 20)["exported_acceptance_length"] == 1.5
+    assert trainer_estimate(run, 30)["exported_acceptance_length"] is None  # that eval has no estimate
+    assert exported_step(elsewhere) is None  # a marker without a step
+    (elsewhere / EXPORT_MARKER).write_text(
+        json.dumps({"run": str(run), "checkpoint": "step-00000020", "step": 20})
+    )
+    assert exported_step(elsewhere) == 20
+    assert (
+        trainer_estimate(find_run(elsewhere), exported_step(elsewhere))["exported_acceptance_length"] == 1.5
+    )
+    (elsewhere / EXPORT_MARKER).write_text("{not json")
+    assert exported_step(elsewhere) is None and find_run(elsewhere) is None
+    assert estimate_of_export(None) is None
+    assert estimate_of_export({"acceptance_length": 1.4, "exported_acceptance_length": None}) == 1.4
     _write_run(tmp_path / "empty", [None])
     assert trainer_estimate(tmp_path / "empty") is None
 
