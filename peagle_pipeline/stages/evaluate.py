@@ -155,10 +155,16 @@ def find_run(export_dir: str | Path) -> Path | None:
     return parent if (parent / TRAIN_YAML).is_file() else None
 
 
-def exported_step(export_dir: str | Path) -> int | None:
-    """The training step of the checkpoint an export holds (its marker's `step`), or None (unknown)."""
-    step = _marker(Path(export_dir)).get("step")
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
+def exported_step(export_dir: str | Path, run_dir: Path) -> int | None:
+    """The training step of the checkpoint an export holds (its marker's `step`), or None: unknown, or the marker
+    names another run than `run_dir` (an export found beside a run it does not come from)."""
+    from peagle_pipeline.stages.export import run_identity, same_run
+
+    facts = _marker(Path(export_dir))
+    step = facts.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or not same_run(facts, run_identity(run_dir)):
+        return None
+    return step
 
 
 def trainer_estimate(run_dir: Path, step: int | None = None) -> dict[str, Any] | None:
@@ -222,7 +228,7 @@ def resolve_draft(path: str, depths: int | None) -> Draft:
         trained_depths=trained,
         depths=depths if depths is not None else trained,
         run=str(run_dir) if run_dir is not None else None,
-        estimate=trainer_estimate(run_dir, exported_step(path)) if run_dir is not None else None,
+        estimate=trainer_estimate(run_dir, exported_step(path, run_dir)) if run_dir is not None else None,
     )
 
 

@@ -49,6 +49,7 @@ __all__ = [
     "DraftSpec",
     "export_config",
     "run_identity",
+    "same_run",
     "check_export_target",
     "write_export",
     "export_run",
@@ -199,7 +200,8 @@ def export_run_dir(export_dir: str | os.PathLike[str]) -> str | None:
     return run if isinstance(run, str) else None
 
 
-def _same_run(marker: dict[str, Any], source: dict[str, Any] | None) -> bool:
+def same_run(marker: dict[str, Any], source: dict[str, Any] | None) -> bool:
+    """Whether an export's marker names the run `source` (`run_identity`): by first start time, else by path."""
     if source is None:
         return False
     if marker.get("run_started") is not None or source.get("run_started") is not None:
@@ -249,7 +251,7 @@ def check_export_target(
         marker = None
     except (OSError, ValueError):
         marker = {}
-    if force or (marker is None and own) or (marker and _same_run(marker, source)):
+    if force or (marker is None and own) or (marker and same_run(marker, source)):
         return
     if marker and marker.get("run"):
         what = f"the export of another run ({marker['run']}, {marker.get('checkpoint')})"

@@ -153,16 +153,25 @@ def test_find_run_and_trainer_estimate(tmp_path: Path) -> None:
     assert est["exported_acceptance_length"] is None and est["exported_step"] is None  # no step given
     assert trainer_estimate(run, 20)["exported_acceptance_length"] == 1.5
     assert trainer_estimate(run, 30)["exported_acceptance_length"] is None  # that eval has no estimate
-    assert exported_step(elsewhere) is None  # a marker without a step
+    assert exported_step(elsewhere, run) is None  # a marker without a step
+    marker = {"run": str(run.resolve()), "checkpoint": "step-00000020", "step": 20}
+    (elsewhere / EXPORT_MARKER).write_text(json.dumps(marker))
+    assert exported_step(elsewhere, find_run(elsewhere)) == 20
+    assert trainer_estimate(run, exported_step(elsewhere, run))["exported_acceptance_length"] == 1.5
+    other = tmp_path / "other"
+    _write_run(other, [1.1])
+    assert exported_step(elsewhere, other) is None  # the step of another run's checkpoint says nothing here
+    (run / "run.json").write_text(
+        json.dumps({"starts": [{"time": 123.0}]})
+    )  # a run is known by its first start
+    (elsewhere / EXPORT_MARKER).write_text(json.dumps({**marker, "run": "/moved/away", "run_started": 123.0}))
+    assert exported_step(elsewhere, run) == 20
     (elsewhere / EXPORT_MARKER).write_text(
-        json.dumps({"run": str(run), "checkpoint": "step-00000020", "step": 20})
-    )
-    assert exported_step(elsewhere) == 20
-    assert (
-        trainer_estimate(find_run(elsewhere), exported_step(elsewhere))["exported_acceptance_length"] == 1.5
-    )
+        json.dumps({**marker, "run_started": 456.0})
+    )  # same path, other run
+    assert exported_step(elsewhere, run) is None
     (elsewhere / EXPORT_MARKER).write_text("{not json")
-    assert exported_step(elsewhere) is None and find_run(elsewhere) is None
+    assert exported_step(elsewhere, run) is None and find_run(elsewhere) is None
     assert estimate_of_export(None) is None
     assert estimate_of_export({"acceptance_length": 1.4, "exported_acceptance_length": None}) == 1.4
     _write_run(tmp_path / "empty", [None])
