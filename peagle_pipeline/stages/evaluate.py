@@ -12,7 +12,6 @@ a cache.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -130,22 +129,14 @@ class Draft:
 # ------------------------------------------------------------------------------------------------ drafts
 
 
-def _marker(export: Path) -> dict[str, Any]:
-    """The facts of an export's `.peagle-export.json` ({} when it has none or it cannot be read)."""
-    try:
-        facts = json.loads((export / EXPORT_MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return facts if isinstance(facts, dict) else {}
-
-
 def find_run(export_dir: str | Path) -> Path | None:
     """The training run an export came from: named by its `.peagle-export.json` (`run` or `run_dir`, relative to
     the export), else the export's parent when the export sits in a run (`train` writes RUN/export); else None."""
+    from peagle_pipeline.stages.export import read_marker
     from peagle_pipeline.stages.rundir import TRAIN_YAML
 
     export = Path(export_dir)
-    facts = _marker(export)
+    facts = read_marker(export)
     named = facts.get("run") or facts.get("run_dir")
     if isinstance(named, str):
         run = Path(named) if Path(named).is_absolute() else export / named
@@ -158,9 +149,9 @@ def find_run(export_dir: str | Path) -> Path | None:
 def exported_step(export_dir: str | Path, run_dir: Path) -> int | None:
     """The training step of the checkpoint an export holds (its marker's `step`), or None: unknown, or the marker
     names another run than `run_dir` (an export found beside a run it does not come from)."""
-    from peagle_pipeline.stages.export import run_identity, same_run
+    from peagle_pipeline.stages.export import read_marker, run_identity, same_run
 
-    facts = _marker(Path(export_dir))
+    facts = read_marker(export_dir)
     step = facts.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or not same_run(facts, run_identity(run_dir)):
         return None

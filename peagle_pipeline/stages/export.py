@@ -45,6 +45,7 @@ __all__ = [
     "WEIGHTS_FILE",
     "MARKER_FILE",
     "export_run_dir",
+    "read_marker",
     "EXPORT_FILES",
     "DraftSpec",
     "export_config",
@@ -191,12 +192,18 @@ def run_identity(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return {"run": str(Path(run_dir).resolve()), "run_started": started}
 
 
+def read_marker(export_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """What an export's marker records (`run_identity`, `checkpoint`, `step`, `time`); {} without a readable one."""
+    try:
+        facts = json.loads((Path(export_dir) / MARKER_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return facts if isinstance(facts, dict) else {}
+
+
 def export_run_dir(export_dir: str | os.PathLike[str]) -> str | None:
     """The training run an export came from (its marker's "run"), or None (not ours, or no marker)."""
-    try:
-        run = json.loads((Path(export_dir) / MARKER_FILE).read_text()).get("run")
-    except (OSError, ValueError, AttributeError):
-        return None
+    run = read_marker(export_dir).get("run")
     return run if isinstance(run, str) else None
 
 
