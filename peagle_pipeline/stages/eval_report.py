@@ -84,9 +84,9 @@ def format_table(report: dict[str, Any]) -> str:
         e = d["trainer_estimate"]
         if e is not None:
             exported = e.get("exported_acceptance_length")
-            held = f"exported step {e['exported_step']} {_f(exported)}, " if exported is not None else ""
+            at_export = f"exported step {e['exported_step']} {_f(exported)}, " if exported is not None else ""
             lines.append(
-                f"trainer estimate for {d['name']} (held-out, K={e['depths']}): {held}last "
+                f"trainer estimate for {d['name']} (held-out, K={e['depths']}): {at_export}last "
                 f"{_f(e['acceptance_length'])} at step {e['step']}, best {_f(e['best_acceptance_length'])} at step "
                 f"{e['best_step']} ({e['run']})"
             )

@@ -37,7 +37,6 @@ from peagle_pipeline.stages.prompts import MT_BENCH, PromptSet, load_prompt_set,
 __all__ = [
     "EvalOptions",
     "Draft",
-    "EXPORT_MARKER",
     "REPORT_FILE",
     "CHART_FILE",
     "find_run",
@@ -52,7 +51,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-EXPORT_MARKER = ".peagle-export.json"  # written into an export by `export`, naming the run it came from
 REPORT_FILE = "report.json"
 CHART_FILE = "acceptance.png"
 MAX_MISMATCHES = 5  # mismatching prompts listed per row in the report

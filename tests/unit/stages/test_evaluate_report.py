@@ -15,7 +15,6 @@ from peagle_pipeline.errors import BadInput
 from peagle_pipeline.stages.acceptance import EngineRun, SpecCounters, mismatches, ratio
 from peagle_pipeline.stages.eval_report import format_table, plot_acceptance
 from peagle_pipeline.stages.evaluate import (
-    EXPORT_MARKER,
     Draft,
     EvalOptions,
     build_report,
@@ -25,6 +24,7 @@ from peagle_pipeline.stages.evaluate import (
     finite,
     trainer_estimate,
 )
+from peagle_pipeline.stages.export import MARKER_FILE as EXPORT_MARKER
 from peagle_pipeline.stages.prompts import PromptSet
 
 
@@ -161,14 +161,12 @@ def test_find_run_and_trainer_estimate(tmp_path: Path) -> None:
     other = tmp_path / "other"
     _write_run(other, [1.1])
     assert exported_step(elsewhere, other) is None  # the step of another run's checkpoint says nothing here
-    (run / "run.json").write_text(
-        json.dumps({"starts": [{"time": 123.0}]})
-    )  # a run is known by its first start
+    # a run is known by its first start, wherever it was moved
+    (run / "run.json").write_text(json.dumps({"starts": [{"time": 123.0}]}))
     (elsewhere / EXPORT_MARKER).write_text(json.dumps({**marker, "run": "/moved/away", "run_started": 123.0}))
     assert exported_step(elsewhere, run) == 20
-    (elsewhere / EXPORT_MARKER).write_text(
-        json.dumps({**marker, "run_started": 456.0})
-    )  # same path, other run
+    # the same path, but another run started there
+    (elsewhere / EXPORT_MARKER).write_text(json.dumps({**marker, "run_started": 456.0}))
     assert exported_step(elsewhere, run) is None
     (elsewhere / EXPORT_MARKER).write_text("{not json")
     assert exported_step(elsewhere, run) is None and find_run(elsewhere) is None
