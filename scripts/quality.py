@@ -50,11 +50,12 @@ IM_END = 2  # SmolLM2's <|im_end|> (= pad = eos): the mask token before SPEC 5.3
 # Fixed rather than picked from the data rows' AL, so that every draft is measured in one `evaluate` run.
 CARRIER = "on-multi"
 ON_POLICY_ROWS = ("on-single", "on-multi", "on-single-greedy")
-# The main draft trains on the carrier and, through `train --extra-cache`, on the run's other on-policy caches: 2.8x
-# the carrier's tokens at no extraction cost (measured at this budget: +0.023 AL on MT-Bench, +0.029 held-out;
-# docs/quality-notes.md). Its held-out samples stay the carrier's, and train leaves the extra caches' samples of
-# their prompts out of training, so its trainer estimate stays held-out.
-MAIN_EXTRA = ("on-single", "on-single-greedy")
+# The main draft trains on the carrier and, through `train --extra-cache`, on the run's other caches: the other
+# on-policy ones (2.8x the carrier's tokens at no extraction cost; measured at this budget: +0.023 AL on MT-Bench,
+# +0.029 held-out; docs/quality-notes.md) and the off-policy one (+0.007 on MT-Bench, +0.016 held-out beside
+# them). Its held-out samples stay the carrier's, and train leaves the extra caches' samples of their prompts out of
+# training, so its trainer estimate stays held-out.
+MAIN_EXTRA = ("on-single", "on-single-greedy", "off-policy")
 
 # Sizes at --scale 1 (the measured times are in docs/quality.md). `--scale auto` (the default) uses 1 on a CPU with
 # bf16 units and SLOW_HOST_SCALE on one without: there fp32 runs every stage slower (this host's cores in fp32,
@@ -661,14 +662,18 @@ def render_doc(summary: dict[str, Any], root: Path, doc: Path) -> str:
     lines += [
         "",
         "## Learning curve: the main draft ("
-        + ("all the run's on-policy data" if extra else "the carrier data")
+        + (
+            ("all the run's data" if "off-policy" in extra else "all the run's on-policy data")
+            if extra
+            else "the carrier data"
+        )
         + ", trained longer)",
         "",
     ]
     if extra:
         lines += [
             f"The main draft trains on the {s['carrier']} cache and, beside it (`train --extra-cache`), on the "
-            + " and ".join(extra)
+            + (", ".join(extra[:-1]) + " and " + extra[-1] if len(extra) > 1 else extra[0])
             + " caches, at no extra extraction. Its trainer estimates use the held-out samples of "
             f"{s['carrier']}; `train` leaves the samples of those prompts in the other caches out of training.",
             "",
