@@ -6,14 +6,17 @@ as its residual. At the start of training:
 - `fc` passes the last aux state through (identity on its block, zero on the others), so the residual stream
   begins as a hidden state of the target that its final norm and lm_head (frozen in the draft) already read;
 - the layer's attention projections on the hidden half, its output projection, MLP and norms are the target's
-  last decoder layer. The embedding half of the attention input keeps its random initialisation: the target
-  has no counterpart for it.
+  last decoder layer. The projections of the embedding half of the attention input start at zero: the target
+  has no counterpart for them, and random ones only add noise to the target layer's attention.
 
-The draft so starts as a working target layer instead of noise and learns the shift to the token after the next
-(and the parallel depths) from there. Which layer to copy was measured on SmolLM2-135M (aux layers 2, 15, 27;
+The draft so starts as exactly the target layer on the last aux state, instead of noise, and learns to read the
+token and the shift to the token after the next (and the parallel depths) from there. The embedding half's
+projections get their gradient from the first step (dL/dW = dL/dq x normed embedding), so they grow as the
+draft needs them. Which layer to copy was measured on SmolLM2-135M (aux layers 2, 15, 27;
 trainer's held-out estimate after 300 steps): the last layer (29) 1.366, layer 27 (the one that reads the last
 aux state) 1.337, layer 20 1.310, fc pass-through alone 1.315, random 1.274; also copying the target's
-projections into the embedding half: 1.285. docs/quality-notes.md has the figures and vLLM's. Pure torch, no I/O.
+projections into the embedding half: 1.285. With the embedding half at zero instead of random: 1.385 against 1.379
+(a later screen on another cache). docs/quality-notes.md has the figures and vLLM's. Pure torch, no I/O.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ def target_init_layer(num_hidden_layers: int) -> int:
 
 @torch.no_grad()
 def init_from_target_layer(model: PEagleDraft, layer: dict[str, torch.Tensor]) -> None:
-    """Copy a target decoder layer into the draft's fused layer 0 and make `fc` pass the last aux state through.
+    """Copy a target decoder layer into the draft's fused layer 0, zero its embedding half's projections and make
+    `fc` pass the last aux state through.
 
     Args:
         model: a PEagleDraft (hidden size H, n_aux aux states).
@@ -76,6 +80,8 @@ def init_from_target_layer(model: PEagleDraft, layer: dict[str, torch.Tensor]) -
                 f"target layer tensor {name} has shape {tuple(src.shape)}, the draft needs {tuple(dest.shape)}"
             )
         dest.copy_(src.to(dest.dtype))
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+        proj.weight[:, :H] = 0  # the embedding half: no target counterpart
     fc: torch.Tensor = model.fc.weight  # [H, n_aux * H]
     fc.zero_()
     fc[:, fc.shape[1] - H :] = torch.eye(H, dtype=fc.dtype)

@@ -1,19 +1,81 @@
-"""Optimizer and learning-rate schedule of a training run (AdamW; warm-up then cosine, linear or constant)."""
+"""Optimizer and learning-rate schedule of a training run (AdamW, row-sparse for embedding tables; warm-up then
+cosine, linear or constant)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
-__all__ = ["build_optimizer", "lr_at"]
+__all__ = ["build_optimizer", "lr_at", "RowSparseAdamW"]
+
+
+class RowSparseAdamW(torch.optim.AdamW):
+    """AdamW that updates the `row_sparse` tables (embeddings) only in the rows that have a gradient this step.
+
+    A step's packed rows hold a few hundred distinct tokens, yet plain AdamW reads and writes every row of an
+    embedding table and of both its moment buffers on every step: for SmolLM2 (49,152 x 576) that was about 40 %
+    of a CPU training step (1.76x the tokens/s with the table frozen). Here a row without gradient keeps its
+    weights and moments as they are (lazy Adam: no momentum-only drift, no weight decay while unused); a row with
+    a gradient gets exactly AdamW's update, with the table's step count for the bias correction. Every other
+    parameter is plain AdamW. The state dict has AdamW's layout, so checkpoints load either way.
+    """
+
+    def __init__(
+        self, params: Iterable[torch.Tensor], row_sparse: Iterable[torch.Tensor], **kwargs: Any
+    ) -> None:
+        super().__init__(params, **kwargs)
+        if any(group["amsgrad"] for group in self.param_groups):
+            raise ValueError("RowSparseAdamW does not support amsgrad")
+        self._row_sparse = {id(p) for p in row_sparse}
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        held: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
+        for group in self.param_groups:  # AdamW skips a parameter without grad: hand it the dense ones only
+            for p in group["params"]:
+                if id(p) in self._row_sparse and p.grad is not None:
+                    held.append((group, p, p.grad))
+                    p.grad = None
+        loss = super().step(closure)
+        for group, p, grad in held:
+            p.grad = grad
+            self._row_step(group, p, grad)
+        return loss
+
+    def _row_step(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor) -> None:
+        """AdamW's update of the rows of 2-D `p` [R, H] whose gradient is not all zero."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        rows = grad.any(dim=1).nonzero().squeeze(1)  # LongTensor[n]
+        if rows.numel() == 0:
+            return
+        beta1, beta2 = group["betas"]
+        lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+        t = float(state["step"])
+        g = grad[rows]
+        m = state["exp_avg"][rows].lerp_(g, 1 - beta1)
+        v = state["exp_avg_sq"][rows].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        w = p[rows].mul_(1 - lr * decay)
+        denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
+        w.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+        state["exp_avg"][rows], state["exp_avg_sq"][rows], p[rows] = m, v, w
 
 
 def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters (the lm_head is frozen), betas (0.9, 0.95), peak `lr` and `weight_decay`
-    (the run's `lr` and `weight_decay` settings)."""
+    (the run's `lr` and `weight_decay` settings); embedding tables are updated row-sparse (`RowSparseAdamW`)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    tables = [
+        m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad
+    ]
+    return RowSparseAdamW(params, tables, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
 
 
 def lr_at(step: int, peak: float, warmup: int, total: int, schedule: str) -> float:

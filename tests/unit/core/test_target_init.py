@@ -1,5 +1,6 @@
-"""core.target_init: a draft started from a target decoder layer is, before training, that layer applied to the
-last aux state (checked against transformers' own Llama layer), and mismatched tensors are refused."""
+"""core.target_init: a draft started from a target decoder layer is, before training, exactly that layer applied to
+the last aux state whatever the token (checked against transformers' own Llama layer), and mismatched tensors are
+refused."""
 
 from __future__ import annotations
 
@@ -31,9 +32,8 @@ def test_the_started_draft_is_the_target_layer_on_the_last_aux_state() -> None:
     layer, rope = _llama_layer(cfg)
     model, _, _ = tiny_draft(config=cfg, draft_vocab=cfg["vocab_size"])
     init_from_target_layer(model, dict(layer.state_dict()))
-    with torch.no_grad():  # the embedding half has no target counterpart; zero it to compare the rest exactly
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            getattr(model.layers[0].self_attn, proj).weight[:, :H] = 0
+    for proj in ("q_proj", "k_proj", "v_proj"):  # the embedding half has no target counterpart: zero
+        assert not getattr(model.layers[0].self_attn, proj).weight[:, :H].any()
     N = 6
     g = torch.Generator().manual_seed(1)
     aux = torch.randn(N, 3 * H, generator=g)
@@ -66,3 +66,24 @@ def test_target_layer_rule_and_refusals() -> None:
         BadInput, match=r"mlp.gate_proj.weight has shape \(256, 64\), the draft needs \(128, 64\)"
     ):
         init_from_target_layer(model, dict(wide.state_dict()))
+
+
+def test_the_zero_embedding_half_learns_from_the_first_step() -> None:
+    cfg = tiny_target_config()
+    H = cfg["hidden_size"]
+    layer, _ = _llama_layer(cfg)
+    model, _, _ = tiny_draft(config=cfg, draft_vocab=cfg["vocab_size"])
+    init_from_target_layer(model, dict(layer.state_dict()))
+    N = 6
+    g = torch.Generator().manual_seed(2)
+    out = model(
+        input_ids=torch.randint(0, cfg["vocab_size"], (N,), generator=g),
+        aux_hidden=torch.randn(N, 3 * H, generator=g),
+        is_mask=torch.zeros(N, dtype=torch.bool),
+        position=torch.arange(N),
+        attn_mask=torch.ones(N, N, dtype=torch.bool).tril(),
+    )
+    model.logits(out).logsumexp(-1).sum().backward()
+    attn = model.layers[0].self_attn
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert proj.weight.grad is not None and proj.weight.grad[:, :H].abs().sum() > 0

@@ -1,10 +1,12 @@
-"""Optimizer and schedule: the learning rate is a pure function of the step."""
+"""Optimizer and schedule: the learning rate is a pure function of the step; embedding tables are updated only in
+the rows that have a gradient, and exactly as AdamW there."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from peagle_pipeline.stages.optim import lr_at
+from peagle_pipeline.stages.optim import RowSparseAdamW, build_optimizer, lr_at
 
 
 def test_warmup_then_cosine() -> None:
@@ -16,3 +18,69 @@ def test_linear_and_constant() -> None:
     assert [lr_at(s, 2.0, 0, 4, "linear") for s in range(4)] == pytest.approx([2.0, 1.5, 1.0, 0.5])
     assert {lr_at(s, 2.0, 3, 10, "constant") for s in range(3, 10)} == {2.0}
     assert lr_at(50, 1.0, 2, 10, "cosine") == pytest.approx(0.0)  # past the end (steps extended): stays at 0
+
+
+def _tables(seed: int = 0) -> tuple[torch.nn.Embedding, torch.nn.Linear]:
+    torch.manual_seed(seed)
+    return torch.nn.Embedding(12, 5), torch.nn.Linear(5, 3)
+
+
+def _step(
+    emb: torch.nn.Embedding, lin: torch.nn.Linear, opt: torch.optim.Optimizer, ids: torch.Tensor
+) -> None:
+    opt.zero_grad(set_to_none=True)
+    lin(emb(ids)).pow(2).sum().backward()
+    opt.step()
+
+
+def test_row_sparse_adamw_equals_adamw_where_every_row_has_a_gradient() -> None:
+    (e1, l1), (e2, l2) = _tables(), _tables()
+    plain = torch.optim.AdamW(
+        [*e1.parameters(), *l1.parameters()], lr=0.05, betas=(0.9, 0.95), weight_decay=0.1
+    )
+    sparse = RowSparseAdamW(
+        [*e2.parameters(), *l2.parameters()], [e2.weight], lr=0.05, betas=(0.9, 0.95), weight_decay=0.1
+    )
+    ids = torch.arange(12)
+    for _ in range(5):
+        _step(e1, l1, plain, ids)
+        _step(e2, l2, sparse, ids)
+    torch.testing.assert_close(e2.weight, e1.weight, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(l2.weight, l1.weight, rtol=0, atol=0)
+
+
+def test_rows_without_a_gradient_keep_weights_and_moments() -> None:
+    emb, lin = _tables()
+    opt = RowSparseAdamW([*emb.parameters(), *lin.parameters()], [emb.weight], lr=0.05, weight_decay=0.1)
+    _step(emb, lin, opt, torch.tensor([0, 1, 2]))
+    before = emb.weight.detach().clone()
+    m, v = opt.state[emb.weight]["exp_avg"].clone(), opt.state[emb.weight]["exp_avg_sq"].clone()
+    _step(emb, lin, opt, torch.tensor([2, 3]))  # rows 0 and 1 have momentum but no gradient now
+    after = emb.weight.detach()
+    assert torch.equal(after[[0, 1, 4, 5]], before[[0, 1, 4, 5]])  # plain AdamW would move rows 0 and 1
+    assert torch.equal(opt.state[emb.weight]["exp_avg"][[0, 1]], m[[0, 1]])
+    assert torch.equal(opt.state[emb.weight]["exp_avg_sq"][[0, 1]], v[[0, 1]])
+    assert not torch.equal(after[[2, 3]], before[[2, 3]])
+    assert float(opt.state[emb.weight]["step"]) == 2.0
+
+
+def test_the_state_dict_loads_into_plain_adamw_and_back() -> None:
+    emb, lin = _tables()
+    params = [*emb.parameters(), *lin.parameters()]
+    opt = RowSparseAdamW(params, [emb.weight], lr=0.05)
+    _step(emb, lin, opt, torch.tensor([1, 4]))
+    plain = torch.optim.AdamW(params, lr=0.05)
+    plain.load_state_dict(opt.state_dict())
+    again = RowSparseAdamW(params, [emb.weight], lr=0.05)
+    again.load_state_dict(plain.state_dict())
+    torch.testing.assert_close(again.state[emb.weight]["exp_avg"], opt.state[emb.weight]["exp_avg"])
+
+
+def test_build_optimizer_makes_the_draft_embedding_row_sparse() -> None:
+    from reference.reference_step import tiny_draft
+
+    model, _, _ = tiny_draft()
+    opt = build_optimizer(model, lr=1e-3, weight_decay=0.0)
+    assert isinstance(opt, RowSparseAdamW)
+    assert opt._row_sparse == {id(model.embed_tokens.weight)}
+    assert all(p.requires_grad for g in opt.param_groups for p in g["params"])
