@@ -33,13 +33,17 @@ class RowSparseAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:  # gradients first, so the row-sparse ones below are this step's
+            with torch.enable_grad():
+                loss = closure()
         held: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
         for group in self.param_groups:  # AdamW skips a parameter without grad: hand it the dense ones only
             for p in group["params"]:
                 if id(p) in self._row_sparse and p.grad is not None:
                     held.append((group, p, p.grad))
                     p.grad = None
-        loss = super().step(closure)
+        super().step()
         for group, p, grad in held:
             p.grad = grad
             self._row_step(group, p, grad)

@@ -84,3 +84,21 @@ def test_build_optimizer_makes_the_draft_embedding_row_sparse() -> None:
     assert isinstance(opt, RowSparseAdamW)
     assert opt._row_sparse == {id(model.embed_tokens.weight)}
     assert all(p.requires_grad for g in opt.param_groups for p in g["params"])
+
+
+def test_a_closure_computes_the_gradients_the_step_uses() -> None:
+    (e1, l1), (e2, l2) = _tables(), _tables()
+    ids = torch.tensor([3, 7])
+    plain = RowSparseAdamW([*e1.parameters(), *l1.parameters()], [e1.weight], lr=0.05)
+    _step(e1, l1, plain, ids)
+    withc = RowSparseAdamW([*e2.parameters(), *l2.parameters()], [e2.weight], lr=0.05)
+
+    def closure() -> float:
+        withc.zero_grad(set_to_none=True)
+        out = l2(e2(ids)).pow(2).sum()
+        out.backward()
+        return float(out)
+
+    assert withc.step(closure) is not None
+    torch.testing.assert_close(e2.weight, e1.weight, rtol=0, atol=0)
+    torch.testing.assert_close(l2.weight, l1.weight, rtol=0, atol=0)
