@@ -19,8 +19,8 @@ host of the same class that runs the stages 1.7x to 2.1x as fast, with the row-s
 1.33x faster (about 74 minutes on the first host, an estimate). docs/quality.md gives each stage's time;
 docs/quality-notes.md says where the time goes and what a host without bf16 units changes. The first host computing
 in fp32 (PEAGLE_CPU_BF16=0, as on a host without bf16 units), where --scale auto takes 0.65 of the sizes, took 77.8
-(docs/quality-fp32.md). `--render` re-writes the doc from
-DIR/quality.json alone; QUALITY_DIR and QUALITY_DOC (make) put a second run beside the first.
+(docs/quality-fp32.md). `--render` re-writes the doc from DIR/quality.json alone; QUALITY_DIR and QUALITY_DOC (make)
+put a second run beside the first.
 
 Every stage is the real CLI in a subprocess (`generate` and `evaluate` in .venv-vllm, `extract` and `train` in .venv),
 and every stage resumes, so a re-run only does what is missing. The single-turn data is the first reply of each
