@@ -32,6 +32,7 @@ from peagle_pipeline.cache.reader import open_cache  # noqa: E402
 from peagle_pipeline.config import TrainConfig, resolve  # noqa: E402
 from peagle_pipeline.core import partition  # noqa: E402
 from peagle_pipeline.core.copying import NO_GUESS, bigram_copy_prediction  # noqa: E402
+from peagle_pipeline.errors import PeagleError  # noqa: E402
 from peagle_pipeline.stages.distributed import Dist  # noqa: E402
 from peagle_pipeline.stages.loader import DataSplit, pack_rows, read_packed  # noqa: E402
 from peagle_pipeline.stages.trainer import Trainer  # noqa: E402
@@ -147,4 +148,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except PeagleError as err:  # a missing run, another target's cache: one line, its exit code
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
