@@ -476,11 +476,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(err: PeagleError) -> int:
-    """Print the one error line; returns the exit code. After Ctrl-C, asyncio's complaints about the tasks it
-    abandoned (Zarr's I/O) would follow at exit: silence them, the line above says what happened."""
+    """Print the one error line; returns the exit code. After a stop (Ctrl-C, or an object store that went away
+    mid-upload), asyncio's complaints about the tasks it abandoned (Zarr's and aiohttp's I/O: "Task exception was
+    never retrieved" with a traceback per request) would follow at exit: silence them, the line above says what
+    happened. PEAGLE_DEBUG=1 raises instead of reporting, so they still show there."""
     print(f"error: {err}", file=sys.stderr)
-    if isinstance(err, Interrupted):
-        logging.getLogger("asyncio").disabled = True
+    logging.getLogger("asyncio").disabled = True
     return err.exit_code
 
 

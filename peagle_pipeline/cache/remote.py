@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -94,6 +95,10 @@ class RemoteCache:
         except (BadInput, Busy, OutputExists, ResumeMismatch, IncompatibleCache):
             raise
         except Exception as err:  # s3fs/aiohttp/botocore raise many types
+            # The failed call leaves its other requests' tasks behind on fsspec's event loop; when they are
+            # collected, asyncio would print "Task exception was never retrieved" and a traceback for each (seen
+            # when the link drops mid-upload). The one line below says what happened.
+            logging.getLogger("asyncio").disabled = True
             raise BadInput(f"cannot {doing} {self.url}: {describe_error(err)}{after}") from None
 
     # ----------------------------------------------------------------------------------------- the root
