@@ -140,14 +140,21 @@ class DialogueBuilder:
     def start(self, conv: Conversation, index: int, sample: int = 0) -> Dialogue:
         """The dialogue of `conv` with the prompt of its first reply to generate.
 
+        A conversation with no reply after its first user turn that ends with a user turn is a prompt: its reply
+        is added as the one to generate.
+
         Raises:
-            RejectRow: no user turn, no assistant turn after it, or the template refuses the conversation.
+            RejectRow: no user turn, no assistant turn after it (and no trailing user turn to answer), or the
+                template refuses the conversation.
         """
         msgs = [{"role": m.role, "content": m.content} for m in conv.messages]
         first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
         if first_user is None:
             raise RejectRow("no user turn")
         slots = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and i > first_user]
+        if not slots and msgs[-1]["role"] == "user":
+            msgs.append({"role": "assistant", "content": ""})
+            slots = [len(msgs) - 1]
         if not slots:
             raise RejectRow("no assistant turn after the first user turn")
         if self.turns == "first":

@@ -83,6 +83,9 @@ class Reject:
     source: str
     source_row: int
     reason: str
+    prompt: Conversation | None = None
+    """A conversation with no reply at all that ends with a user turn (a prompt): nothing to extract, but
+    `generate` writes its reply (SPEC 4a: drafts are trained on prompts whose replies the target writes)."""
 
 
 Row = Conversation | TokenizedConversation | Reject
@@ -139,7 +142,8 @@ def to_conversation(record: Any, source: str, row: int) -> Conversation | Tokeni
         call_id = turn.get("tool_call_id") if role == "tool" else None
         messages.append(Message(role, text, calls, call_id if isinstance(call_id, str) else None))
     if not any(m.role == "assistant" for m in messages):
-        return reject("no assistant turn")
+        prompt = Conversation(source, row, messages) if messages[-1].role == "user" else None
+        return Reject(source, row, "no assistant turn", prompt)
     return Conversation(source, row, messages)
 
 

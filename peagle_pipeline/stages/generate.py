@@ -180,6 +180,8 @@ def generate_chunk(
     out = ChunkOutput()
     plan: list[tuple[Any, str | None, list[Dialogue]]] = []
     for index, row in rows:
+        if isinstance(row, Reject) and row.prompt is not None:
+            row = row.prompt  # a prompt without a reply: the target writes it
         if isinstance(row, Reject):
             plan.append((row, row.reason, []))
             continue

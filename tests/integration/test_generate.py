@@ -140,6 +140,30 @@ def test_first_and_last_turns(tiny_stop_model, conversations, tmp_path):
         assert len(_runs(row["loss_mask"])) == 1 and row["loss_mask"][-1] == 1
 
 
+def test_prompts_without_replies_get_the_targets_reply(tiny_stop_model, tmp_path):
+    """Prompt-only rows (SPEC 4a: drafts trained on prompts, replies by the target), e.g. a list of questions: each
+    gets one generated reply, and extract reads the rows as token ids."""
+    from peagle_pipeline.data.formats import iter_rows
+    from peagle_pipeline.data.records import TokenizedConversation
+
+    data = tmp_path / "prompts.jsonl"
+    prompts = [[{"role": "user", "content": f"Question {i}: why is the sky blue?"}] for i in range(3)]
+    prompts.append(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    )
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in prompts))
+    summary = stage.run(_cfg(tiny_stop_model, data, tmp_path / "gen"))
+    rows = sorted(_rows(tmp_path / "gen"), key=lambda r: r["source_row"])
+    assert [r["source_row"] for r in rows] == [0, 1, 2, 3] and summary.rows == 4
+    for row in rows:
+        assert row["messages"][:-1] == prompts[row["source_row"]]
+        assert row["messages"][-1]["role"] == "assistant" and len(row["finish"]) == 1
+        (run,) = _runs(row["loss_mask"])
+        assert run[1] == len(row["input_ids"])  # the one supervised span is the generated reply, at the end
+    read = list(iter_rows([tmp_path / "gen"]))
+    assert len(read) == 4 and all(isinstance(r, TokenizedConversation) for r in read)
+
+
 def test_long_prompts_and_empty_replies_are_recorded(tiny_stop_model, conversations, tmp_path):
     summary = stage.run(_cfg(tiny_stop_model, conversations, tmp_path / "short", max_prompt_tokens=40))
     rejects = _rejects(tmp_path / "short")

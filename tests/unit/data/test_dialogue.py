@@ -164,4 +164,23 @@ def test_rows_without_a_user_turn_are_rejected(tmp_path):
     with pytest.raises(RejectRow, match="no user turn"):
         b.start(Conversation("x", 0, [Message("assistant", "hi")]), index=0)
     with pytest.raises(RejectRow, match="no assistant turn after"):
-        b.start(Conversation("x", 0, [Message("assistant", "hi"), Message("user", "q")]), index=0)
+        b.start(Conversation("x", 0, [Message("user", "q"), Message("system", "s")]), index=0)
+
+
+def test_a_prompt_without_a_reply_gets_its_reply_slot(tmp_path):
+    """A conversation that ends with a user turn and has no reply after its first user turn is a prompt: the reply
+    to generate is appended, prompted exactly as the template renders the conversation with a generation prompt."""
+    tokenizer = build_tokenizer(tmp_path, "chatml")
+    renderer = ChatRenderer(tokenizer)
+    b = DialogueBuilder(renderer, "all", [tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    for turns in (
+        [Message("user", "q")],
+        [Message("system", "s"), Message("user", "q")],
+        [Message("assistant", "hi"), Message("user", "q")],
+    ):
+        d = b.start(Conversation("x", 0, turns), index=0)
+        msgs = [{"role": m.role, "content": m.content} for m in turns]
+        assert d.slots == [len(turns)] and d.messages[:-1] == msgs
+        assert d.text == renderer.render_text(msgs, generation_prompt=True)
+        b.add_reply(d, tokenizer("Sure", add_special_tokens=False)["input_ids"], "length")
+        assert d.messages[-1] == {"role": "assistant", "content": "Sure"} and d.turn == 1

@@ -88,6 +88,21 @@ REJECT_CASES = [
 ]
 
 
+def test_a_prompt_without_a_reply_is_rejected_for_extract_but_kept_for_generate(tmp_path):
+    """No assistant turn: nothing to extract. When the row ends with a user turn it is a prompt, and the reject
+    carries it as a conversation, which `generate` answers; a row that does not end with a user turn has none."""
+    path = tmp_path / "d.jsonl"
+    prompt = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"}]}
+    system_only = {"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}]}
+    path.write_text(f"{json.dumps(prompt)}\n{json.dumps(system_only)}\n", encoding="utf-8")
+    first, second = _rows(path)
+    assert isinstance(first, Reject) and first.reason == "no assistant turn"
+    assert first.prompt == Conversation(
+        str(path), 0, [Message("system", "be brief"), Message("user", "why?")]
+    )
+    assert isinstance(second, Reject) and second.reason == "no assistant turn" and second.prompt is None
+
+
 @pytest.mark.parametrize(("line", "reason"), REJECT_CASES)
 def test_jsonl_reject_reasons_one_per_line(tmp_path, line, reason):
     path = tmp_path / "d.jsonl"
