@@ -32,7 +32,7 @@ if str(REPO) not in sys.path:
 from peagle_pipeline.cache.reader import open_cache  # noqa: E402
 from peagle_pipeline.config import TrainConfig, resolve  # noqa: E402
 from peagle_pipeline.core import partition  # noqa: E402
-from peagle_pipeline.core.copying import NO_GUESS, bigram_copy_prediction  # noqa: E402
+from peagle_pipeline.core.copying import COPY_NONE, COPY_RIGHT, COPY_WRONG, copy_classes  # noqa: E402
 from peagle_pipeline.errors import PeagleError  # noqa: E402
 from peagle_pipeline.stages.distributed import Dist  # noqa: E402
 from peagle_pipeline.stages.loader import DataSplit, pack_rows, read_packed  # noqa: E402
@@ -79,13 +79,9 @@ def measure(trainer: Trainer) -> dict[str, object]:
         # leading correct depths per anchor, as loss.acceptance_estimate counts them
         run = table.cumprod(dim=1).sum(dim=1)
         anchors = out.element_valid[: lay.rows] & (lay.depth[: lay.rows] == 0)
-        # shifted row r of a sample holds token x_{r+1} and predicts x_{r+2}: the rule's guess at that row
-        guess = torch.cat([bigram_copy_prediction(x) for x in batch.input_ids.split(batch.doc_lengths)])
-        following = torch.cat(
-            [torch.cat([x[1:], x.new_full((1,), NO_GUESS)]) for x in batch.input_ids.split(batch.doc_lengths)]
-        )
-        cls = torch.where(guess == NO_GUESS, 2, torch.where(guess == following, 0, 1))
-        for c, name in enumerate(CLASSES):
+        # shifted row r of a sample holds token x_{r+1} and predicts x_{r+2}: the rule's verdict at that row
+        cls = copy_classes(batch.input_ids, batch.doc_lengths)
+        for c, name in zip((COPY_RIGHT, COPY_WRONG, COPY_NONE), CLASSES, strict=True):
             sel = anchors & (cls == c)
             n[name] += int(sel.sum())
             d0[name] += int(table[sel, 0].sum())

@@ -208,9 +208,15 @@ class RunSink:
 
         if r.get("kind") == "eval":
             agree = " ".join(num(a, ".2f") for a in r.get("agreement", []))
+            copies = ""
+            if r.get("copy_share") is not None:
+                copies = (
+                    f"; {100 * r['copy_share']:.0f} % of positions copy the context, depth-0 agreement there "
+                    f"{num(r.get('copy_agreement'), '.2f')}"
+                )
             line = (
                 f"eval at step {step}: loss {num(r.get('loss'), '.4f')}, acceptance length "
-                f"{num(r.get('acceptance'), '.3f')}, agreement per depth [{agree}]"
+                f"{num(r.get('acceptance'), '.3f')}, agreement per depth [{agree}]{copies}"
             )
         elif self._printed and step < self._total and now - self._last_line < LINE_EVERY_S:
             return

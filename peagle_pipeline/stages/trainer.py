@@ -27,6 +27,7 @@ import torch
 
 from peagle_pipeline.config import TrainConfig
 from peagle_pipeline.core import cod, loss, mask, partition
+from peagle_pipeline.core.copying import COPY_RIGHT, copy_classes
 from peagle_pipeline.errors import CorruptCache, NumericalFault, OutOfSpace, StoreUnreachable
 from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import resolve_compute_dtype
@@ -335,6 +336,10 @@ class Trainer:
         plans = pack_rows(self.eval_set.eval_ids, self.eval_set.eval_lengths, budget)
         loss_sum, count, acc_sum, acc_n = 0.0, 0, 0.0, 0
         correct, total = torch.zeros(K, dtype=torch.long), torch.zeros(K, dtype=torch.long)
+        copies, copies_right = (
+            0,
+            0,
+        )  # depth-0 elements whose next token the context spells out (core/copying.py)
         for i, plan in enumerate(plans):
             batch = read_packed(
                 self.eval_cache, plan, -1, i, self.cfg.target == "exact", self.cfg.skip_corrupt
@@ -353,6 +358,12 @@ class Trainer:
             total += out.total.cpu()
             s, n = loss.acceptance_estimate(p.layout, out.element_correct, out.element_valid, K)
             acc_sum, acc_n = acc_sum + float(s), acc_n + int(n)
+            rows = p.layout.rows  # depth-0 elements come first, one per packed row
+            copy = out.element_valid[:rows].cpu() & (
+                copy_classes(batch.input_ids, batch.doc_lengths) == COPY_RIGHT
+            )
+            copies += int(copy.sum())
+            copies_right += int((out.element_correct[:rows].cpu() & copy).sum())
         self.model.train()
         return {
             "step": self.step,
@@ -362,6 +373,10 @@ class Trainer:
                 c / t if t else None for c, t in zip(correct.tolist(), total.tolist(), strict=True)
             ],
             "acceptance": acc_sum / acc_n if acc_n else None,
+            # the share of depth-0 positions whose next token the bigram copy rule gets right from the context,
+            # and the draft's top-1 agreement there (docs/quality-notes.md: drafts here miss most of them)
+            "copy_share": copies / acc_n if acc_n else None,
+            "copy_agreement": copies_right / copies if copies else None,
             "eval_elements": count,
             "eval_samples": len(self.eval_set.eval_ids),
         }

@@ -51,6 +51,12 @@ def test_the_estimate_is_the_trainers_own_on_the_same_samples(run: Path) -> None
     assert sum(c["share"] for c in split.values()) == pytest.approx(1.0)
     weighted = sum(c["share"] * c["acceptance"] for c in split.values() if c["acceptance"] is not None)
     assert weighted == pytest.approx(fig["acceptance"])
+    # the trainer's own held-out record carries the copy figures too (metrics.jsonl), and they agree
+    assert own["copy_share"] == pytest.approx(split["copy right"]["share"]) and own["copy_share"] > 0
+    assert own["copy_agreement"] == pytest.approx(split["copy right"]["depth0_agreement"])
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if r["kind"] == "eval"][-1]
+    assert last["copy_share"] == pytest.approx(own["copy_share"])
 
 
 def test_the_script_holds_out_every_sample_of_the_cache(

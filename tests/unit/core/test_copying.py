@@ -45,3 +45,15 @@ def test_matches_the_rule_spelled_out_on_random_sequences():
         assert bigram_copy_prediction(seq).tolist() == _brute_force(seq.tolist())
     assert bigram_copy_prediction(torch.tensor([], dtype=torch.long)).tolist() == []
     assert bigram_copy_prediction(torch.tensor([3])).tolist() == [NO_GUESS]
+
+
+def test_copy_classes_judge_each_packed_sequence_alone():
+    from peagle_pipeline.core.copying import COPY_NONE, COPY_RIGHT, COPY_WRONG, copy_classes
+
+    loop = [1, 2, 3, 1, 2, 3, 1, 2]  # from position 4 on, the rule guesses right; the last has no next token
+    swerve = [1, 2, 9, 1, 2, 8]  # at position 4 the rule guesses 9, the next token is 8
+    got = copy_classes(torch.tensor(loop + swerve), [len(loop), len(swerve)]).tolist()
+    assert got[: len(loop)] == [COPY_NONE] * 4 + [COPY_RIGHT] * 3 + [COPY_NONE]
+    # the second sequence starts afresh: (1, 2) of the first one does not count
+    assert got[len(loop) :] == [COPY_NONE] * 4 + [COPY_WRONG, COPY_NONE]
+    assert copy_classes(torch.zeros(0, dtype=torch.long), []).tolist() == []
