@@ -336,10 +336,8 @@ class Trainer:
         plans = pack_rows(self.eval_set.eval_ids, self.eval_set.eval_lengths, budget)
         loss_sum, count, acc_sum, acc_n = 0.0, 0, 0.0, 0
         correct, total = torch.zeros(K, dtype=torch.long), torch.zeros(K, dtype=torch.long)
-        copies, copies_right = (
-            0,
-            0,
-        )  # depth-0 elements whose next token the context spells out (core/copying.py)
+        # depth-0 elements whose next token the context spells out (core/copying.py), and those the draft got right
+        copies, copies_right = 0, 0
         for i, plan in enumerate(plans):
             batch = read_packed(
                 self.eval_cache, plan, -1, i, self.cfg.target == "exact", self.cfg.skip_corrupt
