@@ -122,10 +122,18 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, sc
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
 
+# Query rows per SDPA call on a dense mask. A packed row's mask is sparse (one sample's elements see only that
+# sample's context: about 10 % of the pairs in a 1,024-token row of the demo's data), and the CPU kernel works on
+# every (query, key) pair it is given: each block of queries reads only the keys that one of its rows may see.
+# The demo's training step ran 1.1x as fast with blocks of 128 (32 to 256 measured) as in one call.
+QUERY_BLOCK = 128
+
+
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, scale: float | None = None
 ) -> torch.Tensor:
-    """Masked attention: flex for a BlockMask, SDPA for a dense bool mask.
+    """Masked attention: flex for a BlockMask, SDPA for a dense bool mask (in blocks of `QUERY_BLOCK` queries,
+    each over the keys its rows may see).
 
     Fully masked query rows (padding) give 0 output and 0 gradient, never NaN.
 
@@ -144,6 +152,25 @@ def attend(
         rep = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
+    if mask.shape[0] <= QUERY_BLOCK:
+        return _sdpa(q, k, v, mask, scale)
+    blocks = []
+    for start in range(0, mask.shape[0], QUERY_BLOCK):
+        rows = mask[start : start + QUERY_BLOCK]  # BoolTensor[b, Nk]
+        qb = q[:, :, start : start + QUERY_BLOCK]
+        seen = rows.any(dim=0)  # BoolTensor[Nk]: keys some row of the block may see
+        if bool(seen.all()):
+            blocks.append(_sdpa(qb, k, v, rows, scale))
+        elif not bool(seen.any()):  # padding only
+            blocks.append(torch.zeros_like(qb))
+        else:
+            keys = seen.nonzero().squeeze(1)
+            blocks.append(_sdpa(qb, k.index_select(2, keys), v.index_select(2, keys), rows[:, keys], scale))
+    return torch.cat(blocks, dim=2)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA with a dense bool mask [Nq, Nk] over equal head counts; rows with no allowed key give 0."""
     live = mask.any(dim=-1)  # BoolTensor[Nq]
     all_live = bool(live.all())
     if not all_live:

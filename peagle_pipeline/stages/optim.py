@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["build_optimizer", "lr_at", "RowSparseAdamW"]
+__all__ = ["build_optimizer", "clip_grad_norm", "lr_at", "RowSparseAdamW"]
 
 
 class RowSparseAdamW(torch.optim.AdamW):
@@ -21,6 +21,9 @@ class RowSparseAdamW(torch.optim.AdamW):
     weights and moments as they are (lazy Adam: no momentum-only drift, no weight decay while unused); a row with
     a gradient gets exactly AdamW's update, with the table's step count for the bias correction. Every other
     parameter is plain AdamW. The state dict has AdamW's layout, so checkpoints load either way.
+
+    A table's gradient may be dense or sparse (an `nn.Embedding(sparse=True)`, which spares the zero-filled
+    [R, H] gradient each step); both give the same update.
     """
 
     def __init__(
@@ -57,13 +60,19 @@ class RowSparseAdamW(torch.optim.AdamW):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["step"] += 1
-        rows = grad.any(dim=1).nonzero().squeeze(1)  # LongTensor[n]
+        if grad.is_sparse:
+            grad = grad.coalesce()
+            rows, g = grad.indices()[0], grad.values()  # LongTensor[n], [n, H]
+            keep = g.ne(0).any(dim=1)  # as for a dense gradient: a row whose gradient is all zero stays as it is
+            rows, g = rows[keep], g[keep]
+        else:
+            rows = grad.any(dim=1).nonzero().squeeze(1)  # LongTensor[n]
+            g = grad[rows]
         if rows.numel() == 0:
             return
         beta1, beta2 = group["betas"]
         lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
         t = float(state["step"])
-        g = grad[rows]
         m = state["exp_avg"][rows].lerp_(g, 1 - beta1)
         v = state["exp_avg_sq"][rows].mul_(beta2).addcmul_(g, g, value=1 - beta2)
         w = p[rows].mul_(1 - lr * decay)
@@ -80,6 +89,31 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float) -
         m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad
     ]
     return RowSparseAdamW(params, tables, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+
+
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale the gradients of `params` so that their global L2 norm is at most `max_norm`; returns the norm before.
+
+    `torch.nn.utils.clip_grad_norm_` for gradients that may be sparse (a sparse gradient is coalesced in place
+    first, so repeated rows count once). A non-finite norm leaves the gradients as they are.
+    """
+    grads: list[torch.Tensor] = []
+    for p in params:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            p.grad = p.grad.coalesce()
+            grads.append(p.grad.values())
+        else:
+            grads.append(p.grad)
+    if not grads:
+        return torch.tensor(0.0)
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    if math.isfinite(float(norm)) and float(norm) > max_norm:
+        coef = max_norm / (float(norm) + 1e-6)
+        for g in grads:
+            g.mul_(coef)
+    return norm
 
 
 def lr_at(step: int, peak: float, warmup: int, total: int, schedule: str) -> float:

@@ -86,3 +86,40 @@ def test_sequence_partitions_give_the_same_update(tiny_cache: Path, tmp_path: Pa
         assert losses == pytest.approx(l1, rel=1e-5)
         for key in w1:
             torch.testing.assert_close(w[key], w1[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_sparse_embedding_gradient_gives_the_dense_update(tiny_cache: Path, tmp_path: Path) -> None:
+    """A single CPU process keeps the embedding table's gradient sparse (the rows a step touched); three steps
+    give the weights and optimizer moments of the dense gradient that DDP ranks use (fp32)."""
+    runs = []
+    for sparse in (True, False):
+        cfg = resolve(
+            TrainConfig,
+            None,
+            {
+                "cache": str(tiny_cache),
+                "output": str(tmp_path / f"run{sparse}"),
+                "depths": 4,
+                "tokens_per_step": 256,
+                "precision": "fp32",
+                "eval_samples": 0,
+                "num_workers": 0,
+                "warmup": 0,
+                "grad_clip": 0.05,  # clipping on: the norm over a sparse gradient must be the dense one's
+            },
+        )
+        trainer = Trainer(cfg, Dist())
+        assert trainer.model.embed_tokens.sparse
+        trainer.model.embed_tokens.sparse = sparse
+        stream = trainer.loader.iterate(Cursor())
+        stats = [trainer.train_step(next(stream)[1]) for _ in range(3)]
+        state = trainer.optimizer.state[trainer.model.embed_tokens.weight]
+        runs.append((stats, trainer.model.state_dict(), state))
+    (s1, w1, m1), (s2, w2, m2) = runs
+    assert [s.grad_norm for s in s1] == pytest.approx([s.grad_norm for s in s2], rel=1e-5)
+    assert all(s.grad_norm > 0.05 for s in s1)  # every step was clipped
+    for key in w1:
+        torch.testing.assert_close(w1[key], w2[key], rtol=1e-5, atol=1e-6, msg=key)
+    moved = (m1["exp_avg"] != 0).any(dim=1)
+    assert 0 < int(moved.sum()) < len(moved)  # some rows trained, others untouched
+    torch.testing.assert_close(m1["exp_avg_sq"], m2["exp_avg_sq"], rtol=1e-5, atol=1e-12)

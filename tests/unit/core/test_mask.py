@@ -1,9 +1,11 @@
-"""The attention mask: a hand-checked matrix, flex (eager, CPU) == SDPA dense, no NaN with padding."""
+"""The attention mask: a hand-checked matrix, flex (eager, CPU) == SDPA dense, no NaN with padding, and the
+blocked dense path == attention over every pair."""
 
 from __future__ import annotations
 
 import torch
 
+from peagle_pipeline.core import mask as mask_module
 from peagle_pipeline.core.cod import CODConfig, CODLayout, build_layout
 from peagle_pipeline.core.mask import attend, build_mask, dense_mask, mask_mod
 
@@ -83,3 +85,33 @@ def test_no_nan_with_padding_forward_and_backward():
     assert bool(torch.isfinite(out).all())
     assert all(bool(torch.isfinite(t.grad).all()) for t in (q, k, v))
     assert bool((out[:, :, 8:12] == 0).all()) and bool((q.grad[:, :, 8:12] == 0).all())
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Attention spelled out over every (query, key) pair: softmax of the masked scores, 0 for rows with no key."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    weights = scores.masked_fill(~m, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+    return weights @ v
+
+
+def test_blocked_attention_equals_attention_over_every_pair():
+    # 3 samples and padding in one packed row: more elements than one query block, so `attend` splits the queries
+    # and gives each block only the keys it may see; a block of padding rows sees none at all.
+    torch.manual_seed(0)
+    weight = torch.rand(200) < 0.9
+    weight[190:] = False
+    lay = build_layout([70, 60, 60], weight, CODConfig(depths=4), torch.Generator().manual_seed(3))
+    m = dense_mask(lay)
+    assert len(lay) > 2 * mask_module.QUERY_BLOCK
+    m[-mask_module.QUERY_BLOCK :] = False  # a whole block with no key (as a partition's rows can be)
+    q, k, v = _qkv(len(lay), 4)
+    out = attend(q, k, v, m)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref = _reference(q, k, v, m)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    assert torch.allclose(out, ref, atol=1e-5)
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert torch.allclose(got, want, atol=1e-4)
+    assert bool((out[:, :, -mask_module.QUERY_BLOCK :] == 0).all())

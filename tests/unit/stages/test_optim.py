@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peagle_pipeline.stages.optim import RowSparseAdamW, build_optimizer, lr_at
+from peagle_pipeline.stages.optim import RowSparseAdamW, build_optimizer, clip_grad_norm, lr_at
 
 
 def test_warmup_then_cosine() -> None:
@@ -102,3 +102,42 @@ def test_a_closure_computes_the_gradients_the_step_uses() -> None:
     assert withc.step(closure) is not None
     torch.testing.assert_close(e2.weight, e1.weight, rtol=0, atol=0)
     torch.testing.assert_close(l2.weight, l1.weight, rtol=0, atol=0)
+
+
+def test_a_sparse_gradient_gives_the_dense_update() -> None:
+    # Row 3 is looked up but contributes nothing (times 0): its gradient is all zero, dense or sparse, and it
+    # keeps its weights and moments either way.
+    runs = []
+    for sparse in (True, False):
+        torch.manual_seed(0)
+        emb, lin = torch.nn.Embedding(12, 5, sparse=sparse), torch.nn.Linear(5, 3)
+        opt = RowSparseAdamW([*emb.parameters(), *lin.parameters()], [emb.weight], lr=0.05, weight_decay=0.1)
+        for ids in (torch.tensor([0, 1, 1, 3]), torch.tensor([1, 2, 3, 3])):
+            opt.zero_grad(set_to_none=True)
+            scale = (ids != 3).float()[:, None]
+            (lin(emb(ids) * scale).pow(2).sum()).backward()
+            assert emb.weight.grad.is_sparse == sparse
+            opt.step()
+        runs.append((emb.weight.detach().clone(), opt.state[emb.weight]))
+    (w_sparse, s_sparse), (w_dense, s_dense) = runs
+    torch.testing.assert_close(w_sparse, w_dense, rtol=0, atol=0)
+    torch.testing.assert_close(s_sparse["exp_avg_sq"], s_dense["exp_avg_sq"], rtol=0, atol=0)
+    assert not bool(s_sparse["exp_avg"][3].any())  # the zero-gradient row was never stepped
+
+
+def test_clip_grad_norm_equals_torchs_with_a_sparse_gradient() -> None:
+    grads = []
+    for sparse in (True, False):
+        torch.manual_seed(0)
+        emb, lin = torch.nn.Embedding(12, 5, sparse=sparse), torch.nn.Linear(5, 3)
+        lin(emb(torch.tensor([4, 4, 7, 2]))).pow(2).sum().backward()  # row 4 twice: a sparse grad repeats it
+        params = [*emb.parameters(), *lin.parameters()]
+        norm = clip_grad_norm(params, 0.5) if sparse else torch.nn.utils.clip_grad_norm_(params, 0.5)
+        dense = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params]
+        after = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in dense])))
+        grads.append((float(norm), after, dense))
+    (n1, a1, g1), (n2, a2, g2) = grads
+    assert n1 == pytest.approx(n2, rel=1e-6) and n1 > 0.5  # the norm before clipping
+    assert a1 == pytest.approx(0.5, rel=1e-5) and a2 == pytest.approx(0.5, rel=1e-5)
+    for x, y in zip(g1, g2, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
