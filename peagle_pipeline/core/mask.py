@@ -169,7 +169,9 @@ def attend(
     return torch.cat(blocks, dim=2)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """SDPA with a dense bool mask [Nq, Nk] over equal head counts; rows with no allowed key give 0."""
     live = mask.any(dim=-1)  # BoolTensor[Nq]
     all_live = bool(live.all())
