@@ -154,6 +154,10 @@ def attend(
         v = v.repeat_interleave(rep, dim=1)
     if mask.shape[0] <= QUERY_BLOCK:
         return _sdpa(q, k, v, mask, scale)
+    # fp32 inside: each block's key and value gradients are summed over the blocks, which in bf16 would round at
+    # every block (a single SDPA call accumulates in fp32). On the CPUs measured the fp32 kernel was the faster one.
+    dtype = q.dtype
+    q, k, v = q.float(), k.float(), v.float()
     blocks = []
     for start in range(0, mask.shape[0], QUERY_BLOCK):
         rows = mask[start : start + QUERY_BLOCK]  # BoolTensor[b, Nk]
@@ -166,7 +170,7 @@ def attend(
         else:
             keys = seen.nonzero().squeeze(1)
             blocks.append(_sdpa(qb, k.index_select(2, keys), v.index_select(2, keys), rows[:, keys], scale))
-    return torch.cat(blocks, dim=2)
+    return torch.cat(blocks, dim=2).to(dtype)
 
 
 def _sdpa(
@@ -179,7 +183,8 @@ def _sdpa(
         # A row with no allowed key would softmax over nothing (NaN): let it see key 0, then zero its output.
         mask = mask.clone()
         mask[:, 0] |= ~live
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    with torch.autocast(q.device.type, enabled=False):  # in the inputs' dtype (autocast would cast fp32 down)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     if not all_live:
         out = out * live.to(out.dtype)[:, None]
     return out
