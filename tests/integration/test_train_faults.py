@@ -57,26 +57,17 @@ def test_nan_steps_are_skipped_then_stop(tiny_cache: Path, tmp_path: Path) -> No
         trainer.train_step(_poison(next(stream)[1]))
 
 
+def _short_run(cache: Path, out: Path, **over: object) -> TrainConfig:
+    """fp32 steps of 256 tokens at K = 4, no warm-up, no held-out samples, no loader worker."""
+    base = {"depths": 4, "tokens_per_step": 256, "precision": "fp32", "eval_samples": 0, "num_workers": 0}
+    return resolve(TrainConfig, None, {**base, "warmup": 0, "cache": str(cache), "output": str(out), **over})
+
+
 def test_sequence_partitions_give_the_same_update(tiny_cache: Path, tmp_path: Path) -> None:
     """Per-segment backward (2 and 3 segments, no_sync-free single process) equals the single pass (fp32)."""
     weights = []
     for n in (1, 2, 3):
-        cfg = resolve(
-            TrainConfig,
-            None,
-            {
-                "cache": str(tiny_cache),
-                "output": str(tmp_path / f"run{n}"),
-                "depths": 4,
-                "tokens_per_step": 256,
-                "precision": "fp32",
-                "eval_samples": 0,
-                "num_workers": 0,
-                "warmup": 0,
-                "sequence_partitions": n,
-                "draft_vocab_size": 300,
-            },
-        )
+        cfg = _short_run(tiny_cache, tmp_path / f"run{n}", sequence_partitions=n, draft_vocab_size=300)
         trainer = Trainer(cfg, Dist())
         stream = trainer.loader.iterate(Cursor())
         losses = [trainer.train_step(next(stream)[1]).loss_sum for _ in range(2)]
@@ -93,21 +84,8 @@ def test_sparse_embedding_gradient_gives_the_dense_update(tiny_cache: Path, tmp_
     give the weights and optimizer moments of the dense gradient that DDP ranks use (fp32)."""
     runs = []
     for sparse in (True, False):
-        cfg = resolve(
-            TrainConfig,
-            None,
-            {
-                "cache": str(tiny_cache),
-                "output": str(tmp_path / f"run{sparse}"),
-                "depths": 4,
-                "tokens_per_step": 256,
-                "precision": "fp32",
-                "eval_samples": 0,
-                "num_workers": 0,
-                "warmup": 0,
-                "grad_clip": 0.05,  # clipping on: the norm over a sparse gradient must be the dense one's
-            },
-        )
+        # clipping on: the norm over a sparse gradient must be the dense one's
+        cfg = _short_run(tiny_cache, tmp_path / f"run{sparse}", grad_clip=0.05)
         trainer = Trainer(cfg, Dist())
         assert trainer.model.embed_tokens.sparse
         trainer.model.embed_tokens.sparse = sparse
