@@ -16,7 +16,8 @@ and on held-out ShareGPT prompts (records >= 17,000, never trained on), K = 4, T
 
 One run from nothing took 77.3 to 82.8 minutes on a 2-core host with bf16 units, against the issue's 90; 41.5 on a
 host of the same class that runs the stages 1.7x to 2.1x as fast, with the row-sparse embedding step that trains
-1.33x faster (about 74 minutes on the first host, an estimate). docs/quality.md gives each stage's time;
+1.33x faster (about 74 minutes on the first host, an estimate), and 38.1 there with the sparse embedding gradient
+and blocked attention (about 1.3x the training tokens/s again). docs/quality.md gives each stage's time;
 docs/quality-notes.md says where the time goes and what a host without bf16 units changes. The first host computing
 in fp32 (PEAGLE_CPU_BF16=0, as on a host without bf16 units), where --scale auto takes 0.65 of the sizes, took 77.8
 (docs/quality-fp32.md). `--render` re-writes the doc from DIR/quality.json alone; QUALITY_DIR and QUALITY_DOC (make)
