@@ -125,7 +125,8 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, sc
 # Query rows per SDPA call on a dense mask. A packed row's mask is sparse (one sample's elements see only that
 # sample's context: about 10 % of the pairs in a 1,024-token row of the demo's data), and the CPU kernel works on
 # every (query, key) pair it is given: each block of queries reads only the keys that one of its rows may see.
-# The demo's training step ran 1.1x as fast with blocks of 128 (32 to 256 measured) as in one call.
+# The demo's training step ran 1.11x as fast with bf16 blocks of 128 (32 to 256 measured) as in one call, 1.24x in
+# fp32 blocks (below; AVX512-BF16 host, docs/training.md).
 QUERY_BLOCK = 128
 
 
@@ -155,7 +156,7 @@ def attend(
     if mask.shape[0] <= QUERY_BLOCK:
         return _sdpa(q, k, v, mask, scale)
     # fp32 inside: each block's key and value gradients are summed over the blocks, which in bf16 would round at
-    # every block (a single SDPA call accumulates in fp32). On the CPUs measured the fp32 kernel was the faster one.
+    # every block (a single SDPA call accumulates in fp32). On the CPU measured the fp32 kernel was the faster one.
     dtype = q.dtype
     q, k, v = q.float(), k.float(), v.float()
     blocks = []

@@ -63,9 +63,8 @@ class RowSparseAdamW(torch.optim.AdamW):
         if grad.is_sparse:
             grad = grad.coalesce()
             rows, g = grad.indices()[0], grad.values()  # LongTensor[n], [n, H]
-            keep = g.ne(0).any(
-                dim=1
-            )  # as for a dense gradient: a row whose gradient is all zero stays as it is
+            # as for a dense gradient: a row whose gradient is all zero stays as it is
+            keep = g.ne(0).any(dim=1)
             rows, g = rows[keep], g[keep]
         else:
             rows = grad.any(dim=1).nonzero().squeeze(1)  # LongTensor[n]
