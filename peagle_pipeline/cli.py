@@ -178,6 +178,7 @@ def extract(
     overlong: Annotated[str | None, _opt(ExtractConfig, "overlong")] = None,
     max_samples: Annotated[int | None, _opt(ExtractConfig, "max_samples")] = None,
     batch_tokens: Annotated[int | None, _opt(ExtractConfig, "batch_tokens")] = None,
+    length_window: Annotated[int | None, _opt(ExtractConfig, "length_window")] = None,
     dtype: Annotated[str | None, _opt(ExtractConfig, "dtype")] = None,
     compute_dtype: Annotated[str | None, _opt(ExtractConfig, "compute_dtype")] = None,
     assistant_turns: Annotated[str | None, _opt(ExtractConfig, "assistant_turns")] = None,

@@ -151,6 +151,10 @@ class ExtractConfig:
         None, "Use only the first N conversations of the data (before rank splitting)."
     )
     batch_tokens: int = _f(8192, "Padded tokens per forward batch.")
+    length_window: int | None = _f(
+        None,
+        "Sort each window of this many consecutive samples by length before batching, so batches pad little (the storage order follows; 1 = row order). Default: 256 for a new cache; a resumed cache keeps the order it was started with.",
+    )
     dtype: Literal["bf16", "fp32", "fp8"] = _f(
         "bf16",
         "Stored hidden-state dtype (the forward's is compute_dtype). fp8: lossy, about half the bytes of bf16 (e4m3 with an fp32 scale per token and layer, read back as bf16; see docs/cache-format.md).",
@@ -197,6 +201,8 @@ class ExtractConfig:
         )
         if self.max_samples is not None and self.max_samples <= 0:
             raise BadConfig(f"max_samples must be positive, got {self.max_samples}")
+        if self.length_window is not None and self.length_window <= 0:
+            raise BadConfig(f"length_window must be positive, got {self.length_window}")
         if self.shard_tokens % self.chunk_tokens:
             raise BadConfig(
                 f"shard_tokens ({self.shard_tokens}) must be a multiple of chunk_tokens ({self.chunk_tokens})"

@@ -88,6 +88,7 @@ def fake_meta(**over) -> CacheMeta:
         shard_tokens=64,
         chunk_tokens=16,
         compress="zstd",
+        length_window=256,
     )
     base.update(over)
     base.setdefault("compute_dtype", base["hidden_dtype"])

@@ -142,6 +142,9 @@ class CacheMeta:
     shard_tokens: int
     chunk_tokens: int
     compress: str
+    # Samples sorted by length in windows of this many before batching (`stages/extract.sort_by_length`): the storage
+    # order. Caches written before this field existed stored samples in row order, which `from_dict` reads as 1.
+    length_window: int
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -152,6 +155,7 @@ class CacheMeta:
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in data.items() if k in names}
         values.setdefault("compute_dtype", values.get("hidden_dtype"))
+        values.setdefault("length_window", 1)
         return cls(**values)
 
     def differences(self, other: CacheMeta) -> list[str]:

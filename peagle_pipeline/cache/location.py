@@ -20,7 +20,13 @@ from peagle_pipeline.cache.target import TargetSource, save_target_pieces
 from peagle_pipeline.errors import IncompatibleCache, ResumeMismatch
 from peagle_pipeline.runtime import atomic_write_text, claim_output_dir, create_exclusive, fsync_dir
 
-__all__ = ["prepare_cache", "check_meta", "recorded_compute_dtype", "remove_new_cache"]
+__all__ = [
+    "prepare_cache",
+    "check_meta",
+    "recorded_compute_dtype",
+    "recorded_length_window",
+    "remove_new_cache",
+]
 
 
 def prepare_cache(
@@ -102,6 +108,17 @@ def recorded_compute_dtype(root: str | os.PathLike[str]) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return logical if isinstance(logical, str) else None
+
+
+def recorded_length_window(root: str | os.PathLike[str]) -> int | None:
+    """The storage order's length window in root/cache.json: 1 for a cache written before the field existed (row
+    order); None when there is no readable cache.json (`prepare_cache` then says what is wrong)."""
+    try:
+        found: Any = json.loads((Path(root) / layout.CACHE_META).read_text(encoding="utf-8"))
+        window = found.get("length_window", 1)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return window if isinstance(window, int) and window > 0 else None
 
 
 def remove_new_cache(root: Path, existed: bool) -> None:

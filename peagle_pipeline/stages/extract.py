@@ -26,7 +26,12 @@ from peagle_pipeline.backends.base import BackendSettings, SampleOutputs, Target
 from peagle_pipeline.backends.registry import get_backend
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.layout import CacheMeta
-from peagle_pipeline.cache.location import prepare_cache, recorded_compute_dtype, remove_new_cache
+from peagle_pipeline.cache.location import (
+    prepare_cache,
+    recorded_compute_dtype,
+    recorded_length_window,
+    remove_new_cache,
+)
 from peagle_pipeline.cache.remote import RemoteCache, is_remote
 from peagle_pipeline.cache.target import TargetSource
 from peagle_pipeline.cache.writer import CacheWriter, SampleData, SampleRecord
@@ -172,6 +177,42 @@ def render_rows(
         ordinal += 1
 
 
+# `length_window` of a new cache: samples sorted by length together in windows of this many (`sort_by_length`).
+DEFAULT_LENGTH_WINDOW = 256
+
+
+def sort_by_length(
+    items: Iterable[PlannedSample | RowReject], window: int
+) -> Iterator[PlannedSample | RowReject]:
+    """Each window of `window` consecutive samples stably sorted by length, its storage positions renumbered in
+    that order (a sample keeps its row index as `sample_id`); rejects pass through as soon as they are seen.
+
+    Batches pad every sample to the batch's longest, and on-policy data alternates short and long rows: in row
+    order, batches of `make quality`'s on-policy caches computed 1.7x their real tokens (2.2x in attention); sorted
+    in windows of 256 (`DEFAULT_LENGTH_WINDOW`), 1.04x.
+
+    Deterministic given the rows, so a resumed run plans the same storage order. Example: lengths [5, 2, 9, 2] at
+    positions 0..3 with window 4 -> positions 0..3 hold the samples of lengths [2, 2, 5, 9] (rows 1, 3, 0, 2).
+    """
+    pending: list[PlannedSample] = []
+
+    def flush() -> Iterator[PlannedSample]:
+        first = pending[0].ordinal  # a window's positions are consecutive
+        for i, sample in enumerate(sorted(pending, key=lambda s: len(s.input_ids))):
+            yield dataclasses.replace(sample, ordinal=first + i)
+
+    for item in items:
+        if isinstance(item, RowReject):
+            yield item
+            continue
+        pending.append(item)
+        if len(pending) == window:
+            yield from flush()
+            pending = []
+    if pending:
+        yield from flush()
+
+
 def plan_batches(
     items: Iterable[PlannedSample | RowReject], batch_tokens: int
 ) -> Iterator[RowReject | list[PlannedSample]]:
@@ -247,6 +288,7 @@ def build_meta(
         shard_tokens=cfg.shard_tokens,
         chunk_tokens=cfg.chunk_tokens,
         compress=cfg.compress,
+        length_window=cfg.length_window or DEFAULT_LENGTH_WINDOW,
         extra={"backend": cfg.backend, "peagle_pipeline_version": __version__},
     )
 
@@ -421,6 +463,9 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     local = str(remote.staging) if remote is not None else cfg.output
     remote_had = remote.pull_root() if remote is not None else False
     compute, why = choose_compute_dtype(dataclasses.replace(cfg, output=local), target_device(cfg))
+    if cfg.length_window is None:  # a resumed cache keeps its storage order; a new one takes the default
+        window = recorded_length_window(local) or DEFAULT_LENGTH_WINDOW
+        cfg = dataclasses.replace(cfg, length_window=window)
     meta = build_meta(cfg, info, layer_ids, world, compute)
     existed, created = Path(local).exists(), not (Path(local) / layout.CACHE_META).exists()
     try:
@@ -526,7 +571,8 @@ def _loop(
 
     total = sum(1 for _ in rank_rows(iter_rows(cfg.data), rank, world, cfg.max_samples))
     rows = rank_rows(iter_rows(cfg.data), rank, world, cfg.max_samples)
-    items = plan_batches(render_rows(rows, renderer, cfg.max_length, cfg.overlong), cfg.batch_tokens)
+    samples = sort_by_length(render_rows(rows, renderer, cfg.max_length, cfg.overlong), meta.length_window)
+    items = plan_batches(samples, cfg.batch_tokens)
     backend: TargetBackend | None = None
     new_tokens = 0
     t0 = time.perf_counter()

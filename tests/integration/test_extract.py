@@ -23,6 +23,7 @@ from cache_compare import assert_same_cache
 from cli_argv import PEAGLE, extract_argv
 
 from peagle_pipeline.cache import layout
+from peagle_pipeline.cache.location import recorded_length_window
 from peagle_pipeline.cache.reader import open_cache
 from peagle_pipeline.cache.verify import verify_cache
 
@@ -106,7 +107,10 @@ def setup(tiny_model, tmp_path_factory, env):
 def test_clean_extraction(setup, env):
     cache = open_cache(setup["ref"])
     assert len(cache.samples) == N_GOOD
-    assert sorted(cache.samples["sample_id"]) == cache.samples["sample_id"].tolist()
+    # storage order: every window of `length_window` samples sorted by length (one window here); ids are the rows'
+    assert N_GOOD <= cache.meta.length_window == 256
+    assert cache.samples["length"].is_monotonic_increasing
+    assert cache.samples["sample_id"].is_unique and set(cache.samples["sample_id"]) < set(range(N_GOOD + 3))
     reasons = dict(zip(cache.rejects["source_row"], cache.rejects["reason"], strict=True))
     assert len(reasons) == 3
     assert any("empty" in r for r in reasons.values())
@@ -156,6 +160,25 @@ def test_settings_mismatch_and_foreign_output_refused(setup, env, tmp_path):
     assert out.returncode == 5 and "topk: 32 in the cache, 8 now" in out.stderr
     out = extract(setup["model"], setup["data"], setup["ref"], env, "--layers", "1,4")
     assert out.returncode == 5 and "aux_layer_ids" in out.stderr
+    out = extract(
+        setup["model"], setup["data"], setup["ref"], env, "--length-window", "1"
+    )  # another storage order
+    assert out.returncode == 5 and "length_window: 256 in the cache, 1 now" in out.stderr
+    # a cache from before the length sort (cache.json without length_window: row order) is not refused on a re-run
+    old = tmp_path / "old"
+    shutil.copytree(setup["ref"], old)
+    meta = json.loads((old / layout.CACHE_META).read_text())
+    del meta["length_window"]
+    (old / layout.CACHE_META).write_text(json.dumps(meta))
+    for manifest_path in (old / layout.STORES_DIR).glob(
+        f"*/{layout.MANIFEST}"
+    ):  # each store records the settings too
+        manifest = json.loads(manifest_path.read_text())
+        del manifest["meta"]["length_window"]
+        manifest_path.write_text(json.dumps(manifest))
+    assert recorded_length_window(old) == 1
+    out = extract(setup["model"], setup["data"], old, env)
+    assert out.returncode == 0 and "already complete" in out.stdout.lower(), out.stdout + out.stderr
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")

@@ -18,7 +18,14 @@ from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.data.records import Conversation, Message, Reject
 from peagle_pipeline.errors import BadInput, Interrupted
 from peagle_pipeline.stages import extract as stage
-from peagle_pipeline.stages.extract import PlannedSample, RowReject, plan_batches, rank_rows, render_rows
+from peagle_pipeline.stages.extract import (
+    PlannedSample,
+    RowReject,
+    plan_batches,
+    rank_rows,
+    render_rows,
+    sort_by_length,
+)
 
 
 def _planned(lengths: list[int]) -> list[PlannedSample]:
@@ -33,6 +40,29 @@ def test_plan_batches_greedy_in_order():
     out = list(plan_batches(items, 1024))
     shapes = [x.reason if isinstance(x, RowReject) else [len(s.input_ids) for s in x] for x in out]
     assert shapes == ["bad", [300, 500], [200], [900], [2000], [10, 10]]
+
+
+def test_sort_by_length_in_windows_renumbers_storage_positions():
+    items = _planned([5, 2, 9, 2, 7, 3, 1])
+    items.insert(3, RowReject(99, "s", 99, "bad"))
+    out = list(sort_by_length(items, window=4))
+    # the reject passes at once; window 1 = rows 0..3 sorted (stable: row 1 before row 3), window 2 = rows 4..6
+    assert isinstance(out[0], RowReject) and out[0].reason == "bad"
+    samples = out[1:]
+    assert [s.record.sample_id for s in samples] == [1, 3, 0, 2, 6, 5, 4]
+    assert [len(s.input_ids) for s in samples] == [2, 2, 5, 9, 1, 3, 7]
+    assert [s.ordinal for s in samples] == list(range(7))  # storage positions stay consecutive
+
+
+def test_sorted_windows_pad_less_on_alternating_lengths():
+    # on-policy data alternates short and long rows: in row order every batch pads a short row to a long one
+    lengths = [50, 400] * 8
+
+    def computed(items: list) -> int:
+        return sum(max(len(s.input_ids) for s in b) * len(b) for b in plan_batches(items, 1024))
+
+    assert computed(_planned(lengths)) == 8 * 800
+    assert computed(list(sort_by_length(_planned(lengths), window=256))) == sum(lengths) == 3600
 
 
 def test_rank_rows_split_after_max_samples():

@@ -50,6 +50,15 @@ def test_meta_differences(meta):
     assert other.differences(meta) == ["aux_layer_ids", "topk"]
 
 
+def test_a_cache_from_before_length_sorting_reads_as_row_order(meta):
+    old = meta.to_dict()
+    del old["length_window"]  # cache.json written before the field existed: samples stored in row order
+    assert CacheMeta.from_dict(old).length_window == 1
+    assert CacheMeta.from_dict(old).differences(meta) == [
+        "length_window"
+    ]  # a resume at 256 is refused by name
+
+
 def test_checksum_sensitive_to_one_bit():
     a = np.zeros((10, 4), dtype=np.uint16)
     b = a.copy()
