@@ -99,25 +99,28 @@ def _explain(old: CacheMeta, new: CacheMeta, names: list[str]) -> str:
     return "; ".join(f"{n}: {a[n]!r} in the cache, {b[n]!r} now" for n in names)
 
 
+def _recorded_meta(root: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """root/cache.json as a dict, None when absent, damaged or not an object (`prepare_cache` then says why)."""
+    try:
+        found: Any = json.loads((Path(root) / layout.CACHE_META).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
 def recorded_compute_dtype(root: str | os.PathLike[str]) -> str | None:
     """The logical compute dtype ("bfloat16"/"float32") in root/cache.json, if readable (old caches: their
     hidden dtype); None when absent or damaged (`prepare_cache` then says what is wrong)."""
-    try:
-        found: Any = json.loads((Path(root) / layout.CACHE_META).read_text(encoding="utf-8"))
-        logical = found.get("compute_dtype") or found.get("hidden_dtype")
-    except (OSError, ValueError, AttributeError):
-        return None
+    found = _recorded_meta(root)
+    logical = None if found is None else found.get("compute_dtype") or found.get("hidden_dtype")
     return logical if isinstance(logical, str) else None
 
 
 def recorded_length_window(root: str | os.PathLike[str]) -> int | None:
     """The storage order's length window in root/cache.json: 1 for a cache written before the field existed (row
     order); None when there is no readable cache.json (`prepare_cache` then says what is wrong)."""
-    try:
-        found: Any = json.loads((Path(root) / layout.CACHE_META).read_text(encoding="utf-8"))
-        window = found.get("length_window", 1)
-    except (OSError, ValueError, AttributeError):
-        return None
+    found = _recorded_meta(root)
+    window = None if found is None else found.get("length_window", 1)
     return window if isinstance(window, int) and window > 0 else None
 
 
