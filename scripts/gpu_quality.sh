@@ -28,6 +28,7 @@ GEN_BATCH=${GEN_BATCH:-256}  # also the chunk size: a chunk commits after each b
 GEN_SECONDS=${GEN_SECONDS:-220}  # generation stops this long after the pipeline started
 TRAIN_END=${TRAIN_END:-480}  # training stops (with a checkpoint) this long after the pipeline started
 OFF_RECORDS=${OFF_RECORDS:-3000}  # ShareGPT records whose own replies are extracted as off-policy data (0: none)
+OFF_RANKS=${OFF_RANKS:-1}  # off-policy extraction ranks (beside the generation ranks on the same GPU)
 EPOCHS=${EPOCHS:-4}
 TOKENS_PER_STEP=${TOKENS_PER_STEP:-16384}
 LR=${LR:-2e-3}
@@ -93,6 +94,7 @@ pipeline() {  # the whole run, in order, each stage bounded in time; each stage 
   cd "$OLDPWD_REPO" || exit 1
   local t0 pid n
   t0=$(date +%s)
+  trap 'kill -TERM $(jobs -p) 2>/dev/null' EXIT  # a failed stage leaves no rank running behind it
   stamp start
   say "model"
   cat "$WORK/gguf.part0" "$WORK/gguf.part1" >"$WORK/model.gguf"
@@ -102,11 +104,14 @@ pipeline() {  # the whole run, in order, each stage bounded in time; each stage 
   [[ -f $WORK/offpolicy.jsonl.xz ]] && xz -dkf "$WORK/offpolicy.jsonl.xz"
   stamp prepared
   # Off-policy extraction (the ShareGPT replies as written) beside the generation: the GPU has room for both.
-  OFF_PID=
+  OFF_PIDS=()
   if [[ -f $WORK/offpolicy.jsonl ]]; then
-    "${CLI[@]}" extract --model "$MODEL" --data "$WORK/offpolicy.jsonl" --output "$WORK/cache-off" --backend hf \
-      --device "$DEVICE" --topk 32 --max-length 1536 --batch-tokens 32768 --dtype bf16 >"$WORK/extract-off.log" 2>&1 &
-    OFF_PID=$!
+    for ((r = 0; r < OFF_RANKS; r++)); do
+      "${CLI[@]}" extract --model "$MODEL" --data "$WORK/offpolicy.jsonl" --output "$WORK/cache-off" --backend hf \
+        --device "$DEVICE" --topk 32 --max-length 1536 --batch-tokens 32768 --dtype bf16 --rank $r \
+        --world-size "$OFF_RANKS" >"$WORK/extract-off-$r.log" 2>&1 &
+      OFF_PIDS+=($!)
+    done
   fi
   say "generate: $RANKS ranks, turns $TURNS, T $TEMPERATURE, <= $MAX_NEW new tokens, for at most ${GEN_SECONDS}s"
   PIDS=()
@@ -134,10 +139,12 @@ pipeline() {  # the whole run, in order, each stage bounded in time; each stage 
   wait_ranks extract || exit 1
   stamp extracted
   EXTRA=()
-  if [[ -n $OFF_PID ]]; then  # the off-policy cache joins training only if it finished in time
-    until_done_or $((t0 + GEN_SECONDS + 60)) "$OFF_PID"
-    kill -TERM "$OFF_PID" 2>/dev/null
-    wait "$OFF_PID" && EXTRA=(--extra-cache "$WORK/cache-off") && say "off-policy cache joins training"
+  if ((${#OFF_PIDS[@]})); then  # the off-policy cache joins training only if every rank finished in time
+    until_done_or $((t0 + GEN_SECONDS + 60)) "${OFF_PIDS[@]}"
+    for pid in "${OFF_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; done
+    n=0
+    for pid in "${OFF_PIDS[@]}"; do wait "$pid" || n=1; done
+    if ((n == 0)); then EXTRA=(--extra-cache "$WORK/cache-off") && say "off-policy cache joins training"; fi
   fi
   say "train: $EPOCHS epochs of $TOKENS_PER_STEP-token steps, stopped at ${TRAIN_END}s"
   "${CLI[@]}" train --cache "$WORK/cache" "${EXTRA[@]}" --output "$WORK/run" --device "$DEVICE" --draft-layers 1 --depths 4 \
@@ -191,7 +198,7 @@ wait_ranks() {  # wait for the ranks in PIDS; fail if one failed
 
 collect() {  # logs.txt always; the run's metrics, settings and plot once no export part is left (8 files a call)
   mkdir -p "$OUT"
-  tail -n 40 "$WORK/log" "$WORK/times.txt" "$WORK"/generate-0.log "$WORK"/extract-0.log "$WORK"/extract-off.log \
+  tail -n 40 "$WORK/log" "$WORK/times.txt" "$WORK"/generate-0.log "$WORK"/extract-0.log "$WORK"/extract-off-0.log \
     "$WORK/train.log" 2>/dev/null | tr '\r' '\n' | tail -n 400 >"$OUT/logs.txt"
   if [[ ${1:-} == all ]]; then
     for f in metrics.jsonl train.yaml; do [[ -f $WORK/run/$f ]] && cp "$WORK/run/$f" "$OUT/"; done
@@ -208,12 +215,12 @@ go() {  # start once, wait, report, and once done hand over the next export file
   fi
   while (($(date +%s) < end)) && ! ended; do sleep 5; done
   cat "$WORK/log" "$WORK/times.txt"
-  for f in "$WORK"/generate-0.log "$WORK"/extract-0.log "$WORK"/extract-off.log "$WORK/train.log"; do
+  for f in "$WORK"/generate-0.log "$WORK"/extract-0.log "$WORK"/extract-off-0.log "$WORK/train.log"; do
     [[ -f $f ]] && { echo "== $f"; tail -c 1500 "$f" | tr '\r' '\n' | grep -v '^\s*$' | tail -n 6; }
   done
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null; df -h "$WORK" | tail -1
   mkdir -p "$OUT"
-  if grep -q "] done" "$WORK/log"; then export_part; else collect; fi
+  if grep -Eq '^\[gpu-quality [0-9:]+\] done' "$WORK/log"; then export_part; else collect; fi
 }
 
 ended() { grep -Eq '^\[gpu-quality [0-9:]+\] (done|.*failed|GGUF damaged)' "$WORK/log"; }
