@@ -79,7 +79,9 @@ class EvalOptions:
         if not self.drafts:
             raise BadInput("give at least one exported draft directory")
         if not self.prompts:
-            raise BadInput("give at least one prompt set (--prompts mt-bench, humaneval, heldout:RUN_DIR or a file)")
+            raise BadInput(
+                "give at least one prompt set (--prompts mt-bench, humaneval, heldout:RUN_DIR or a file)"
+            )
         for name in ("num_prompts", "max_tokens", "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise BadInput(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
