@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from peagle_pipeline.core.cod import CODLayout
 
@@ -128,6 +129,11 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, sc
 # The demo's training step ran 1.11x as fast with bf16 blocks of 128 (32 to 256 measured) as in one call, 1.24x in
 # fp32 blocks (below; AVX512-BF16 host, docs/training.md).
 QUERY_BLOCK = 128
+# The keys and values a block gathers are kept for its backward. Their total grows with the context each block
+# sees: about 7 times the queries' own size in the demo's rows (chat samples of a few hundred tokens), 20 to 50 times
+# in rows of 4096-token samples, where that is quadratic in the sample length (0.9 GB for 2 such samples). Past
+# this factor, backward gathers them again and reruns each block's forward (about a fifth of a step).
+GATHER_KEEP_FACTOR = 16
 
 
 def attend(
@@ -159,19 +165,31 @@ def attend(
     # every block (a single SDPA call accumulates in fp32). On the CPU measured the fp32 kernel was the faster one.
     dtype = q.dtype
     q, k, v = q.float(), k.float(), v.float()
+    starts = range(0, mask.shape[0], QUERY_BLOCK)
+    seen = [mask[s : s + QUERY_BLOCK].any(dim=0) for s in starts]  # BoolTensor[Nk] per block: keys it may see
+    gathered = sum(int(x.sum()) for x in seen) * 2  # key and value rows the blocks gather
+    recompute = torch.is_grad_enabled() and gathered > GATHER_KEEP_FACTOR * q.shape[2]
     blocks = []
-    for start in range(0, mask.shape[0], QUERY_BLOCK):
+    for start, keys_seen in zip(starts, seen, strict=True):
         rows = mask[start : start + QUERY_BLOCK]  # BoolTensor[b, Nk]
         qb = q[:, :, start : start + QUERY_BLOCK]
-        seen = rows.any(dim=0)  # BoolTensor[Nk]: keys some row of the block may see
-        if bool(seen.all()):
+        if bool(keys_seen.all()):
             blocks.append(_sdpa(qb, k, v, rows, scale))
-        elif not bool(seen.any()):  # padding only
+        elif not bool(keys_seen.any()):  # padding only
             blocks.append(torch.zeros_like(qb))
+        elif recompute:  # keep no gathered copy for backward: backward gathers again
+            keys = keys_seen.nonzero().squeeze(1)
+            blocks.append(checkpoint(_gathered_sdpa, qb, k, v, rows, keys, scale, use_reentrant=False))
         else:
-            keys = seen.nonzero().squeeze(1)
-            blocks.append(_sdpa(qb, k.index_select(2, keys), v.index_select(2, keys), rows[:, keys], scale))
+            blocks.append(_gathered_sdpa(qb, k, v, rows, keys_seen.nonzero().squeeze(1), scale))
     return torch.cat(blocks, dim=2).to(dtype)
+
+
+def _gathered_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`_sdpa` of a block of queries over only the keys `keys` (LongTensor[n]) that its rows may see."""
+    return _sdpa(q, k.index_select(2, keys), v.index_select(2, keys), rows[:, keys], scale)
 
 
 def _sdpa(

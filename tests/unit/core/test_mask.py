@@ -3,6 +3,7 @@ blocked dense path == attention over every pair."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from peagle_pipeline.core import mask as mask_module
@@ -96,9 +97,12 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tenso
     return weights @ v
 
 
-def test_blocked_attention_equals_attention_over_every_pair():
+@pytest.mark.parametrize("keep_factor", [1_000_000, 0], ids=["kept", "gathered-again"])
+def test_blocked_attention_equals_attention_over_every_pair(monkeypatch, keep_factor):
     # 3 samples and padding in one packed row: more elements than one query block, so `attend` splits the queries
-    # and gives each block only the keys it may see; a block of padding rows sees none at all.
+    # and gives each block only the keys it may see; a block of padding rows sees none at all. With a keep factor of 0
+    # the gathered keys are not kept for backward: backward gathers them again (as for long samples).
+    monkeypatch.setattr(mask_module, "GATHER_KEEP_FACTOR", keep_factor)
     torch.manual_seed(0)
     weight = torch.rand(200) < 0.9
     weight[190:] = False
