@@ -142,9 +142,9 @@ pipeline() {  # the whole run, in order, each stage bounded in time; each stage 
   if ((${#OFF_PIDS[@]})); then  # the off-policy cache joins training only if every rank finished in time
     until_done_or $((t0 + GEN_SECONDS + 60)) "${OFF_PIDS[@]}"
     for pid in "${OFF_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; done
-    n=0
-    for pid in "${OFF_PIDS[@]}"; do wait "$pid" || n=1; done
-    if ((n == 0)); then EXTRA=(--extra-cache "$WORK/cache-off") && say "off-policy cache joins training"; fi
+    local off_failed=0
+    for pid in "${OFF_PIDS[@]}"; do wait "$pid" || off_failed=1; done
+    if ((off_failed == 0)); then EXTRA=(--extra-cache "$WORK/cache-off") && say "off-policy cache joins training"; fi
   fi
   say "train: $EPOCHS epochs of $TOKENS_PER_STEP-token steps, stopped at ${TRAIN_END}s"
   "${CLI[@]}" train --cache "$WORK/cache" "${EXTRA[@]}" --output "$WORK/run" --device "$DEVICE" --draft-layers 1 --depths 4 \
