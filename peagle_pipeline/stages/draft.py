@@ -76,6 +76,11 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
         mask_token_id=mask_id,
         norm_before_residual=cfg.norm_before_residual,
         depths=cfg.depths,
+        target_identity={
+            "target_config_sha256": meta.target_config_sha256,
+            "tokenizer_sha256": meta.tokenizer_sha256,
+            "chat_template_sha256": meta.chat_template_sha256,
+        },
     )
     return model, spec, keep
 

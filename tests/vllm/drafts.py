@@ -34,7 +34,7 @@ def make_random_draft(
     from peagle_pipeline.backends.pieces import load_target_pieces_from_model, read_target_info
     from peagle_pipeline.core.model import DraftConfig, PEagleDraft
     from peagle_pipeline.core.vocab import build_draft_vocab
-    from peagle_pipeline.stages.export import DraftSpec, write_export
+    from peagle_pipeline.stages.export import DraftSpec, target_identity, write_export
 
     info = read_target_info(target)
     V = info.vocab_size
@@ -50,6 +50,7 @@ def make_random_draft(
         mask_token_id=mask_token_id,
         norm_before_residual=False,
         depths=depths,
+        target_identity=target_identity(target),
     )
     cfg = DraftConfig.from_target_config(
         info.config, num_layers=1, num_aux=len(layer_ids), draft_vocab_size=Vd, mask_token_id=mask_token_id

@@ -107,6 +107,19 @@ def test_draft_for_another_vocabulary_is_refused(
         run(str(other), str(tiny_model))
 
 
+def test_draft_for_another_target_is_refused(
+    tiny_qwen3: Path, tmp_path: Path, tiny_model: Path, vllm_env: dict[str, str]
+) -> None:
+    """Issue 39 item 4: a draft for the tiny Qwen3 (same vocabulary size) on the tiny Llama: one line, no engine."""
+    draft = make_random_draft(tiny_qwen3, tmp_path / "qwen3-draft", [1, 2, 3], depths=3)
+    proc = run_cli(vllm_env, "vllm-check", str(draft), "--target", str(tiny_model), timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: draft {draft} was trained on another target than {tiny_model} (its config and tokenizer "
+        "differ): give the target it was trained on, or --allow-other-target to run it anyway"
+    ]
+
+
 def test_prompt_sources(tiny_model: Path, tiny_chat_data: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 

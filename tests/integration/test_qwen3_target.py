@@ -1,0 +1,55 @@
+"""A Qwen3 target end to end (issue 39): a tiny random Qwen3ForCausalLM with Qwen3's real chat template, extracted,
+trained and exported with the real CLI; then what the export says about its target and its draft layer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from cli_argv import run_peagle
+from tiny import write_conversations
+
+from peagle_pipeline.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def qwen3_run(tiny_qwen3: Path, tmp_path_factory) -> Path:
+    """A 2-step run on a Qwen3 cache (3 distinct aux layers, K=3), exported to RUN/export."""
+    tmp = tmp_path_factory.mktemp("qwen3-run")
+    data = write_conversations(tmp / "conv.jsonl", 24)
+    cache = tmp / "cache"
+    run_peagle(
+        *["extract", "--model", str(tiny_qwen3), "--data", str(data), "--output", str(cache)],
+        *["--dtype", "fp32", "--max-length", "256", "--shard-tokens", "2048", "--layers", "0,1,2"],
+    )
+    run = tmp / "run"
+    proc = run_peagle(
+        *["train", "--cache", str(cache), "--output", str(run), "--depths", "3", "--tokens-per-step", "256"],
+        *["--steps", "2", "--eval-every", "2", "--save-every", "2", "--eval-samples", "4", "--precision", "fp32"],
+        *["--num-workers", "0"],
+    )
+    (run / "train-output.txt").write_text(proc.stdout + proc.stderr)
+    return run
+
+
+# ---- item 4: a draft run against another target is refused before any engine starts ----------------------------
+def test_export_records_the_target_it_was_trained_on(qwen3_run: Path, tiny_qwen3: Path) -> None:
+    from peagle_pipeline.stages.export import read_marker, target_identity
+
+    assert read_marker(qwen3_run / "export")["target"] == target_identity(tiny_qwen3)
+
+
+def test_evaluate_refuses_a_draft_trained_on_another_target(qwen3_run: Path, tiny_model: Path, capsys) -> None:
+    export = str(qwen3_run / "export")
+    code = main(["evaluate", export, "--target", str(tiny_model)])  # a Llama target with the same vocabulary size
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "was trained on another target than" in err and "config and tokenizer differ" in err
+    assert "--allow-other-target" in err
+    main(["evaluate", export, "--target", str(tiny_model), "--allow-other-target"])  # past the check (vLLM next)
+    out, err = capsys.readouterr()
+    assert "was trained on another target than" not in err
+    assert "warning: draft" in out and "trained on another target (config and tokenizer differ)" in out
