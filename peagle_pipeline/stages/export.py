@@ -80,6 +80,8 @@ class DraftSpec:
     mask_token_id: int
     norm_before_residual: bool
     depths: int
+    # Qwen3 draft layers (QK-norm, `core.model.has_qk_norm` of the target); False in runs started before them.
+    qk_norm: bool = False
     # The target the draft was trained on, from the cache (`target_identity`); None in runs started before it
     # was recorded. The export's marker carries it, and vllm-check / evaluate compare it with the target given.
     target_identity: dict[str, str] | None = None
@@ -122,6 +124,7 @@ def export_config(spec: DraftSpec) -> dict[str, Any]:
         draft_vocab_size=spec.draft_vocab_size,
         mask_token_id=spec.mask_token_id,
         norm_before_residual=spec.norm_before_residual,
+        qk_norm=spec.qk_norm,
     )
     layer = (
         draft.layer_config()
@@ -244,7 +247,9 @@ def check_served_target(
     """
     recorded = read_marker(export_dir).get("target")
     if not isinstance(recorded, dict):
-        return f"note: {export_dir} records no target identity (exported before it was recorded): not compared"
+        return (
+            f"note: {export_dir} records no target identity (exported before it was recorded): not compared"
+        )
     given = target_identity(target)
     differ = [k for k in TARGET_IDENTITY if recorded.get(k) is not None and recorded.get(k) != given[k]]
     model = [k.removesuffix("_sha256").replace("target_", "") for k in differ if k != "chat_template_sha256"]
@@ -450,6 +455,7 @@ def load_export(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
         draft_vocab_size=int(config["draft_vocab_size"]),
         mask_token_id=int(config["mask_token_id"]),
         norm_before_residual=bool(config["norm_before_residual"]),
+        qk_norm=layer.get("model_type") == "qwen3",
     )
     dvocab = None
     if "d2t" in weights and "t2d" in weights:  # Vd < V: rebuild the mapping from the exported offsets

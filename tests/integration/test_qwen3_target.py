@@ -4,6 +4,7 @@ trained and exported with the real CLI; then what the export says about its targ
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -28,11 +29,60 @@ def qwen3_run(tiny_qwen3: Path, tmp_path_factory) -> Path:
     run = tmp / "run"
     proc = run_peagle(
         *["train", "--cache", str(cache), "--output", str(run), "--depths", "3", "--tokens-per-step", "256"],
-        *["--steps", "2", "--eval-every", "2", "--save-every", "2", "--eval-samples", "4", "--precision", "fp32"],
+        *[
+            "--steps",
+            "2",
+            "--eval-every",
+            "2",
+            "--save-every",
+            "2",
+            "--eval-samples",
+            "4",
+            "--precision",
+            "fp32",
+        ],
         *["--num-workers", "0"],
     )
     (run / "train-output.txt").write_text(proc.stdout + proc.stderr)
     return run
+
+
+# ---- item 3: the draft layer is a Qwen3 layer that starts from the target's, q_norm/k_norm included --------------
+def test_train_makes_a_qwen3_draft_layer_and_exports_it(qwen3_run: Path, tiny_qwen3: Path) -> None:
+    from safetensors.torch import load_file
+
+    out = (qwen3_run / "train-output.txt").read_text()
+    assert "draft layers: Qwen3 architecture (q_norm/k_norm, as the target)" in out
+    assert "draft layer 0 starts from target layer 3 with its q_norm/k_norm" in out
+    layer = json.loads((qwen3_run / "export" / "config.json").read_text())["transformer_layer_config"]
+    assert layer["model_type"] == "qwen3" and layer["architectures"] == ["Qwen3ForCausalLM"]
+    weights = load_file(str(qwen3_run / "export" / "model.safetensors"))
+    D = layer["head_dim"]
+    assert weights["layers.0.self_attn.q_norm.weight"].shape == (D,)
+    assert weights["layers.0.self_attn.k_norm.weight"].shape == (D,)
+
+
+def test_the_fused_layer_starts_from_the_target_layers_qk_norms(qwen3_run: Path, tiny_qwen3: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from peagle_pipeline.cache.reader import open_cache
+    from peagle_pipeline.config import TrainConfig, resolve
+    from peagle_pipeline.stages.draft import build_draft
+    from peagle_pipeline.stages.export import load_export
+
+    cache = open_cache(str(qwen3_run.parent / "cache"))
+    cfg = resolve(TrainConfig, None, {"cache": str(cache.path), "output": str(qwen3_run.parent / "new-run")})
+    model, spec, _ = build_draft(cache, cfg)
+    target = load_file(str(tiny_qwen3 / "model.safetensors"))
+    attn = model.layers[0].self_attn
+    assert spec.qk_norm and model.cfg.qk_norm
+    for name in ("q_norm", "k_norm"):
+        want = target[f"model.layers.3.self_attn.{name}.weight"]
+        assert not torch.equal(want, torch.ones_like(want))  # tiny.py draws them away from 1
+        assert torch.equal(getattr(attn, name).weight.detach(), want)
+    loaded = load_export(qwen3_run / "export", torch.float32)
+    assert loaded.cfg.qk_norm  # an export reloads as the Qwen3 layer it was trained as
 
 
 # ---- item 4: a draft run against another target is refused before any engine starts ----------------------------
@@ -42,14 +92,20 @@ def test_export_records_the_target_it_was_trained_on(qwen3_run: Path, tiny_qwen3
     assert read_marker(qwen3_run / "export")["target"] == target_identity(tiny_qwen3)
 
 
-def test_evaluate_refuses_a_draft_trained_on_another_target(qwen3_run: Path, tiny_model: Path, capsys) -> None:
+def test_evaluate_refuses_a_draft_trained_on_another_target(
+    qwen3_run: Path, tiny_model: Path, capsys
+) -> None:
     export = str(qwen3_run / "export")
-    code = main(["evaluate", export, "--target", str(tiny_model)])  # a Llama target with the same vocabulary size
+    code = main(
+        ["evaluate", export, "--target", str(tiny_model)]
+    )  # a Llama target with the same vocabulary size
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert "was trained on another target than" in err and "config and tokenizer differ" in err
     assert "--allow-other-target" in err
-    main(["evaluate", export, "--target", str(tiny_model), "--allow-other-target"])  # past the check (vLLM next)
+    main(
+        ["evaluate", export, "--target", str(tiny_model), "--allow-other-target"]
+    )  # past the check (vLLM next)
     out, err = capsys.readouterr()
     assert "was trained on another target than" not in err
     assert "warning: draft" in out and "trained on another target (config and tokenizer differ)" in out
