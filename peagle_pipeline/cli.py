@@ -139,6 +139,7 @@ def generate(
     output: Annotated[str | None, _opt(GenerateConfig, "output")] = None,
     backend: Annotated[str | None, _opt(GenerateConfig, "backend")] = None,
     turns: Annotated[str | None, _opt(GenerateConfig, "turns")] = None,
+    thinking: Annotated[str | None, _opt(GenerateConfig, "thinking")] = None,
     temperature: Annotated[float | None, _opt(GenerateConfig, "temperature")] = None,
     top_p: Annotated[float | None, _opt(GenerateConfig, "top_p")] = None,
     repetition_penalty: Annotated[float | None, _opt(GenerateConfig, "repetition_penalty")] = None,

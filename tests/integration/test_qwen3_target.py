@@ -5,11 +5,12 @@ trained and exported with the real CLI; then what the export says about its targ
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 from cli_argv import run_peagle
-from tiny import write_conversations
+from tiny import add_stop_bias, write_conversations
 
 from peagle_pipeline.cli import main
 
@@ -109,3 +110,44 @@ def test_evaluate_refuses_a_draft_trained_on_another_target(
     out, err = capsys.readouterr()
     assert "was trained on another target than" not in err
     assert "warning: draft" in out and "trained on another target (config and tokenizer differ)" in out
+
+
+# ---- item 2: `generate --turns all` continues Qwen3 conversations past their first reply ------------------------
+def test_generate_all_turns_on_a_qwen3_target(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """Every row is the conversation as Qwen3's template renders it, with the generated ids; later turns are made."""
+    from transformers import AutoTokenizer
+
+    from peagle_pipeline.config import GenerateConfig
+    from peagle_pipeline.stages import generate as stage
+    from peagle_pipeline.stages.onpolicy_files import rejects_file, rows_file
+
+    model = add_stop_bias(shutil.copytree(tiny_qwen3, tmp_path / "qwen3-stop"))  # replies end after a few tokens
+    data = write_conversations(tmp_path / "conv.jsonl", 10, seed=3)
+    out = tmp_path / "gen"
+    cfg = GenerateConfig(
+        model=str(model),
+        data=[str(data)],
+        output=str(out),
+        backend="hf",
+        temperature=1.0,
+        top_p=1.0,
+        max_new_tokens=24,
+        batch_size=4,
+        compute_dtype="fp32",
+        device="cpu",
+    )
+    stage.run(cfg)
+    rows = [json.loads(line) for line in (out / rows_file(0, 1)).read_text().splitlines()]
+    rejects = (out / rejects_file(0, 1)).read_text()
+    assert "rewrites" not in rejects and "prefix-stable" not in rejects
+    assert sum(len(r["finish"]) > 1 for r in rows) >= 3  # multi-turn on-policy rows exist
+    tok = AutoTokenizer.from_pretrained(model)
+    for row in rows:
+        if row["finish"][-1] != "stop":
+            continue
+        rendered = tok.apply_chat_template(row["messages"], tokenize=False)
+        text = tok.decode(row["input_ids"])
+        # As the template renders the messages, except the newest reply: the tiny model wrote it right after the
+        # generation prompt (no <think> block), and the row holds it as generated, where Qwen3's template would
+        # add an empty block to a whole-conversation rendering.
+        assert rendered.replace("<think>\n\n</think>\n\n", "") == text + "\n"
