@@ -94,8 +94,10 @@ def test_export_records_the_target_it_was_trained_on(qwen3_run: Path, tiny_qwen3
 
 
 def test_evaluate_refuses_a_draft_trained_on_another_target(
-    qwen3_run: Path, tiny_model: Path, capsys
+    qwen3_run: Path, tiny_model: Path, tiny_qwen3: Path, capsys
 ) -> None:
+    from peagle_pipeline.stages.export import check_served_target
+
     export = str(qwen3_run / "export")
     code = main(
         ["evaluate", export, "--target", str(tiny_model)]
@@ -104,12 +106,18 @@ def test_evaluate_refuses_a_draft_trained_on_another_target(
     assert code == 2 and err.count("\n") == 1
     assert "was trained on another target than" in err and "config and tokenizer differ" in err
     assert "--allow-other-target" in err
-    main(
-        ["evaluate", export, "--target", str(tiny_model), "--allow-other-target"]
-    )  # past the check (vLLM next)
-    out, err = capsys.readouterr()
-    assert "was trained on another target than" not in err
-    assert "warning: draft" in out and "trained on another target (config and tokenizer differ)" in out
+    note = check_served_target(export, str(tiny_model), allow_other=True)  # what --allow-other-target prints
+    assert note == f"warning: draft {export} was trained on another target (config and tokenizer differ)"
+    assert check_served_target(export, str(tiny_qwen3)) is None  # its own target: nothing to say
+
+
+def test_another_chat_template_only_warns(qwen3_run: Path, tiny_qwen3: Path, tmp_path: Path) -> None:
+    from peagle_pipeline.stages.export import check_served_target
+
+    other = shutil.copytree(tiny_qwen3, tmp_path / "retemplated")
+    (other / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    note = check_served_target(qwen3_run / "export", str(other))
+    assert note is not None and note.startswith(f"warning: {other}'s chat template differs")
 
 
 # ---- item 2: `generate --turns all` continues Qwen3 conversations past their first reply ------------------------
@@ -121,7 +129,9 @@ def test_generate_all_turns_on_a_qwen3_target(tiny_qwen3: Path, tmp_path: Path) 
     from peagle_pipeline.stages import generate as stage
     from peagle_pipeline.stages.onpolicy_files import rejects_file, rows_file
 
-    model = add_stop_bias(shutil.copytree(tiny_qwen3, tmp_path / "qwen3-stop"))  # replies end after a few tokens
+    model = add_stop_bias(
+        shutil.copytree(tiny_qwen3, tmp_path / "qwen3-stop")
+    )  # replies end after a few tokens
     data = write_conversations(tmp_path / "conv.jsonl", 10, seed=3)
     out = tmp_path / "gen"
     cfg = GenerateConfig(
