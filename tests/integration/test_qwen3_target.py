@@ -99,9 +99,8 @@ def test_evaluate_refuses_a_draft_trained_on_another_target(
     from peagle_pipeline.stages.export import check_served_target
 
     export = str(qwen3_run / "export")
-    code = main(
-        ["evaluate", export, "--target", str(tiny_model)]
-    )  # a Llama target with the same vocabulary size
+    # the tiny Llama has the same vocabulary size: only the recorded identity tells the targets apart
+    code = main(["evaluate", export, "--target", str(tiny_model)])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert "was trained on another target than" in err and "config and tokenizer differ" in err
