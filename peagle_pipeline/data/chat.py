@@ -291,7 +291,9 @@ class ChatRenderer:
         c1 = c0 + len(content)
         after = self._prefix_len(msgs[: turn + 1], full, generation_prompt=False)
         if msgs[turn].get("tool_calls"):
-            bound = self._next_content_at(msgs, turn, full, c1)
+            bound = (
+                len(full) if after is not None and after >= c1 else self._next_message_end(msgs, turn, full)
+            )
             return start, self._end_of_tool_calls(msgs[turn], turn, full, c1, after, bound, toks)
         bound = after if after is not None and after >= c1 else len(full)
         return start, self._end_of_turn(full, c1, bound, toks)
@@ -348,7 +350,7 @@ class ChatRenderer:
         """End of a tool-call turn whose rendering as the newest turn is not a prefix of the whole conversation
         (Qwen3 writes an empty `<think>` block there): the whole rendering is what the server sees, and in it the
         turn is the calls, in order, then the template's end-of-turn: the first special token after the last
-        call's name, before the next message's content (`bound`).
+        call's name, before the end of the next message (`bound`).
 
         Raises:
             RejectRow: a call's name is not rendered, or no special token closes the turn before `bound`.
@@ -378,15 +380,13 @@ class ChatRenderer:
             f"assistant turn {turn}: its tool calls cannot be located in the rendered chat template"
         )
 
-    @staticmethod
-    def _next_content_at(msgs: list[dict[str, Any]], turn: int, full: str, c1: int) -> int:
-        """Where the next message's (non-empty) content starts in `full` after `c1`; the text's end if none."""
-        for m in msgs[turn + 1 :]:
-            content = m["content"].strip() if isinstance(m.get("content"), str) else ""
-            if content:
-                at = full.find(content, c1)
-                return at if at >= 0 else len(full)
-        return len(full)
+    def _next_message_end(self, msgs: list[dict[str, Any]], turn: int, full: str) -> int:
+        """Where the message after `turn` ends in `full` (its rendering through it, when that is a prefix: it is
+        with Qwen3, whose tool results follow the call), else the text's end: no reply runs past it."""
+        if turn + 1 >= len(msgs):
+            return len(full)
+        end = self._prefix_len(msgs[: turn + 2], full, generation_prompt=False)
+        return end if end is not None else len(full)
 
     def _end_of_turn(self, full: str, c1: int, bound: int, toks: _Tokens) -> int:
         """End of the reply: through the first special token after the content (only whitespace between)."""

@@ -187,6 +187,15 @@ def test_qwen3_tool_call_turns_are_supervised_as_the_template_writes_them(qwen3_
     ]
 
 
+def test_qwen3_tool_result_that_repeats_an_argument(qwen3_tok):
+    """The tool answers with text that also appears in the call's arguments: the call is still found whole."""
+    conv = [*TOOL_CONV[:2], Message("tool", "Paris", tool_call_id="c1"), TOOL_CONV[3]]
+    sample = ChatRenderer(qwen3_tok).render(conv)
+    assert masked_spans(qwen3_tok, sample)[0] == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+    )
+
+
 def test_qwen3_tool_call_as_the_newest_turn_and_plain_multi_turn(qwen3_tok):
     renderer = ChatRenderer(qwen3_tok)
     sample = renderer.render(
