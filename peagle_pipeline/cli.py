@@ -139,6 +139,7 @@ def generate(
     output: Annotated[str | None, _opt(GenerateConfig, "output")] = None,
     backend: Annotated[str | None, _opt(GenerateConfig, "backend")] = None,
     turns: Annotated[str | None, _opt(GenerateConfig, "turns")] = None,
+    thinking: Annotated[str | None, _opt(GenerateConfig, "thinking")] = None,
     temperature: Annotated[float | None, _opt(GenerateConfig, "temperature")] = None,
     top_p: Annotated[float | None, _opt(GenerateConfig, "top_p")] = None,
     repetition_penalty: Annotated[float | None, _opt(GenerateConfig, "repetition_penalty")] = None,
@@ -367,6 +368,13 @@ def evaluate(
     ] = "auto",
     seed: Annotated[int, typer.Option(help="Sampling seed of prompt i is seed + i (T > 0).")] = 0,
     tensor_parallel_size: Annotated[int, typer.Option(help="vLLM tensor parallel size.")] = 1,
+    allow_other_target: Annotated[
+        bool,
+        typer.Option(
+            "--allow-other-target",
+            help="Run a draft on a target whose config.json or tokenizer differ from the one it was trained on.",
+        ),
+    ] = False,
 ) -> None:
     """Measure drafts in vLLM: acceptance length, per-position acceptance, tokens/s and speedup per prompt set."""
     from peagle_pipeline.stages import evaluate as stage
@@ -385,6 +393,7 @@ def evaluate(
         dtype=dtype,  # type: ignore[arg-type]  # checked by EvalOptions
         seed=seed,
         tensor_parallel_size=tensor_parallel_size,
+        allow_other_target=allow_other_target,
     )
     stage.run(opts, echo=typer.echo)
 
@@ -412,6 +421,13 @@ def vllm_check(
     dtype: Annotated[
         str, typer.Option(help="Model dtype in vLLM: bf16 or fp32 (fp32 for exact greedy equality).")
     ] = "bf16",
+    allow_other_target: Annotated[
+        bool,
+        typer.Option(
+            "--allow-other-target",
+            help="Run a draft on a target whose config.json or tokenizer differ from the one it was trained on.",
+        ),
+    ] = False,
 ) -> None:
     """Load target + draft in vLLM (parallel drafting), check greedy equality, report vLLM's acceptance."""
     from peagle_pipeline.stages import vllm_check as stage
@@ -426,6 +442,7 @@ def vllm_check(
         report=report,
         dtype=dtype,  # type: ignore[arg-type]  # checked by the stage
         tensor_parallel_size=tensor_parallel_size,
+        allow_other_target=allow_other_target,
         echo=typer.echo,
     )
 

@@ -67,6 +67,10 @@ class GenerateConfig:
         "all",
         "Replies to regenerate: all (turn j sees the target's own earlier replies), first, or last (earlier original replies kept as context).",
     )
+    thinking: Literal["strip", "keep"] = _f(
+        "strip",
+        "turns all: an earlier generated reply with reasoning (<think>...</think>) is given to the chat template without it (strip) or whole (keep; Qwen3's template strips it anyway). The newest reply of a row keeps its thinking.",
+    )
     temperature: float = _f(
         0.7, "Sampling temperature (0 = greedy; greedy makes small models loop, see docs/generate.md)."
     )

@@ -5,7 +5,9 @@ conversation prefix that ends with the generation prompt, so the reply is exactl
 after that prompt: the content and the end-of-turn token(s) that follow it (`<|im_end|>`, `<|eot_id|>`, ...),
 never role headers, injected system prompts or the separator after the end-of-turn token. An assistant turn with
 OpenAI tool calls is passed to the template as is; its reply is the calls as the template renders them plus the
-end-of-turn token(s); a template that does not render them rejects the conversation (with that reason).
+end-of-turn token(s); a template that does not render them rejects the conversation (with that reason). The
+whole conversation is rendered once, as the server renders it; a template that writes the newest turn otherwise
+(Qwen3's `<think>` block) still has each reply supervised as written in that whole rendering.
 Pure given a tokenizer: no file I/O, no model.
 """
 
@@ -289,7 +291,10 @@ class ChatRenderer:
         c1 = c0 + len(content)
         after = self._prefix_len(msgs[: turn + 1], full, generation_prompt=False)
         if msgs[turn].get("tool_calls"):
-            return start, self._end_of_tool_calls(msgs[turn], turn, full, c1, after, toks)
+            bound = (
+                len(full) if after is not None and after >= c1 else self._next_message_end(msgs, turn, full)
+            )
+            return start, self._end_of_tool_calls(msgs[turn], turn, full, c1, after, bound, toks)
         bound = after if after is not None and after >= c1 else len(full)
         return start, self._end_of_turn(full, c1, bound, toks)
 
@@ -310,6 +315,7 @@ class ChatRenderer:
         full: str,
         c1: int,
         after: int | None,
+        bound: int,
         toks: _Tokens,
     ) -> int:
         """End of an assistant turn with tool calls: the calls as the template renders them (whatever their
@@ -319,11 +325,11 @@ class ChatRenderer:
             RejectRow: the turn's end cannot be found, or the template renders no tool calls (it would
                 supervise an empty reply): such conversations are rejected with that reason, never dropped silently.
         """
-        if after is None or after < c1:
-            raise RejectRow(
-                f"assistant turn {turn}: its tool calls cannot be located in the rendered chat template"
-            )
         names = [call["function"]["name"] for call in msg["tool_calls"]]
+        if (
+            after is None or after < c1
+        ):  # the template renders the newest turn otherwise (Qwen3: a <think> block)
+            return self._end_of_tool_calls_in_text(names, turn, full, c1, bound, toks)
         if not all(name in full[c1:after] for name in names):
             raise RejectRow(f"the chat template does not render tool calls (turn {turn})")
         if toks.limit is not None and after > toks.limit:  # the turn ends past the exact tokens
@@ -337,6 +343,50 @@ class ChatRenderer:
             if e > s and not full[s:e].isspace():
                 end = e
         return end
+
+    def _end_of_tool_calls_in_text(
+        self, names: list[str], turn: int, full: str, c1: int, bound: int, toks: _Tokens
+    ) -> int:
+        """End of a tool-call turn whose rendering as the newest turn is not a prefix of the whole conversation
+        (Qwen3 writes an empty `<think>` block there): the whole rendering is what the server sees, and in it the
+        turn is the calls, in order, then the template's end-of-turn: the first special token after the last
+        call's name, before the end of the next message (`bound`).
+
+        Raises:
+            RejectRow: a call's name is not rendered, or no special token closes the turn before `bound`.
+        """
+        pos = c1
+        for name in names:
+            at = full.find(name, pos, bound)
+            if at < 0:
+                raise RejectRow(f"the chat template does not render tool calls (turn {turn})")
+            pos = at + len(name)
+        if toks.limit is not None and pos >= toks.limit:  # past the exact tokens: decide from the text
+            hits = [k for k in (full.find(t, pos, bound) for t in self._special_texts) if k >= 0]
+            if hits:
+                k = min(hits)
+                return k + len(next(t for t in self._special_texts if full.startswith(t, k)))
+        else:
+            for j in range(bisect.bisect_right(toks.ends, pos), len(toks.ids)):
+                s, e = toks.offsets[j]
+                if s >= bound:
+                    break
+                if e > s and toks.ids[j] in self._special_ids:
+                    return e
+            else:
+                if toks.limit is not None:  # ran out of the exact tokens before the turn's end
+                    raise _NeedMore
+        raise RejectRow(
+            f"assistant turn {turn}: its tool calls cannot be located in the rendered chat template"
+        )
+
+    def _next_message_end(self, msgs: list[dict[str, Any]], turn: int, full: str) -> int:
+        """Where the message after `turn` ends in `full` (its rendering through it, when that is a prefix: it is
+        with Qwen3, whose tool results follow the call), else the text's end: no reply runs past it."""
+        if turn + 1 >= len(msgs):
+            return len(full)
+        end = self._prefix_len(msgs[: turn + 2], full, generation_prompt=False)
+        return end if end is not None else len(full)
 
     def _end_of_turn(self, full: str, c1: int, bound: int, toks: _Tokens) -> int:
         """End of the reply: through the first special token after the content (only whitespace between)."""

@@ -74,6 +74,7 @@ class EvalOptions:
     seed: int = 0
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
+    allow_other_target: bool = False  # run drafts trained on another target (a warning instead of a refusal)
 
     def __post_init__(self) -> None:
         if not self.drafts:
@@ -388,12 +389,14 @@ def run(opts: EvalOptions, echo: Callable[[str], None] | None = None) -> dict[st
         The report (see `build_report`).
 
     Raises:
-        BadInput: a missing draft or target, not a P-EAGLE export, drafts for another vocabulary, a bad prompt
+        BadInput: a missing draft or target, not a P-EAGLE export, drafts for another vocabulary or target
+            (`check_served_target`), a bad prompt
             set, vLLM not installed or refusing to start.
     """
     from peagle_pipeline.backends.pieces import read_target_info, text_config
     from peagle_pipeline.backends.vllm import EngineSettings, require_vllm
     from peagle_pipeline.stages.eval_report import format_table, plot_acceptance
+    from peagle_pipeline.stages.export import check_served_target
 
     say = echo or log.info
     t_start = time.perf_counter()
@@ -413,6 +416,9 @@ def run(opts: EvalOptions, echo: Callable[[str], None] | None = None) -> dict[st
                 f"draft {d.path} was trained for a vocabulary of {d.vocab_size}, target {target} has "
                 f"{info.vocab_size}: give the target the draft was trained on"
             )
+        note = check_served_target(d.path, target, opts.allow_other_target)
+        if note:
+            say(note)
         if d.depths > d.trained_depths:
             say(
                 f"note: {d.name} was trained for K={d.trained_depths}; measuring K={d.depths} (extra positions "

@@ -50,6 +50,9 @@ __all__ = [
     "DraftSpec",
     "export_config",
     "run_identity",
+    "TARGET_IDENTITY",
+    "target_identity",
+    "check_served_target",
     "same_run",
     "check_export_target",
     "write_export",
@@ -77,6 +80,11 @@ class DraftSpec:
     mask_token_id: int
     norm_before_residual: bool
     depths: int
+    # Qwen3 draft layers (QK-norm, `core.model.has_qk_norm` of the target); False in runs started before them.
+    qk_norm: bool = False
+    # The target the draft was trained on, from the cache (`target_identity`); None in runs started before it
+    # was recorded. The export's marker carries it, and vllm-check / evaluate compare it with the target given.
+    target_identity: dict[str, str] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -116,6 +124,7 @@ def export_config(spec: DraftSpec) -> dict[str, Any]:
         draft_vocab_size=spec.draft_vocab_size,
         mask_token_id=spec.mask_token_id,
         norm_before_residual=spec.norm_before_residual,
+        qk_norm=spec.qk_norm,
     )
     layer = (
         draft.layer_config()
@@ -205,6 +214,58 @@ def export_run_dir(export_dir: str | os.PathLike[str]) -> str | None:
     """The training run an export came from (its marker's "run"), or None (not ours, or no marker)."""
     run = read_marker(export_dir).get("run")
     return run if isinstance(run, str) else None
+
+
+# What identifies the target a draft was trained on (the cache's fields of the same names, SPEC section 3); the
+# first two must match for a draft to serve a target, the chat template only shapes the data it was trained on.
+TARGET_IDENTITY = ("target_config_sha256", "tokenizer_sha256", "chat_template_sha256")
+
+
+def target_identity(model_path: str | os.PathLike[str]) -> dict[str, str]:
+    """The identity of a target model directory: hashes of its config.json, tokenizer files and chat template,
+    computed as the cache records them (`backends.pieces`)."""
+    from peagle_pipeline.backends import pieces
+
+    return {
+        "target_config_sha256": pieces.config_sha256(model_path),
+        "tokenizer_sha256": pieces.tokenizer_sha256(model_path),
+        "chat_template_sha256": pieces.chat_template_sha256(model_path),
+    }
+
+
+def check_served_target(
+    export_dir: str | os.PathLike[str], target: str, allow_other: bool = False
+) -> str | None:
+    """Compare the target an export was trained on (its marker's "target") with the `target` it is about to run on.
+
+    Returns:
+        A one-line warning to print, or None: an export that records no identity (written before it was
+        recorded), another chat template, or another model let through by `allow_other`.
+
+    Raises:
+        BadInput: the target's config.json or tokenizer differ from the trained-on ones (and not `allow_other`).
+    """
+    recorded = read_marker(export_dir).get("target")
+    if not isinstance(recorded, dict):
+        return (
+            f"note: {export_dir} records no target identity (exported before it was recorded): not compared"
+        )
+    given = target_identity(target)
+    differ = [k for k in TARGET_IDENTITY if recorded.get(k) is not None and recorded.get(k) != given[k]]
+    model = [k.removesuffix("_sha256").replace("target_", "") for k in differ if k != "chat_template_sha256"]
+    if model and not allow_other:
+        raise BadInput(
+            f"draft {export_dir} was trained on another target than {target} (its {' and '.join(model)} differ): "
+            "give the target it was trained on, or --allow-other-target to run it anyway"
+        )
+    if model:
+        return f"warning: draft {export_dir} was trained on another target ({' and '.join(model)} differ)"
+    if differ:
+        return (
+            f"warning: {target}'s chat template differs from the one draft {export_dir} was trained with: "
+            "acceptance may be lower"
+        )
+    return None
 
 
 def same_run(marker: dict[str, Any], source: dict[str, Any] | None) -> bool:
@@ -300,7 +361,8 @@ def write_export(
         save_tensors(weights, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
         make_readable(tmp / WEIGHTS_FILE)  # safetensors writes 0600; a vLLM of another user must read it
         (tmp / CONFIG_FILE).write_text(json.dumps(export_config(spec), indent=2) + "\n")
-        (tmp / MARKER_FILE).write_text(json.dumps({**(source or {}), "time": time.time()}, indent=2) + "\n")
+        facts = {**(source or {}), "target": spec.target_identity, "time": time.time()}
+        (tmp / MARKER_FILE).write_text(json.dumps(facts, indent=2) + "\n")
         for name in EXPORT_FILES:
             fsync_file(tmp / name)
         fsync_dir(tmp)
@@ -393,6 +455,7 @@ def load_export(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
         draft_vocab_size=int(config["draft_vocab_size"]),
         mask_token_id=int(config["mask_token_id"]),
         norm_before_residual=bool(config["norm_before_residual"]),
+        qk_norm=layer.get("model_type") == "qwen3",
     )
     dvocab = None
     if "d2t" in weights and "t2d" in weights:  # Vd < V: rebuild the mapping from the exported offsets

@@ -130,6 +130,8 @@ def build_meta(cfg: GenerateConfig, backend: str, dtype: str, world: int, stops:
         "format": FORMAT,
         "settings": {
             "turns": cfg.turns,
+            # only when not the default, so outputs started before the setting existed resume unchanged
+            **({"thinking": cfg.thinking} if cfg.thinking != "strip" else {}),
             "temperature": cfg.temperature,
             "top_p": cfg.top_p,
             "repetition_penalty": cfg.repetition_penalty,
@@ -267,7 +269,7 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
         raise BadInput(f"cannot load the tokenizer of {cfg.model}: {why}") from None
     renderer = ChatRenderer(tokenizer)
     stops = resolve_stop_ids(cfg.model, renderer)
-    builder = DialogueBuilder(renderer, cfg.turns, stops)
+    builder = DialogueBuilder(renderer, cfg.turns, stops, cfg.thinking)
     backend_name = resolve_backend(cfg.backend)
     device = _device_type(cfg.device, backend_name)
     dtype = resolve_compute_dtype(cfg.compute_dtype, device)

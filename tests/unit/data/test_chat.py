@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tiny import build_tokenizer
+from tiny import build_qwen3_tokenizer, build_tokenizer
 
 from peagle_pipeline.data.chat import ChatRenderer, RejectRow
 from peagle_pipeline.data.records import Message
@@ -163,6 +163,52 @@ def test_tool_calls_under_a_template_without_tool_support_reject_the_row(tmp_pat
     tokenizer = build_tokenizer(tmp_path, "chatml")  # renders only role + content: the call would vanish
     with pytest.raises(RejectRow, match=r"the chat template does not render tool calls \(turn 1\)"):
         ChatRenderer(tokenizer).render(TOOL_CONV)
+
+
+# ---- issue 39, item 1: Qwen3's real template (an empty <think> block on the newest assistant turn) ---------------
+@pytest.fixture(scope="module")
+def qwen3_tok(tmp_path_factory):
+    return build_qwen3_tokenizer(tmp_path_factory.mktemp("qwen3-tok"))
+
+
+def test_qwen3_tool_call_turns_are_supervised_as_the_template_writes_them(qwen3_tok):
+    """Rendered as the server renders the whole conversation; each reply is what the template writes for it."""
+    sample = ChatRenderer(qwen3_tok).render(TOOL_CONV)
+    msgs = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "content": "18 C, sunny", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "It is 18 C and sunny."},
+    ]
+    assert qwen3_tok.decode(sample.input_ids) == qwen3_tok.apply_chat_template(msgs, tokenize=False)
+    assert masked_spans(qwen3_tok, sample) == [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+        "<think>\n\n</think>\n\nIt is 18 C and sunny.<|im_end|>",
+    ]
+
+
+def test_qwen3_tool_result_that_repeats_an_argument(qwen3_tok):
+    """The tool answers with text that also appears in the call's arguments: the call is still found whole."""
+    conv = [*TOOL_CONV[:2], Message("tool", "Paris", tool_call_id="c1"), TOOL_CONV[3]]
+    sample = ChatRenderer(qwen3_tok).render(conv)
+    assert masked_spans(qwen3_tok, sample)[0] == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+    )
+
+
+def test_qwen3_tool_call_as_the_newest_turn_and_plain_multi_turn(qwen3_tok):
+    renderer = ChatRenderer(qwen3_tok)
+    sample = renderer.render(
+        TOOL_CONV[:2]
+    )  # the call is the newest turn: the template writes an empty think block
+    assert masked_spans(qwen3_tok, sample) == [
+        '<think>\n\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+    ]
+    sample = renderer.render(CONV[1:5])
+    assert masked_spans(qwen3_tok, sample) == [
+        " Hello! How are you? <|im_end|>",  # an earlier reply, rendered as given (Qwen3 does not trim)
+        "<think>\n\n</think>\n\nParis is the capital.\n<|im_end|>",
+    ]
 
 
 # ---- issue 15, item 11: memory bounded by the max length ------------------------------------------------------
