@@ -238,6 +238,7 @@ def train(
     keep_checkpoints: Annotated[int | None, _opt(TrainConfig, "keep_checkpoints")] = None,
     precision: Annotated[str | None, _opt(TrainConfig, "precision")] = None,
     device: Annotated[str | None, _opt(TrainConfig, "device")] = None,
+    fsdp: Annotated[bool | None, _opt(TrainConfig, "fsdp")] = None,
     resume: Annotated[bool | None, _opt(TrainConfig, "resume")] = None,
     num_workers: Annotated[int | None, _opt(TrainConfig, "num_workers")] = None,
     loss_chunk: Annotated[int | None, _opt(TrainConfig, "loss_chunk")] = None,

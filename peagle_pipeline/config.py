@@ -281,6 +281,11 @@ class TrainConfig:
         "Compute precision: bf16 autocast or full fp32 (master weights stay fp32); auto = bf16 on CUDA and on CPUs with bf16 units (AMX / AVX512-BF16), fp32 on other CPUs.",
     )
     device: str = _f("auto", "auto, cpu, cuda, cuda:N (under torchrun, cuda:LOCAL_RANK).")
+    fsdp: bool = _f(
+        False,
+        "Under torchrun: shard the draft's trainable parameters, gradients and optimizer state over the ranks "
+        "(torch FSDP2) instead of keeping a replica on each (DDP); same updates, same checkpoints.",
+    )
     resume: bool = _f(False, "Continue the run in output from its latest complete checkpoint.")
     num_workers: int = _f(1, "DataLoader worker processes reading the cache.")
     loss_chunk: int = _f(2048, "Elements per chunk of the KL computation (bounds [elements, Vd] memory).")
