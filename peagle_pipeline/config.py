@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from peagle_pipeline.core.settings import CODConfig
+from peagle_pipeline.core.settings import SERVING_DEPTHS, CODConfig
 from peagle_pipeline.errors import BadConfig
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "describe_fields",
     "is_required",
     "field_choices",
+    "SERVING_DEPTHS",
 ]
 
 
@@ -230,7 +231,11 @@ class TrainConfig:
     )
     output: str = _f("", "Run directory (checkpoints, metrics, plots, export).", required=True)
     draft_layers: int = _f(1, "Decoder layers of the draft (the first is the fused EAGLE-3 layer).")
-    depths: int = _f(_COD["depths"], "K: tokens drafted in parallel (COD depths 0..K-1).")
+    depths: int = _f(
+        _COD["depths"],
+        f"K trained: tokens drafted in parallel (COD depths 0..K-1). The export serves at most this many (default "
+        f"{SERVING_DEPTHS}: train deeper than you serve, `export --speculative-tokens`).",
+    )
     draft_vocab_size: int = _f(
         32000, "Draft vocabulary size (most frequent supervised tokens); capped at the target vocabulary."
     )
