@@ -30,12 +30,14 @@ __all__ = [
 ]
 
 
-def shard(model: torch.nn.Module) -> torch.nn.Module:
-    """Shard `model`'s trainable parameters over the default process group (in place); returns it."""
+def shard(model: torch.nn.Module, device: torch.device, world: int) -> torch.nn.Module:
+    """Shard `model`'s trainable parameters over the `world` ranks of the default process group (in place; the
+    mesh names `device`'s type, so `--device cpu` on a machine with CUDA stays on gloo); returns it."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     frozen = {p for p in model.parameters() if not p.requires_grad}
-    fully_shard(model, ignored_params=frozen or None)
+    fully_shard(model, mesh=init_device_mesh(device.type, (world,)), ignored_params=frozen or None)
     return model
 
 

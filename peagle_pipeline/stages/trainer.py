@@ -87,7 +87,9 @@ class Trainer:
         self.ddp: torch.nn.Module = self.model
         self.sharded = cfg.fsdp and dist.world > 1  # one process: nothing to shard
         if self.sharded:
-            fsdp.shard(self.model)  # in place: self.model is the sharded module (dense embedding gradient)
+            fsdp.shard(
+                self.model, dist.device, dist.world
+            )  # in place: self.model is the sharded module (dense embedding gradient)
         elif dist.world > 1:
             self.ddp = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None
