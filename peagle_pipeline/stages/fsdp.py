@@ -58,7 +58,8 @@ def gather_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The full state dict on rank 0 (CPU tensors, `model.state_dict()` keys); {} on the other ranks."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(model, options=_options())
+    full: Any = get_model_state_dict(model, options=_options())  # tensors (DSD's type is wider)
+    return full
 
 
 def _names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -71,7 +72,7 @@ def gather_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimi
     """`optimizer.state_dict()` of the unsharded model on rank 0 (full moments, index keys); {} elsewhere."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    full = get_optimizer_state_dict(model, optimizer, options=_options())
+    full: Any = get_optimizer_state_dict(model, optimizer, options=_options())  # keyed by parameter name
     if not full:
         return {}
     index = {n: i for i, n in enumerate(_names(model, optimizer))}
@@ -89,10 +90,13 @@ def load_state(
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     opts = _options()
-    set_model_state_dict(model, model_state, options=opts)
+    set_model_state_dict(model, dict(model_state), options=opts)  # type: ignore[arg-type]  # tensors only
     names = _names(model, optimizer)
     groups = [{**g, "params": [names[i] for i in g["params"]]} for g in optimizer_state["param_groups"]]
-    by_name = {"state": {names[i]: s for i, s in optimizer_state["state"].items()}, "param_groups": groups}
+    by_name: Any = {
+        "state": {names[i]: s for i, s in optimizer_state["state"].items()},
+        "param_groups": groups,
+    }
     set_optimizer_state_dict(model, optimizer, by_name, options=opts)
 
 
