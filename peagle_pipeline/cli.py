@@ -21,6 +21,7 @@ from typer.core import TyperCommand
 
 from peagle_pipeline import preemption
 from peagle_pipeline.config import (
+    SERVING_DEPTHS,
     ExtractConfig,
     GenerateConfig,
     TrainConfig,
@@ -239,6 +240,7 @@ def train(
     keep_checkpoints: Annotated[int | None, _opt(TrainConfig, "keep_checkpoints")] = None,
     precision: Annotated[str | None, _opt(TrainConfig, "precision")] = None,
     device: Annotated[str | None, _opt(TrainConfig, "device")] = None,
+    fsdp: Annotated[bool | None, _opt(TrainConfig, "fsdp")] = None,
     resume: Annotated[bool | None, _opt(TrainConfig, "resume")] = None,
     num_workers: Annotated[int | None, _opt(TrainConfig, "num_workers")] = None,
     loss_chunk: Annotated[int | None, _opt(TrainConfig, "loss_chunk")] = None,
@@ -310,11 +312,21 @@ def export(
             "--force", help="Replace another run's export in --output (other files there are never replaced)."
         ),
     ] = False,
+    speculative_tokens: Annotated[
+        int | None,
+        typer.Option(
+            metavar="K",
+            help=f"K vLLM drafts by default (config.json speculative_tokens), at most the trained --depths "
+            f"(default: {SERVING_DEPTHS}, or the trained depths when fewer).",
+        ),
+    ] = None,
 ) -> None:
     """Export a trained draft in the speculators P-EAGLE format that vLLM loads."""
     from peagle_pipeline.stages import export as stage
 
-    path = stage.export_run(run_dir, output, checkpoint=checkpoint, force=force)
+    path = stage.export_run(
+        run_dir, output, checkpoint=checkpoint, force=force, speculative_tokens=speculative_tokens
+    )
     typer.echo(f"exported to {path}")
 
 

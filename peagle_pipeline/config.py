@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from peagle_pipeline.core.settings import CODConfig
+from peagle_pipeline.core.settings import SERVING_DEPTHS, CODConfig
 from peagle_pipeline.errors import BadConfig
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "describe_fields",
     "is_required",
     "field_choices",
+    "SERVING_DEPTHS",
 ]
 
 
@@ -234,7 +235,11 @@ class TrainConfig:
     )
     output: str = _f("", "Run directory (checkpoints, metrics, plots, export).", required=True)
     draft_layers: int = _f(1, "Decoder layers of the draft (the first is the fused EAGLE-3 layer).")
-    depths: int = _f(_COD["depths"], "K: tokens drafted in parallel (COD depths 0..K-1).")
+    depths: int = _f(
+        _COD["depths"],
+        f"K trained: tokens drafted in parallel (COD depths 0..K-1). The export serves at most this many (default "
+        f"{SERVING_DEPTHS}: train deeper than you serve, `export --speculative-tokens`).",
+    )
     draft_vocab_size: int = _f(
         32000, "Draft vocabulary size (most frequent supervised tokens); capped at the target vocabulary."
     )
@@ -285,6 +290,11 @@ class TrainConfig:
         "Compute precision: bf16 autocast or full fp32 (master weights stay fp32); auto = bf16 on CUDA and on CPUs with bf16 units (AMX / AVX512-BF16), fp32 on other CPUs.",
     )
     device: str = _f("auto", "auto, cpu, cuda, cuda:N (under torchrun, cuda:LOCAL_RANK).")
+    fsdp: bool = _f(
+        False,
+        "Under torchrun: shard the draft's trainable parameters, gradients and optimizer state over the ranks "
+        "(torch FSDP2) instead of keeping a replica on each (DDP); same updates, same checkpoints.",
+    )
     resume: bool = _f(False, "Continue the run in output from its latest complete checkpoint.")
     num_workers: int = _f(1, "DataLoader worker processes reading the cache.")
     loss_chunk: int = _f(2048, "Elements per chunk of the KL computation (bounds [elements, Vd] memory).")

@@ -205,8 +205,10 @@ def resolve_draft(path: str, depths: int | None) -> Draft:
     Raises:
         BadInput: missing directory or not a P-EAGLE export.
     """
+    from peagle_pipeline.stages.export import trained_depths
+
     config = read_draft_config(path)
-    trained = draft_depths(config)
+    served, trained = draft_depths(config), trained_depths(path, config)
     verifier = (config.get("speculators_config", {}).get("verifier") or {}).get("name_or_path")
     vocab = (config.get("transformer_layer_config") or {}).get("vocab_size")
     run_dir = find_run(path)
@@ -218,7 +220,7 @@ def resolve_draft(path: str, depths: int | None) -> Draft:
         verifier=verifier if isinstance(verifier, str) else None,
         vocab_size=int(vocab) if isinstance(vocab, int) else None,
         trained_depths=trained,
-        depths=depths if depths is not None else trained,
+        depths=depths if depths is not None else served,
         run=str(run_dir) if run_dir is not None else None,
         estimate=trainer_estimate(run_dir, exported_step(path, run_dir)) if run_dir is not None else None,
     )
