@@ -7,8 +7,8 @@ The runner never branches on the backend name; `registry.get_backend` picks the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from peagle_pipeline.errors import BadInput

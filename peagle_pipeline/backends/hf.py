@@ -132,7 +132,9 @@ class HFBackend:
                 self._capturing = False
             final = _gather(out.last_hidden_state, rows)  # [N, H] after the final norm, valid tokens only
             topk_ids, topk_lp = self._topk(final)  # [N, k], [N, k]
-            aux = torch.stack([_gather(self._captured[k], rows) for k in self.layer_ids], dim=1)  # [N, n_aux, H]
+            aux = torch.stack(
+                [_gather(self._captured[k], rows) for k in self.layer_ids], dim=1
+            )  # [N, n_aux, H]
             last = _gather(self._captured[L], rows) if self.want_last_hidden else None  # [N, H]
             self._captured.clear()
             copies = _HostCopies([aux, topk_ids, topk_lp] + ([last] if last is not None else []))

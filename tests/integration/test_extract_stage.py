@@ -313,7 +313,9 @@ class _RunningAhead(FakeBackend):
         return collect
 
 
-def test_runner_submits_the_next_batch_before_writing_the_last(tiny_model, tmp_path, patch_backend, monkeypatch):
+def test_runner_submits_the_next_batch_before_writing_the_last(
+    tiny_model, tmp_path, patch_backend, monkeypatch
+):
     """issue 37: batch i+1 is enqueued before batch i is copied/written, and the cache is bit-identical to the
     one a forward-then-write backend gives (rejects included, recorded in the same order)."""
     data = _data(tmp_path / "d.jsonl")
