@@ -39,6 +39,7 @@ from peagle_pipeline.stages.loader import (
     Cursor,
     PackedBatch,
     TrainLoader,
+    ahead_to_device,
     mix_seed,
     pack_rows,
     read_packed,
@@ -93,9 +94,8 @@ class Trainer:
         if self.eval_cache is self.cache:
             self.eval_set = self.split
         check_truncation(self.split, cfg.tokens_per_step)
-        self.loader = TrainLoader(
-            self.cache, self.split, loader_settings(cfg), dist.rank, dist.world, micro_steps
-        )
+        settings = dataclasses.replace(loader_settings(cfg), pin_memory=dist.device.type == "cuda")
+        self.loader = TrainLoader(self.cache, self.split, settings, dist.rank, dist.world, micro_steps)
         self.total_steps = cfg.steps or sum(self.loader.steps_in_epoch(e) for e in range(cfg.epochs))
         self.ckpt = CheckpointManager(cfg.output, cfg.keep_checkpoints)
         self.sink = sink or metrics_mod.NullSink()
@@ -189,13 +189,13 @@ class Trainer:
         b = dataclasses.replace(
             batch,
             **{
-                k: getattr(batch, k).to(dev)
+                k: getattr(batch, k).to(dev, non_blocking=True)  # (no-ops for rows `ahead_to_device` moved)
                 for k in ("input_ids", "aux_hidden", "topk_ids", "topk_logprobs", "weight")
             },
-            last_hidden=None if batch.last_hidden is None else batch.last_hidden.to(dev),
+            last_hidden=None if batch.last_hidden is None else batch.last_hidden.to(dev, non_blocking=True),
         )
         g = torch.Generator().manual_seed(mix_seed("cod", self.cfg.seed, batch.epoch, batch.row))
-        lay = cod.build_layout(b.doc_lengths, b.weight.cpu(), self.cod, g, full=full).to(dev)
+        lay = cod.build_layout(b.doc_lengths, batch.weight.cpu(), self.cod, g, full=full).to(dev)
         valid = lay.element_weight(b.weight)
         if self.cfg.target == "topk" and len(lay):
             _, _, has, _ = loss.topk_targets(b.topk_ids[lay.target], b.topk_logprobs[lay.target], self.vocab)
@@ -398,7 +398,9 @@ class Trainer:
         saved_at = self.step
         # `closing` ends the loader's worker on every way out. Left to the interpreter's exit, the worker would be
         # sent a SIGTERM that it ignores (`preemption.ignore_in_worker`), and the exit would wait on it forever.
-        with contextlib.closing(self.loader.iterate(self.cursor)) as stream:
+        with contextlib.closing(
+            ahead_to_device(self.loader.iterate(self.cursor), self.dist.device)
+        ) as stream:
             while self.step < self.total_steps:
                 signum = self._stop_signal(should_stop()) if should_stop is not None else 0
                 if signum:
