@@ -269,7 +269,9 @@ class Trainer:
         K = self.cfg.depths
         local_count = sum(int(p.valid.sum()) for p in prepared)
         count = int(self.dist.all_sum(torch.tensor([local_count], dtype=torch.float64))[0])
-        acc = torch.zeros(2 + 2 * K, dtype=torch.float64)  # loss_sum, tokens, correct[K], total[K]
+        # loss_sum, tokens, correct[K], total[K], summed on the device: one copy to the host per step, not three
+        # per segment (float64 throughout, so the sums are those of the host-side float() additions)
+        acc = torch.zeros(2 + 2 * K, dtype=torch.float64, device=self.dist.device)
         acc[1] = sum(p.batch.num_tokens for p in prepared)
         if count > 0:
             scale = self.dist.world / count  # DDP averages over ranks: sum / global count overall
@@ -280,12 +282,12 @@ class Trainer:
                 with ctx:
                     out = self.forward_segment(p, seg, self.ddp)
                     (out.loss_sum * scale).backward()
-                acc[0] += float(out.loss_sum.detach())
-                acc[2 : 2 + K] += out.correct.cpu().double()
-                acc[2 + K :] += out.total.cpu().double()
+                acc[0] += out.loss_sum.detach().double()
+                acc[2 : 2 + K] += out.correct.double()
+                acc[2 + K :] += out.total.double()
             if not work and self.dist.world > 1:  # keep DDP's collective pattern: a zero-loss backward
                 self._zero_backward()
-        self.dist.all_sum(acc)
+        acc = self.dist.all_sum(acc.cpu())
         stats = StepStats(
             loss_sum=float(acc[0]),
             count=count,
