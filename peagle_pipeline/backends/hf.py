@@ -153,14 +153,12 @@ class HFBackend:
     def bare_forward(self, batch: list[list[int]]) -> torch.Tensor:
         """The comparator of the extraction benchmark: the plain `model(input_ids)` forward (full [B, T, V]
         logits, no top-k, no copies) over the same padded batch, with the same attention path as `forward`
-        (mask passed only when `pass_attention_mask`), so the ratio measures extraction overhead only."""
+        (mask passed only when `pass_attention_mask`), so the ratio measures extraction overhead only. Like
+        `submit`, it does not wait for the device: the caller synchronises where it times."""
         input_ids, attention_mask, _ = self._pad(batch)
         mask_arg = attention_mask.to(self.device) if self.pass_attention_mask else None
         with torch.inference_mode():
-            logits = self.model(input_ids=input_ids, attention_mask=mask_arg, use_cache=False).logits
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-        return logits
+            return self.model(input_ids=input_ids, attention_mask=mask_arg, use_cache=False).logits
 
     def close(self) -> None:
         """Remove the hooks and drop the model."""
