@@ -219,8 +219,8 @@ class Trainer:
         sub = p.layout.select(seg.index)
         q = None if bool(seg.owned.all()) else seg.out_index  # all owned: plain forward, no query subset
         real = sub.depth == 0
-        aux_index = torch.zeros_like(sub.target)
-        aux_index[real] = torch.arange(int(real.sum()), device=sub.target.device)
+        # 0, 1, 2, ... at the depth-0 elements, 0 elsewhere (a cumulative sum: no count read back from the device)
+        aux_index = torch.where(real, real.long().cumsum(0) - 1, 0)
         aux = p.batch.aux_hidden[sub.target[real]]
         if self.precision == "fp32":
             aux = aux.float()
