@@ -15,14 +15,20 @@ import logging
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 import numpy as np
 
-from peagle_pipeline.backends.base import BackendSettings, SampleOutputs, TargetBackend, default_layer_ids
+from peagle_pipeline.backends.base import (
+    BackendSettings,
+    SampleOutputs,
+    TargetBackend,
+    default_layer_ids,
+    submit,
+)
 from peagle_pipeline.backends.registry import get_backend
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.layout import CacheMeta
@@ -60,6 +66,7 @@ __all__ = [
     "backend_settings",
     "target_device",
     "forward_dtype",
+    "BatchPipeline",
 ]
 
 log = logging.getLogger(__name__)
@@ -574,28 +581,72 @@ def _loop(
     samples = sort_by_length(render_rows(rows, renderer, cfg.max_length, cfg.overlong), meta.length_window)
     items = plan_batches(samples, cfg.batch_tokens)
     backend: TargetBackend | None = None
-    new_tokens = 0
     t0 = time.perf_counter()
     with tqdm(total=total, unit="sample", desc=writer.store, mininterval=1.0, dynamic_ncols=True) as bar:
         if banner and not bar.disable:  # with the bar only: a failing command prints one line on stderr
             bar.write(banner, file=sys.stderr)
+        ahead = BatchPipeline(writer, meta, bar.update)
         for item in items:
             if isinstance(item, RowReject):
-                writer.add_reject(item.sample_id, item.source, item.source_row, item.reason)
-                bar.update(1)
+                ahead.reject(item)
                 continue
             if item[-1].ordinal < writer.next_ordinal:  # committed by an earlier run
                 bar.update(len(item))
                 continue
             if backend is None:
                 backend = get_backend(cfg.backend, backend_settings(cfg), list(meta.aux_layer_ids))
-            outputs = backend.forward([s.input_ids for s in item])
-            for sample, out in zip(item, outputs, strict=True):
-                writer.add(sample.ordinal, sample.record, to_sample_data(sample, out, meta))
-            new_tokens += sum(len(s.input_ids) for s in item)
-            bar.update(len(item))
-            bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}", refresh=False)
-    return backend, new_tokens
+            ahead.submit(backend, item)
+            rate = ahead.new_tokens / max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix(tok_s=f"{rate:.0f}", refresh=False)
+        ahead.drain()
+    return backend, ahead.new_tokens
+
+
+class BatchPipeline:
+    """Writes batches one behind the backend: batch i+1 is submitted (on CUDA, queued on the device) before batch
+    i's outputs are waited for, converted and added to the writer, so the device never idles while the host writes.
+
+    The writer sees exactly the calls, in exactly the order, of a plain forward-then-write loop: a reject seen
+    while a batch is in flight is recorded after that batch's samples, as it would have been.
+
+    Args:
+        writer: the store's writer.
+        meta: the cache's metadata (stored dtypes).
+        progress: called with the number of rows done (samples written, rejects recorded).
+    """
+
+    def __init__(self, writer: CacheWriter, meta: CacheMeta, progress: Callable[[int], Any]) -> None:
+        self.writer, self.meta, self.progress = writer, meta, progress
+        self.new_tokens = 0
+        self._pending: tuple[list[PlannedSample], Callable[[], list[SampleOutputs]]] | None = None
+        self._held: list[RowReject] = []
+
+    def submit(self, backend: TargetBackend, batch: list[PlannedSample]) -> None:
+        """Start `batch` on the backend, then write the batch before it."""
+        collect = submit(backend, [s.input_ids for s in batch])
+        self.drain()
+        self._pending = (batch, collect)
+
+    def reject(self, item: RowReject) -> None:
+        """Record a rejected row (after the batch in flight, if any)."""
+        if self._pending is not None:
+            self._held.append(item)
+            return
+        self.writer.add_reject(item.sample_id, item.source, item.source_row, item.reason)
+        self.progress(1)
+
+    def drain(self) -> None:
+        """Wait for the batch in flight, write it, then the rejects held behind it."""
+        if self._pending is not None:
+            batch, collect = self._pending
+            self._pending = None
+            for sample, out in zip(batch, collect(), strict=True):
+                self.writer.add(sample.ordinal, sample.record, to_sample_data(sample, out, self.meta))
+            self.new_tokens += sum(len(s.input_ids) for s in batch)
+            self.progress(len(batch))
+        held, self._held = self._held, []
+        for item in held:
+            self.reject(item)
 
 
 def _finish(summary: ExtractSummary, writer: CacheWriter, already: bool) -> ExtractSummary:

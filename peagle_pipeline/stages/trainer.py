@@ -42,6 +42,7 @@ from peagle_pipeline.stages.loader import (
     Cursor,
     PackedBatch,
     TrainLoader,
+    ahead_to_device,
     mix_seed,
     pack_rows,
     read_packed,
@@ -101,9 +102,8 @@ class Trainer:
         if self.eval_cache is self.cache:
             self.eval_set = self.split
         check_truncation(self.split, cfg.tokens_per_step)
-        self.loader = TrainLoader(
-            self.cache, self.split, loader_settings(cfg), dist.rank, dist.world, micro_steps
-        )
+        settings = dataclasses.replace(loader_settings(cfg), pin_memory=dist.device.type == "cuda")
+        self.loader = TrainLoader(self.cache, self.split, settings, dist.rank, dist.world, micro_steps)
         self.total_steps = cfg.steps or sum(self.loader.steps_in_epoch(e) for e in range(cfg.epochs))
         self.ckpt = CheckpointManager(cfg.output, cfg.keep_checkpoints)
         self.sink = sink or metrics_mod.NullSink()
@@ -204,13 +204,13 @@ class Trainer:
         b = dataclasses.replace(
             batch,
             **{
-                k: getattr(batch, k).to(dev)
+                k: getattr(batch, k).to(dev, non_blocking=True)  # (no-ops for rows `ahead_to_device` moved)
                 for k in ("input_ids", "aux_hidden", "topk_ids", "topk_logprobs", "weight")
             },
-            last_hidden=None if batch.last_hidden is None else batch.last_hidden.to(dev),
+            last_hidden=None if batch.last_hidden is None else batch.last_hidden.to(dev, non_blocking=True),
         )
         g = torch.Generator().manual_seed(mix_seed("cod", self.cfg.seed, batch.epoch, batch.row))
-        lay = cod.build_layout(b.doc_lengths, b.weight.cpu(), self.cod, g, full=full).to(dev)
+        lay = cod.build_layout(b.doc_lengths, batch.weight.cpu(), self.cod, g, full=full).to(dev)
         valid = lay.element_weight(b.weight)
         if self.cfg.target == "topk" and len(lay):
             _, _, has, _ = loss.topk_targets(b.topk_ids[lay.target], b.topk_logprobs[lay.target], self.vocab)
@@ -234,8 +234,8 @@ class Trainer:
         sub = p.layout.select(seg.index)
         q = None if bool(seg.owned.all()) else seg.out_index  # all owned: plain forward, no query subset
         real = sub.depth == 0
-        aux_index = torch.zeros_like(sub.target)
-        aux_index[real] = torch.arange(int(real.sum()), device=sub.target.device)
+        # 0, 1, 2, ... at the depth-0 elements, 0 elsewhere (a cumulative sum: no count read back from the device)
+        aux_index = torch.where(real, real.long().cumsum(0) - 1, 0)
         aux = p.batch.aux_hidden[sub.target[real]]
         if self.precision == "fp32":
             aux = aux.float()
@@ -284,11 +284,13 @@ class Trainer:
         K = self.cfg.depths
         local_count = sum(int(p.valid.sum()) for p in prepared)
         count = int(self.dist.all_sum(torch.tensor([local_count], dtype=torch.float64))[0])
-        acc = torch.zeros(2 + 2 * K, dtype=torch.float64)  # loss_sum, tokens, correct[K], total[K]
+        # loss_sum, tokens, correct[K], total[K], summed on the device: one copy to the host per step, not three
+        # per segment (float64 throughout, so the sums are those of the host-side float() additions)
+        acc = torch.zeros(2 + 2 * K, dtype=torch.float64, device=self.dist.device)
         acc[1] = sum(p.batch.num_tokens for p in prepared)
         if count > 0:
             self._backward_all([(p, s) for p in prepared for s in p.segments], count, acc)
-        self.dist.all_sum(acc)
+        acc = self.dist.all_sum(acc.cpu())
         stats = StepStats(
             loss_sum=float(acc[0]),
             count=count,
@@ -350,9 +352,9 @@ class Trainer:
                     continue
                 out = self.forward_segment(*work[i], self.ddp)
                 (out.loss_sum * scale).backward()
-            acc[0] += float(out.loss_sum.detach())
-            acc[2 : 2 + K] += out.correct.cpu().double()
-            acc[2 + K :] += out.total.cpu().double()
+            acc[0] += out.loss_sum.detach().double()
+            acc[2 : 2 + K] += out.correct.double()
+            acc[2 + K :] += out.total.double()
         if not passes and self.dist.world > 1:  # keep DDP's collective pattern: a zero-loss backward
             self._zero_backward()
 
@@ -450,7 +452,9 @@ class Trainer:
         saved_at = self.step
         # `closing` ends the loader's worker on every way out. Left to the interpreter's exit, the worker would be
         # sent a SIGTERM that it ignores (`preemption.ignore_in_worker`), and the exit would wait on it forever.
-        with contextlib.closing(self.loader.iterate(self.cursor)) as stream:
+        with contextlib.closing(
+            ahead_to_device(self.loader.iterate(self.cursor), self.dist.device)
+        ) as stream:
             while self.step < self.total_steps:
                 signum = self._stop_signal(should_stop()) if should_stop is not None else 0
                 if signum:
