@@ -350,3 +350,18 @@ def test_dataset_fingerprint_of_a_directory_ignores_a_writers_lock_file(tmp_path
     assert dataset_fingerprint([tmp_path]) == before
     (tmp_path / "state-rank00000-of-00001.json").write_text("{}")
     assert dataset_fingerprint([tmp_path]) != before
+
+
+# ---- issue 39, item 11 -----------------------------------------------------------------------------------
+def test_openai_developer_role_is_read_as_system(tmp_path):
+    """OpenAI's `developer` role (o1 and later) carries what `system` did; its API takes one for the other."""
+    record = {
+        "messages": [
+            {"role": "developer", "content": "Answer in French."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Bonjour."},
+        ]
+    }
+    (row,) = _rows(_write_jsonl(tmp_path / "d.jsonl", [record]))
+    assert isinstance(row, Conversation), row
+    assert row.messages[0] == Message("system", "Answer in French.")
