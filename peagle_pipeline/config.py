@@ -76,7 +76,9 @@ class GenerateConfig:
     max_prompt_tokens: int = _f(
         1024, "Prompts (conversation so far) longer than this are skipped, with the reason recorded."
     )
-    samples_per_prompt: int = _f(1, "Independent conversations generated per source conversation.")
+    samples_per_prompt: int = _f(
+        1, "Independent conversations generated per source conversation (more than 1 needs temperature > 0)."
+    )
     seed: int = _f(0, "Sampling seed; each (row, sample, turn) draws from its own seed derived from it.")
     max_samples: int | None = _f(
         None, "Use only the first N conversations of the data (before rank splitting)."
@@ -114,6 +116,11 @@ class GenerateConfig:
             raise BadConfig(f"max_samples must be positive, got {self.max_samples}")
         if self.temperature < 0:
             raise BadConfig(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature == 0 and self.samples_per_prompt > 1:  # greedy: every sample would be the same reply
+            raise BadConfig(
+                f"samples_per_prompt {self.samples_per_prompt} with temperature 0 (greedy) gives identical samples; "
+                "set temperature > 0 to sample, or samples_per_prompt 1"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise BadConfig(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
