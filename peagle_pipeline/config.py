@@ -116,7 +116,8 @@ class GenerateConfig:
             raise BadConfig(f"max_samples must be positive, got {self.max_samples}")
         if self.temperature < 0:
             raise BadConfig(f"temperature must be >= 0, got {self.temperature}")
-        if self.temperature == 0 and self.samples_per_prompt > 1:  # greedy: every sample would be the same reply
+        # greedy: every sample of a prompt would be the same reply
+        if self.temperature == 0 and self.samples_per_prompt > 1:
             raise BadConfig(
                 f"samples_per_prompt {self.samples_per_prompt} with temperature 0 (greedy) gives identical samples; "
                 "set temperature > 0 to sample, or samples_per_prompt 1"
@@ -170,7 +171,10 @@ class ExtractConfig:
         "auto",
         "Target forward dtype. auto: fp32 when dtype is fp32, else bf16 on CUDA and on CPUs with bf16 units (AMX / AVX512-BF16), fp32 on other CPUs (faster there); a resumed cache keeps the dtype it was started with.",
     )
-    assistant_turns: Literal["all", "last"] = _f("all", "Supervise all assistant turns or only the last one.")
+    assistant_turns: Literal["all", "last"] = _f(
+        "all",
+        "Supervise all assistant turns or only the last one (of a token-id row: its last run of supervised tokens).",
+    )
     leading_assistant: Literal["context", "drop"] = _f(
         "context", "An assistant turn before any user turn: keep as unsupervised context, or drop it."
     )

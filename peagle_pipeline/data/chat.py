@@ -168,15 +168,26 @@ class ChatRenderer:
     def check_tokens(self, input_ids: Sequence[int], loss_mask: Sequence[bool]) -> RenderedSample:
         """A row that arrives already tokenised (on-policy data from `generate`), checked against this tokenizer.
 
+        Its replies are its runs of consecutive supervised tokens (a `generate` row supervises each generated reply,
+        stop token included, and the template text between replies is not): with assistant_turns "last" only the
+        last run stays supervised. Example: mask [0,1,1,0,0,1,1,1] -> [0,0,0,0,0,1,1,1].
+
         Raises:
             RejectRow: an id outside the tokenizer, or nothing supervised.
         """
         top = max(input_ids, default=-1)
         if top >= len(self.tokenizer):
             raise RejectRow(f"token id {top} is outside the tokenizer ({len(self.tokenizer)} ids)")
-        if not any(loss_mask):
+        mask = [bool(m) for m in loss_mask]
+        if not any(mask):
             raise RejectRow("no supervised tokens")
-        return RenderedSample(list(input_ids), [bool(m) for m in loss_mask])
+        if self.assistant_turns == "last":
+            end = len(mask) - mask[::-1].index(True)  # one past the last supervised token
+            start = end - 1
+            while start > 0 and mask[start - 1]:
+                start -= 1
+            mask = [start <= i < end for i in range(len(mask))]
+        return RenderedSample(list(input_ids), mask)
 
     def _tokenize(self, full: str, span: int | None, max_tokens: int | None) -> _Tokens | None:
         """Tokens of `full`; with `span`, of its first `span` characters only, when `full` is longer.

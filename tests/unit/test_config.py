@@ -190,8 +190,15 @@ def test_greedy_with_several_samples_per_prompt_is_refused(tmp_path):
     assert "\n" not in message and "identical" in message
     assert "temperature > 0" in message and "samples_per_prompt 1" in message
     pipe = tmp_path / "p.yaml"  # the same from a pipeline file
-    pipe.write_text("generate:\n  model: m\n  data: d.jsonl\n  output: g\n  temperature: 0\n  samples_per_prompt: 3\n")
+    pipe.write_text(
+        "generate:\n  model: m\n  data: d.jsonl\n  output: g\n  temperature: 0\n  samples_per_prompt: 3\n"
+    )
     with pytest.raises(BadConfig, match="identical samples"):
         resolve(GenerateConfig, pipe, {})
-    assert resolve(GenerateConfig, None, {**base, "temperature": 0.5, "samples_per_prompt": 2}).samples_per_prompt == 2
+    assert (
+        resolve(
+            GenerateConfig, None, {**base, "temperature": 0.5, "samples_per_prompt": 2}
+        ).samples_per_prompt
+        == 2
+    )
     assert resolve(GenerateConfig, None, {**base, "temperature": 0.0}).samples_per_prompt == 1
