@@ -20,7 +20,11 @@ from typing import Any, Literal
 from peagle_pipeline.data.records import Message
 from peagle_pipeline.errors import BadInput
 
-__all__ = ["ChatRenderer", "RenderedSample", "RejectRow", "template_token_ids"]
+__all__ = ["ChatRenderer", "RenderedSample", "RejectRow", "template_token_ids", "EMPTY_REPLY"]
+
+EMPTY_REPLY = "empty reply"
+"""Why a row has nothing to learn from its replies: they are empty or whitespace only (no tool calls). The one rule for
+extract (such a reply is never supervised) and generate (such a generated reply is not kept)."""
 
 
 # A bounded render first tokenises 16 characters per wanted token (keeping the tokens within the first 8 per
@@ -126,6 +130,11 @@ class ChatRenderer:
         supervised = self._supervised_turns(msgs)
         if not supervised:
             raise RejectRow("no assistant turn after the first user turn")
+        supervised = [
+            t for t in supervised if _says_something(msgs[t])
+        ]  # a blank reply stays unsupervised context
+        if not supervised:
+            raise RejectRow(EMPTY_REPLY)
         full = self._render(msgs, generation_prompt=False)
         span = None if max_tokens is None else _FIRST_SPAN_CHARS_PER_TOKEN * max_tokens
         while True:
@@ -398,6 +407,11 @@ def template_token_ids(tokenizer: Any) -> frozenset[int]:
             if isinstance(text, str):
                 ids.update(tokenizer(text, add_special_tokens=False)["input_ids"])
     return frozenset(ids)
+
+
+def _says_something(msg: dict[str, Any]) -> bool:
+    """An assistant turn with text other than whitespace, or with tool calls (see `EMPTY_REPLY`)."""
+    return bool(msg.get("tool_calls")) or bool(msg["content"].strip())
 
 
 def _template_dict(m: Message) -> dict[str, Any]:
