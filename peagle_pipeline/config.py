@@ -57,6 +57,10 @@ class GenerateConfig:
         "Chat data whose assistant replies are regenerated (every format extract reads). Repeatable.",
         required=True,
     )
+    split: str | None = _f(
+        None,
+        "The split of a Hugging Face DatasetDict (save_to_disk) to read; default train. Only DatasetDict data has splits.",
+    )
     output: str = _f(
         "", "Output directory of on-policy rows to create or resume (extract reads it).", required=True
     )
@@ -139,6 +143,10 @@ class ExtractConfig:
         [],
         "Dataset files or HF datasets saved to disk (ShareGPT or OpenAI messages; JSON, JSONL, Parquet). Repeatable.",
         required=True,
+    )
+    split: str | None = _f(
+        None,
+        "The split of a Hugging Face DatasetDict (save_to_disk) to read; default train. Only DatasetDict data has splits.",
     )
     output: str = _f("", "Cache directory to create or resume.", required=True)
     backend: Literal["hf", "vllm"] = _f("hf", "Target runtime: hf (transformers) or vllm.")

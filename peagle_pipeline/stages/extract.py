@@ -282,7 +282,7 @@ def build_meta(
         overlong=cfg.overlong,
         assistant_turns=cfg.assistant_turns,
         leading_assistant=cfg.leading_assistant,
-        dataset_fingerprint=dataset_fingerprint(cfg.data),
+        dataset_fingerprint=dataset_fingerprint(cfg.data, cfg.split),
         max_samples=cfg.max_samples,
         world_size=world_size,
         shard_tokens=cfg.shard_tokens,
@@ -448,10 +448,10 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     from transformers import AutoTokenizer
 
     from peagle_pipeline.data.chat import ChatRenderer
-    from peagle_pipeline.data.formats import iter_rows
+    from peagle_pipeline.data.formats import iter_rows, split_notes
 
     # Checked before the output exists: bad data paths or tokenizer must not leave a cache stamped with them.
-    iter_rows(cfg.data)  # checks every path's existence and kind; reads nothing
+    iter_rows(cfg.data, cfg.split)  # checks every path's existence and kind; reads nothing
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     except Exception as err:  # transformers/tokenizers raise many types for a broken tokenizer
@@ -477,7 +477,7 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
         raise_if_unwritable(err, cfg.output)
     summary = ExtractSummary(output=cfg.output if remote is not None else str(root), store=writer.store)
     note = collapsed_layers_note(cfg, info.num_hidden_layers)
-    summary.notes += [note] if note else []
+    summary.notes += ([note] if note else []) + split_notes(cfg.data, cfg.split)
     if writer.complete:
         writer.abort()
         if writer.committed_samples == 0 and world == 1:  # written by a version that allowed it
@@ -569,8 +569,8 @@ def _loop(
 
     from peagle_pipeline.data.formats import iter_rows
 
-    total = sum(1 for _ in rank_rows(iter_rows(cfg.data), rank, world, cfg.max_samples))
-    rows = rank_rows(iter_rows(cfg.data), rank, world, cfg.max_samples)
+    total = sum(1 for _ in rank_rows(iter_rows(cfg.data, cfg.split), rank, world, cfg.max_samples))
+    rows = rank_rows(iter_rows(cfg.data, cfg.split), rank, world, cfg.max_samples)
     samples = sort_by_length(render_rows(rows, renderer, cfg.max_length, cfg.overlong), meta.length_window)
     items = plan_batches(samples, cfg.batch_tokens)
     backend: TargetBackend | None = None

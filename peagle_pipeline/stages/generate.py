@@ -61,6 +61,7 @@ class GenerateSummary:
     elapsed_s: float = 0.0
     engine_s: float = 0.0
     already_complete: bool = False
+    notes: list[str] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -83,6 +84,7 @@ class GenerateSummary:
             f"rejects {sum(self.rejects.values())}"
             + "".join(f"\n  {n:6d}  {r}" for r, n in sorted(self.rejects.items(), key=lambda kv: -kv[1])),
         ]
+        lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -145,7 +147,7 @@ def build_meta(cfg: GenerateConfig, backend: str, dtype: str, world: int, stops:
             "world_size": world,
         },
         "stop_token_ids": stops,
-        "data_fingerprint": dataset_fingerprint(cfg.data),
+        "data_fingerprint": dataset_fingerprint(cfg.data, cfg.split),
         "target": {
             "config_sha256": pieces.config_sha256(cfg.model),
             "tokenizer_sha256": pieces.tokenizer_sha256(cfg.model),
@@ -249,7 +251,7 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
 
     from peagle_pipeline.backends.pieces import read_target_info, text_config
     from peagle_pipeline.data.chat import ChatRenderer
-    from peagle_pipeline.data.formats import iter_rows
+    from peagle_pipeline.data.formats import iter_rows, split_notes
 
     rank, world = writer_rank(cfg.rank, cfg.world_size)
     info = read_target_info(cfg.model)
@@ -259,7 +261,7 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
         raise BadConfig(
             f"max_prompt_tokens + max_new_tokens ({max_model_len}) exceeds the target's context ({context})"
         )
-    iter_rows(cfg.data)  # checks every path before the output exists; reads nothing
+    iter_rows(cfg.data, cfg.split)  # checks every path before the output exists; reads nothing
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     except Exception as err:  # transformers/tokenizers raise many types for a broken tokenizer
@@ -274,6 +276,7 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
     root = prepare_output(Path(cfg.output), build_meta(cfg, backend_name, dtype, world, stops))
     writer = OnPolicyWriter(root, rank, world).open()
     summary = GenerateSummary(output=str(root), rows_file=writer.rows_path.name, backend=backend_name)
+    summary.notes += split_notes(cfg.data, cfg.split)
     try:
         if writer.complete:
             summary.already_complete = True
@@ -330,8 +333,8 @@ def _loop(
 
     from peagle_pipeline.data.formats import iter_rows
 
-    total = sum(1 for _ in rank_rows(iter_rows(cfg.data), rank, world, cfg.max_samples))
-    rows = rank_rows(iter_rows(cfg.data), rank, world, cfg.max_samples)
+    total = sum(1 for _ in rank_rows(iter_rows(cfg.data, cfg.split), rank, world, cfg.max_samples))
+    rows = rank_rows(iter_rows(cfg.data, cfg.split), rank, world, cfg.max_samples)
     backend: GenerationBackend | None = None
     start = time.perf_counter()
     replies = done = 0
