@@ -174,7 +174,9 @@ def test_long_prompts_and_empty_replies_are_recorded(tiny_stop_model, conversati
         assert all(s <= 40 for s in starts)  # every reply was prompted with <= max_prompt_tokens tokens
     # greedy: this model's most likely first token is the end-of-turn, so every reply is empty; no row is kept, which
     # is an error naming the reason (as extract's "no usable samples"), and nothing is left (issue 39 item 6)
-    with pytest.raises(BadInput, match=rf"every row was rejected \(10 x '{REASON_EMPTY}'\); nothing was kept"):
+    with pytest.raises(
+        BadInput, match=rf"every row was rejected \(10 x '{REASON_EMPTY}'\); nothing was kept"
+    ):
         stage.run(_cfg(tiny_stop_model, conversations, tmp_path / "greedy", temperature=0.0))
     assert not (tmp_path / "greedy").exists()
 
