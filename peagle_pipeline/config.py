@@ -58,6 +58,10 @@ class GenerateConfig:
         "Chat data whose assistant replies are regenerated (every format extract reads). Repeatable.",
         required=True,
     )
+    split: str | None = _f(
+        None,
+        "The split of a Hugging Face DatasetDict (save_to_disk) to read; default train. Only DatasetDict data has splits.",
+    )
     output: str = _f(
         "", "Output directory of on-policy rows to create or resume (extract reads it).", required=True
     )
@@ -81,7 +85,9 @@ class GenerateConfig:
     max_prompt_tokens: int = _f(
         1024, "Prompts (conversation so far) longer than this are skipped, with the reason recorded."
     )
-    samples_per_prompt: int = _f(1, "Independent conversations generated per source conversation.")
+    samples_per_prompt: int = _f(
+        1, "Independent conversations generated per source conversation (more than 1 needs temperature > 0)."
+    )
     seed: int = _f(0, "Sampling seed; each (row, sample, turn) draws from its own seed derived from it.")
     max_samples: int | None = _f(
         None, "Use only the first N conversations of the data (before rank splitting)."
@@ -119,6 +125,12 @@ class GenerateConfig:
             raise BadConfig(f"max_samples must be positive, got {self.max_samples}")
         if self.temperature < 0:
             raise BadConfig(f"temperature must be >= 0, got {self.temperature}")
+        # greedy: every sample of a prompt would be the same reply
+        if self.temperature == 0 and self.samples_per_prompt > 1:
+            raise BadConfig(
+                f"samples_per_prompt {self.samples_per_prompt} with temperature 0 (greedy) gives identical samples; "
+                "set temperature > 0 to sample, or samples_per_prompt 1"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise BadConfig(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -136,6 +148,10 @@ class ExtractConfig:
         [],
         "Dataset files or HF datasets saved to disk (ShareGPT or OpenAI messages; JSON, JSONL, Parquet). Repeatable.",
         required=True,
+    )
+    split: str | None = _f(
+        None,
+        "The split of a Hugging Face DatasetDict (save_to_disk) to read; default train. Only DatasetDict data has splits.",
     )
     output: str = _f("", "Cache directory to create or resume.", required=True)
     backend: Literal["hf", "vllm"] = _f("hf", "Target runtime: hf (transformers) or vllm.")
@@ -168,7 +184,10 @@ class ExtractConfig:
         "auto",
         "Target forward dtype. auto: fp32 when dtype is fp32, else bf16 on CUDA and on CPUs with bf16 units (AMX / AVX512-BF16), fp32 on other CPUs (faster there); a resumed cache keeps the dtype it was started with.",
     )
-    assistant_turns: Literal["all", "last"] = _f("all", "Supervise all assistant turns or only the last one.")
+    assistant_turns: Literal["all", "last"] = _f(
+        "all",
+        "Supervise all assistant turns or only the last one (of a token-id row: its last run of supervised tokens).",
+    )
     leading_assistant: Literal["context", "drop"] = _f(
         "context", "An assistant turn before any user turn: keep as unsupervised context, or drop it."
     )

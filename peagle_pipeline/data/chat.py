@@ -22,7 +22,11 @@ from typing import Any, Literal
 from peagle_pipeline.data.records import Message
 from peagle_pipeline.errors import BadInput
 
-__all__ = ["ChatRenderer", "RenderedSample", "RejectRow", "template_token_ids"]
+__all__ = ["ChatRenderer", "RenderedSample", "RejectRow", "template_token_ids", "EMPTY_REPLY"]
+
+EMPTY_REPLY = "empty reply"
+"""Why a row has nothing to learn from its replies: they are empty or whitespace only (no tool calls). The one rule for
+extract (such a reply is never supervised) and generate (such a generated reply is not kept)."""
 
 
 # A bounded render first tokenises 16 characters per wanted token (keeping the tokens within the first 8 per
@@ -128,6 +132,11 @@ class ChatRenderer:
         supervised = self._supervised_turns(msgs)
         if not supervised:
             raise RejectRow("no assistant turn after the first user turn")
+        supervised = [
+            t for t in supervised if _says_something(msgs[t])
+        ]  # a blank reply stays unsupervised context
+        if not supervised:
+            raise RejectRow(EMPTY_REPLY)
         full = self._render(msgs, generation_prompt=False)
         span = None if max_tokens is None else _FIRST_SPAN_CHARS_PER_TOKEN * max_tokens
         while True:
@@ -170,15 +179,26 @@ class ChatRenderer:
     def check_tokens(self, input_ids: Sequence[int], loss_mask: Sequence[bool]) -> RenderedSample:
         """A row that arrives already tokenised (on-policy data from `generate`), checked against this tokenizer.
 
+        Its replies are its runs of consecutive supervised tokens (a `generate` row supervises each generated reply,
+        stop token included, and the template text between replies is not): with assistant_turns "last" only the
+        last run stays supervised. Example: mask [0,1,1,0,0,1,1,1] -> [0,0,0,0,0,1,1,1].
+
         Raises:
             RejectRow: an id outside the tokenizer, or nothing supervised.
         """
         top = max(input_ids, default=-1)
         if top >= len(self.tokenizer):
             raise RejectRow(f"token id {top} is outside the tokenizer ({len(self.tokenizer)} ids)")
-        if not any(loss_mask):
+        mask = [bool(m) for m in loss_mask]
+        if not any(mask):
             raise RejectRow("no supervised tokens")
-        return RenderedSample(list(input_ids), [bool(m) for m in loss_mask])
+        if self.assistant_turns == "last":
+            end = len(mask) - mask[::-1].index(True)  # one past the last supervised token
+            start = end - 1
+            while start > 0 and mask[start - 1]:
+                start -= 1
+            mask = [start <= i < end for i in range(len(mask))]
+        return RenderedSample(list(input_ids), mask)
 
     def _tokenize(self, full: str, span: int | None, max_tokens: int | None) -> _Tokens | None:
         """Tokens of `full`; with `span`, of its first `span` characters only, when `full` is longer.
@@ -437,6 +457,11 @@ def template_token_ids(tokenizer: Any) -> frozenset[int]:
             if isinstance(text, str):
                 ids.update(tokenizer(text, add_special_tokens=False)["input_ids"])
     return frozenset(ids)
+
+
+def _says_something(msg: dict[str, Any]) -> bool:
+    """An assistant turn with text other than whitespace, or with tool calls (see `EMPTY_REPLY`)."""
+    return bool(msg.get("tool_calls")) or bool(msg["content"].strip())
 
 
 def _template_dict(m: Message) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from peagle_pipeline.data.chat import ChatRenderer, RejectRow
+from peagle_pipeline.data.chat import EMPTY_REPLY, ChatRenderer, RejectRow
 from peagle_pipeline.data.records import Conversation
 
 __all__ = [
@@ -35,7 +35,7 @@ __all__ = [
 
 # Why a conversation stopped early (one fixed line each, so the summary can count them).
 REASON_TOO_LONG = "prompt longer than max_prompt_tokens"
-REASON_EMPTY = "empty reply"
+REASON_EMPTY = EMPTY_REPLY  # the same rule as extract's (data/chat.py)
 REASON_LENGTH = "reply hit max_new_tokens"
 REASON_NOT_PREFIX_STABLE = "chat template is not prefix-stable (it rewrites earlier turns)"
 REASON_REWRITES_REPLY = "chat template rewrites the generated reply text"

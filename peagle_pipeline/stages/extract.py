@@ -48,6 +48,7 @@ from peagle_pipeline.errors import (
 )
 from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import (
+    check_output_dir,
     describe_compute_dtype,
     resolve_compute_dtype,
     writer_rank,
@@ -289,7 +290,7 @@ def build_meta(
         overlong=cfg.overlong,
         assistant_turns=cfg.assistant_turns,
         leading_assistant=cfg.leading_assistant,
-        dataset_fingerprint=dataset_fingerprint(cfg.data),
+        dataset_fingerprint=dataset_fingerprint(cfg.data, cfg.split),
         max_samples=cfg.max_samples,
         world_size=world_size,
         shard_tokens=cfg.shard_tokens,
@@ -455,10 +456,10 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     from transformers import AutoTokenizer
 
     from peagle_pipeline.data.chat import ChatRenderer
-    from peagle_pipeline.data.formats import iter_rows
+    from peagle_pipeline.data.formats import iter_rows, split_notes
 
     # Checked before the output exists: bad data paths or tokenizer must not leave a cache stamped with them.
-    iter_rows(cfg.data)  # checks every path's existence and kind; reads nothing
+    iter_rows(cfg.data, cfg.split)  # checks every path's existence and kind; reads nothing
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     except Exception as err:  # transformers/tokenizers raise many types for a broken tokenizer
@@ -475,29 +476,37 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
         cfg = dataclasses.replace(cfg, length_window=window)
     meta = build_meta(cfg, info, layer_ids, world, compute)
     existed, created = Path(local).exists(), not (Path(local) / layout.CACHE_META).exists()
+    run_cfg = dataclasses.replace(cfg, compute_dtype=compute)  # the backend computes in what meta records
+    # A new cache is stamped (cache.json: compute dtype, ...) only once its backend has started, so a failed start
+    # (no CUDA, vLLM missing, ...) leaves nothing that would refuse or change the corrected command.
+    backend = _start_new(run_cfg, Path(local), meta) if created else None
     try:
         root = prepare_output(cfg, meta, root=local)
         if remote is not None:
             remote.push_root(meta)
         writer = CacheWriter(root, meta, rank, world, remote=remote).open()
-    except OSError as err:
-        raise_if_unwritable(err, cfg.output)
+    except BaseException as err:
+        if backend is not None:
+            backend.close()
+        if isinstance(err, OSError):
+            raise_if_unwritable(err, cfg.output)
+        raise
     summary = ExtractSummary(output=cfg.output if remote is not None else str(root), store=writer.store)
     note = collapsed_layers_note(cfg, info.num_hidden_layers)
-    summary.notes += [note] if note else []
+    summary.notes += ([note] if note else []) + split_notes(cfg.data, cfg.split)
     if writer.complete:
         writer.abort()
+        if backend is not None:
+            backend.close()
         if writer.committed_samples == 0 and world == 1:  # written by a version that allowed it
             raise BadInput(f"{_no_samples(cfg, writer)}; remove {cfg.output} and re-run with usable data")
         return _unstage(_finish(summary, writer, already=True), remote, writer)
     summary.compute_dtype = f"{why}; stored hidden states {cfg.dtype}"
     log.info("%s", summary.compute_dtype)
-    backend: TargetBackend | None = None
     start = time.perf_counter()
     try:
-        run_cfg = dataclasses.replace(cfg, compute_dtype=compute)  # the backend computes in what meta records
         backend, summary.new_tokens = _loop(
-            run_cfg, meta, writer, renderer, rank, world, summary.compute_dtype
+            run_cfg, meta, writer, renderer, rank, world, summary.compute_dtype, backend
         )
         if writer.next_ordinal == 0 and world == 1:  # (one of several ranks may legitimately get none)
             raise _NoSamples(_no_samples(cfg, writer))  # the store is never committed: a re-run starts afresh
@@ -526,6 +535,17 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
             backend.close()
     summary.elapsed_s = time.perf_counter() - start
     return _unstage(_finish(summary, writer, already=False), remote, writer)
+
+
+def _start_new(cfg: ExtractConfig, root: Path, meta: CacheMeta) -> TargetBackend:
+    """The backend of a new cache, started before anything is written; the output directory is checked first
+    (a foreign directory is refused before a slow start).
+
+    Raises:
+        OutputExists, BadConfig (vLLM missing), and whatever the backend's start raises (BadInput: no CUDA, ...).
+    """
+    check_output_dir(root, layout.CACHE_META, "a peagle cache")
+    return get_backend(cfg.backend, backend_settings(cfg), list(meta.aux_layer_ids))
 
 
 def _unstage(summary: ExtractSummary, remote: RemoteCache | None, writer: CacheWriter) -> ExtractSummary:
@@ -568,19 +588,19 @@ def _loop(
     rank: int,
     world: int,
     banner: str = "",
+    backend: TargetBackend | None = None,
 ) -> tuple[TargetBackend | None, int]:
-    """The batch loop; returns the backend (if one was started) and the tokens computed this run.
+    """The batch loop; returns the backend (`backend`, or one it started) and the tokens computed this run.
 
     `banner` is written once above the progress bar (the compute dtype line)."""
     from tqdm import tqdm
 
     from peagle_pipeline.data.formats import iter_rows
 
-    total = sum(1 for _ in rank_rows(iter_rows(cfg.data), rank, world, cfg.max_samples))
-    rows = rank_rows(iter_rows(cfg.data), rank, world, cfg.max_samples)
+    total = sum(1 for _ in rank_rows(iter_rows(cfg.data, cfg.split), rank, world, cfg.max_samples))
+    rows = rank_rows(iter_rows(cfg.data, cfg.split), rank, world, cfg.max_samples)
     samples = sort_by_length(render_rows(rows, renderer, cfg.max_length, cfg.overlong), meta.length_window)
     items = plan_batches(samples, cfg.batch_tokens)
-    backend: TargetBackend | None = None
     t0 = time.perf_counter()
     with tqdm(total=total, unit="sample", desc=writer.store, mininterval=1.0, dynamic_ncols=True) as bar:
         if banner and not bar.disable:  # with the bar only: a failing command prints one line on stderr

@@ -53,7 +53,9 @@ def test_mask_is_exactly_assistant_content_and_end_token(tok, drop_system):
     ref = ref["input_ids"] if isinstance(ref, dict) or hasattr(ref, "keys") else ref
     assert sample.input_ids == list(ref)  # same ids as the template's own tokenisation
     assert len(sample.loss_mask) == len(sample.input_ids)
-    replies = [m.content for m in conv if m.role == "assistant"]
+    replies = [
+        m.content for m in conv if m.role == "assistant" and m.content.strip()
+    ]  # the empty one is context
     assert masked_spans(tokenizer, sample) == [expected_reply(template, c) for c in replies]
     # Role headers, the (possibly injected) system prompt and user turns are never supervised.
     unsupervised = tokenizer.decode(
@@ -292,3 +294,28 @@ def test_a_huge_conversation_is_tokenised_only_as_far_as_max_tokens_needs(tmp_pa
     assert len(cut.input_ids) == 257 and max(spy.lengths) <= 2 * 16 * 257
     whole = ChatRenderer(tokenizer).render(huge)
     assert cut.input_ids == whole.input_ids[:257] and cut.loss_mask == whole.loss_mask[:257]
+
+
+# ---- issue 39, item 8 ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("blank", ["", " ", "\n\n", " \t "])
+def test_a_blank_reply_is_never_supervised_and_a_row_of_only_blank_replies_is_an_empty_reply(tok, blank):
+    """One rule with `generate` (which keeps no empty generated reply): a blank reply is unsupervised context; a
+    row whose replies are all blank is rejected as `empty reply`, the reason generate records."""
+    from peagle_pipeline.data.chat import EMPTY_REPLY
+    from peagle_pipeline.data.dialogue import REASON_EMPTY
+
+    template, tokenizer = tok
+    assert EMPTY_REPLY == REASON_EMPTY == "empty reply"
+    conv = [
+        Message("user", "Hi"),
+        Message("assistant", blank),
+        Message("user", "Again?"),
+        Message("assistant", "Yes"),
+    ]
+    sample = ChatRenderer(tokenizer).render(conv)
+    assert masked_spans(tokenizer, sample) == [expected_reply(template, "Yes")]
+    for renderer in (ChatRenderer(tokenizer), ChatRenderer(tokenizer, assistant_turns="last")):
+        with pytest.raises(RejectRow, match=EMPTY_REPLY):
+            renderer.render([Message("user", "Hi"), Message("assistant", blank)])
+    with pytest.raises(RejectRow, match=EMPTY_REPLY):  # "last": the last reply is the one that counts
+        ChatRenderer(tokenizer, assistant_turns="last").render([*conv[:3], Message("assistant", blank)])
