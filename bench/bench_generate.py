@@ -126,6 +126,9 @@ def main() -> None:
     ap.add_argument(
         "--plain-once", action="store_true", help="hf: one plain run (after the stage: skip the second)"
     )
+    ap.add_argument(
+        "--cuda-graphs", action="store_true", help="hf: the stage again with CUDA-graph decode steps"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from peagle_pipeline.backends.hf_generate import CUDA_GRAPHS_ENV
 from peagle_pipeline.config import GenerateConfig
 from peagle_pipeline.stages import generate as stage
 
@@ -146,6 +147,8 @@ def run_hf(
         "identical_replies": same,
         "goal_tokens_per_s": 40_000 if device.type == "cuda" else None,
     }
+    if args.cuda_graphs:
+        result.update(graphs_run(cfg, got, work))
     print(
         f"\n{len(prompts)} prompts, max_new_tokens {args.max_new_tokens}, T {args.temperature}, {result['device']}\n"
     )
@@ -161,4 +164,30 @@ def run_hf(
         f"\nreplies identical to plain model.generate's: {same}/{len(prompts)}"
         + (" (sampled: not expected)" if args.temperature > 0 else "")
     )
+    if args.cuda_graphs:
+        print(
+            f"with {CUDA_GRAPHS_ENV}=1: {result['graphs_tokens_per_s']:.1f} tokens/s, "
+            f"{result['graphs_identical_replies']}/{len(prompts)} replies identical to the eager stage's"
+        )
     return result
+
+
+def graphs_run(cfg: GenerateConfig, eager: dict[int, list[int]], work: Path) -> dict[str, Any]:
+    """The stage again with the decode step replayed as CUDA graphs: its rate and how many replies equal the eager
+    run's (the same kernels and the same random streams: all of them, when the graphs are right)."""
+    import dataclasses
+    import os
+
+    os.environ[CUDA_GRAPHS_ENV] = "1"
+    try:
+        graphs_cfg = dataclasses.replace(cfg, output=str(work / "hf-graphs"))
+        summary = stage.run(graphs_cfg)
+    finally:
+        del os.environ[CUDA_GRAPHS_ENV]
+    got = stage_replies(graphs_cfg.output)
+    return {
+        "graphs_tokens_per_s": summary.tokens_per_s,
+        "graphs_generated_tokens": summary.new_tokens,
+        "graphs_seconds": round(summary.elapsed_s - summary.engine_s, 2),
+        "graphs_identical_replies": sum(got.get(k) == v for k, v in eager.items()),
+    }

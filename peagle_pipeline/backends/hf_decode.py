@@ -10,7 +10,9 @@ from its own uniforms (`hf_sampling`), so its reply does not depend on the batch
 
 from __future__ import annotations
 
+import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +21,9 @@ from peagle_pipeline.backends.generation import GeneratedReply, SamplingSettings
 from peagle_pipeline.backends.hf_sampling import next_tokens, request_uniforms
 from peagle_pipeline.backends.hf_slots import SlotCache
 
-__all__ = ["DecodeLimits", "decode_all"]
+__all__ = ["DecodeLimits", "DecodeGraphs", "decode_all"]
+
+log = logging.getLogger(__name__)
 
 WINDOW_STEP = 64  # attention windows are a multiple of this many columns (fewer distinct shapes)
 
@@ -31,6 +35,9 @@ class DecodeLimits:
     slots: int
     prefill_tokens: int
     refill_at: int
+    cuda_graphs: bool = (
+        False  # replay the full-batch decode forward as CUDA graphs, one per window (CUDA only)
+    )
 
 
 class _Slots:
@@ -78,6 +85,7 @@ def decode_all(
     stops = torch.tensor(s.stop_token_ids, dtype=torch.long, device=device)
     columns = torch.arange(capacity, device=device)
     replies: list[GeneratedReply | None] = [None] * n
+    graphs = DecodeGraphs() if limits.cuda_graphs and device.type == "cuda" else None
     with torch.inference_mode():
         while queue or st.running():
             free = st.free()
@@ -86,8 +94,44 @@ def decode_all(
                 continue
             if not queue and 2 * st.running() <= st.n and st.n > 1:
                 _compact(st, cache)
-            _step(model, st, cache, s, stops, columns, replies)
+            _step(model, st, cache, s, stops, columns, replies, graphs)
     return [r for r in replies if r is not None]
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode forward over all B slots, one per attention window. Every input the forward reads
+    (the fed tokens, the lengths, the KV store) is updated in place, so a replay computes the step of the moment.
+    A capture that fails turns the graphs off for the call (eager steps then)."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.failed = False
+
+    def logits(self, forward: Callable[[], torch.Tensor], window: int) -> torch.Tensor | None:
+        """[B, V] logits of this step by replaying the window's graph (captured on first use), or None."""
+        if self.failed:
+            return None
+        if window not in self.graphs:
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    forward()  # warm-up (writes the same KV the replay writes)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = forward()
+                self.graphs[window] = (graph, out)
+            except Exception as err:  # any capture failure: the eager step is still right
+                log.warning(
+                    "CUDA graph capture failed (%s); decoding without graphs", str(err).splitlines()[0]
+                )
+                self.failed = True
+                return None
+        graph, out = self.graphs[window]
+        graph.replay()
+        return out
 
 
 def _admit(
@@ -185,25 +229,29 @@ def _step(
     stops: torch.Tensor,
     columns: torch.Tensor,
     replies: list[GeneratedReply | None],
+    graphs: DecodeGraphs | None = None,
 ) -> None:
     """Decode one token for slots 0..n-1: feed each row's last token at position lens[b], written at column lens[b]."""
     n = st.n
     longest = max(st.host_lens[:n]) + 1
     window = min(cache.capacity, -(-longest // WINDOW_STEP) * WINDOW_STEP)
     lens = st.lens[:n]
-    mask = (columns[None, :window] <= lens[:, None])[:, None, None, :]  # [n, 1, 1, window]
-    cache.decode(n, lens, window)
-    logits = (
-        model(
+
+    def forward() -> torch.Tensor:
+        mask = (columns[None, :window] <= lens[:, None])[:, None, None, :]  # [n, 1, 1, window]
+        cache.decode(n, lens, window)
+        out = model(
             input_ids=st.last[:n, None],
             attention_mask=mask,
             position_ids=lens[:, None],
             past_key_values=cache,
             use_cache=True,
         )
-        .logits[:, -1, :]
-        .float()
-    )  # [n, V]
+        return out.logits[:, -1, :].float()  # [n, V]
+
+    logits = graphs.logits(forward, window) if graphs is not None and n == st.B else None
+    if logits is None:
+        logits = forward()
     rows = torch.arange(n, device=lens.device)
     u = st.u[:n].gather(1, st.ngen[:n, None].clamp(max=s.max_new_tokens - 1)).squeeze(1)
     tok = next_tokens(logits, u, s, None if st.seen is None else st.seen[:n])

@@ -38,6 +38,7 @@ MEMORY_FRACTION = (
     0.8  # of the free GPU memory, for the KV store and the sampling buffers (the rest: prefill etc.)
 )
 PREFILL_TOKENS = {"cpu": 2048, "cuda": 32768}  # prompt tokens per prefill forward (memory of the activations)
+CUDA_GRAPHS_ENV = "PEAGLE_HF_CUDA_GRAPHS"  # 1: replay the decode step as CUDA graphs (not yet measured: off)
 ATTENTION = "peagle_decode_sdpa"  # the name `decode_attention` is registered under in transformers
 
 
@@ -121,7 +122,12 @@ class HFGenerator:
         capacity = max(len(p) for p in prompts) + sampling.max_new_tokens
         slots = self.slots(capacity, sampling.max_new_tokens)
         kind = "cuda" if self.device.type == "cuda" else "cpu"
-        limits = DecodeLimits(slots=slots, prefill_tokens=PREFILL_TOKENS[kind], refill_at=max(1, slots // 8))
+        limits = DecodeLimits(
+            slots=slots,
+            prefill_tokens=PREFILL_TOKENS[kind],
+            refill_at=max(1, slots // 8),
+            cuda_graphs=os.environ.get(CUDA_GRAPHS_ENV) == "1",
+        )
         return decode_all(self.model, prompts, seeds, sampling, limits, self.device)
 
     def slots(self, capacity: int, max_new: int) -> int:

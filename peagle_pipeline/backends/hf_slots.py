@@ -28,6 +28,7 @@ class SlotCache:
         self._rows: torch.Tensor | None = None  # prefill: [n] slots; decode: [B] row indices
         self._cols: torch.Tensor | None = None  # prefill: [n, P] source columns; decode: [B] target columns
         self._batch = self._window = 0
+        self._arange = torch.arange(0)
 
     def prefill(self, slots: torch.Tensor, offsets: torch.Tensor, width: int) -> None:
         """The next forward is a left-padded prefill of `width` columns for `slots` ([n]); row j's prompt starts
@@ -39,7 +40,9 @@ class SlotCache:
         """The next forward is one token for rows 0..batch-1, written at column cols[b] ([batch]); attention
         sees columns 0..window-1 of those rows."""
         self._mode, self._batch, self._window = "decode", batch, window
-        self._rows, self._cols = torch.arange(batch, device=cols.device), cols
+        if self._arange.numel() != batch or self._arange.device != cols.device:
+            self._arange = torch.arange(batch, device=cols.device)  # kept: a CUDA graph replays its address
+        self._rows, self._cols = self._arange, cols
 
     def update(
         self,
