@@ -20,7 +20,9 @@ def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 def _generator(model, batch_size: int | None, loop: bool = True) -> HFGenerator:
     return HFGenerator(
-        GeneratorSettings(model=str(model), dtype="fp32", device="cpu", batch_size=batch_size, decode_loop=loop)
+        GeneratorSettings(
+            model=str(model), dtype="fp32", device="cpu", batch_size=batch_size, decode_loop=loop
+        )
     )
 
 
@@ -107,7 +109,9 @@ def test_sampler_draws_the_nucleus_with_transformers_probabilities():
         picks = next_tokens(logits.expand(n, -1), u, s)
         counts = torch.bincount(picks, minlength=50).float()
         assert (counts - probs * n).abs().max() <= 1.5
-        assert set(picks.tolist()) <= set(torch.nonzero(probs).flatten().tolist())  # never outside the nucleus
+        assert set(picks.tolist()) <= set(
+            torch.nonzero(probs).flatten().tolist()
+        )  # never outside the nucleus
     assert 0 < int((probs == 0).sum()) < 49  # the last top-p cut something and kept several tokens
 
 
@@ -116,4 +120,31 @@ def test_greedy_and_uniform_streams():
     assert next_tokens(logits, torch.zeros(1), SamplingSettings(0.0, 1.0, 1.0, 4, (0,))).tolist() == [1]
     assert torch.equal(request_uniforms(5, 8), request_uniforms(5, 8))
     assert not torch.equal(request_uniforms(5, 8), request_uniforms(6, 8))
-    assert torch.equal(request_uniforms(5, 8)[:4], request_uniforms(5, 4))  # a longer reply extends the stream
+    assert torch.equal(
+        request_uniforms(5, 8)[:4], request_uniforms(5, 4)
+    )  # a longer reply extends the stream
+
+
+def test_sliding_window_models_go_through_model_generate(tmp_path):
+    """The loop's full-attention mask would be wrong past a sliding window: such a model falls back to
+    model.generate, and its greedy replies are still those of each prompt alone."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=8,
+    )
+    torch.manual_seed(0)
+    MistralForCausalLM(config).save_pretrained(str(tmp_path))
+    be = _generator(tmp_path, 3)
+    assert be.plain_reason is not None and "sliding" in be.plain_reason
+    prompts = _prompts([20, 3, 12, 7], seed=2)
+    s = SamplingSettings(0.0, 1.0, 1.0, 10, (3,))
+    alone = [_generator(tmp_path, 1).generate([p], [0], s)[0] for p in prompts]
+    assert be.generate(prompts, [0, 1, 2, 3], s) == alone
