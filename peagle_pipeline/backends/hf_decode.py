@@ -160,16 +160,18 @@ def _admit(
         for j, i in enumerate(group):
             ids[j, offsets[j] :] = torch.tensor(prompts[i], dtype=torch.long)
             pos[j, offsets[j] :] = torch.arange(len(prompts[i]))
-        cols = torch.arange(width)
-        valid = cols[None, :] >= offsets[:, None]  # [n, P] real tokens
+        cols = torch.arange(width, device=device)
+        valid = cols[None, :] >= offsets.to(device)[:, None]  # [n, P] real tokens
         mask = (cols[None, :, None] >= cols[None, None, :]) & valid[:, None, :]  # [n, P(q), P(k)] causal
-        mask |= torch.eye(width, dtype=torch.bool)[None]  # a padding query sees itself (no empty row, no NaN)
+        mask |= (
+            cols[None, :, None] == cols[None, None, :]
+        )  # a padding query sees itself (no empty row, no NaN)
         rows = torch.tensor(slots, dtype=torch.long, device=device)
         cache.prefill(rows, offsets.to(device), width)
         logits = (
             model(
                 input_ids=ids.to(device),
-                attention_mask=mask[:, None].to(device),
+                attention_mask=mask[:, None],
                 position_ids=pos.to(device),
                 past_key_values=cache,
                 use_cache=True,
@@ -185,7 +187,7 @@ def _admit(
         if st.seen is not None:  # the prompt's tokens (a padding column repeats its row's first token)
             first = ids.gather(1, offsets[:, None])  # [n, 1]
             st.seen[rows] = False
-            st.seen[rows[:, None].expand(-1, width), torch.where(valid, ids, first).to(device)] = True
+            st.seen[rows[:, None].expand(-1, width), torch.where(valid.cpu(), ids, first).to(device)] = True
         for j, b in enumerate(slots):
             st.req[b], st.host_lens[b] = group[j], int(lens[j])
         tok = next_tokens(logits, st.u[rows, 0], s, None if st.seen is None else st.seen[rows])
