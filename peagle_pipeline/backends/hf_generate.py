@@ -102,8 +102,11 @@ class HFGenerator:
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers' typed `to`
         self.plain_reason = _unsupported(self.model) if settings.decode_loop else "decode_loop off"
         if self.plain_reason is None:
-            AttentionInterface.register(ATTENTION, decode_attention)
-            self.model.set_attn_implementation(ATTENTION)
+            try:  # transformers' documented extension point; without it the loop still runs, on plain SDPA
+                AttentionInterface.register(ATTENTION, decode_attention)
+                self.model.set_attn_implementation(ATTENTION)
+            except (ValueError, KeyError, AttributeError) as err:
+                log.warning("grouped decode attention not set (%s); using sdpa", str(err).splitlines()[0])
         else:
             log.info("HF generation through model.generate: %s", self.plain_reason)
 
