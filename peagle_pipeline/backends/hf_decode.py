@@ -79,7 +79,7 @@ def decode_all(
     queue = deque(sorted(range(n), key=lambda i: (-len(prompts[i]), i)))
     B = max(1, min(limits.slots, n))
     capacity = max(len(p) for p in prompts) + s.max_new_tokens
-    vocab = model.get_output_embeddings().weight.shape[0] if s.repetition_penalty != 1.0 else None
+    vocab = model.get_output_embeddings().weight.shape[0] if s.repetition_penalty != 1.0 else None  # type: ignore[operator]
     st = _Slots(B, s, vocab, device)
     cache = SlotCache(B, capacity)
     stops = torch.tensor(s.stop_token_ids, dtype=torch.long, device=device)

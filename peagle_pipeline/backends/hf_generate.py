@@ -55,7 +55,7 @@ def generation_device(name: str) -> torch.device:
 def auto_batch_size(model: torch.nn.Module, device: torch.device, capacity: int, max_new: int) -> int:
     """Requests that fit the free memory of `device` (CUDA): a KV row of `capacity` positions and the sampling
     buffers each, within MEMORY_FRACTION of what is free, at most MAX_AUTO_BATCH."""
-    cfg = model.config.get_text_config()  # type: ignore[operator]
+    cfg = model.config.get_text_config()  # type: ignore[operator,union-attr]
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -68,7 +68,7 @@ def auto_batch_size(model: torch.nn.Module, device: torch.device, capacity: int,
 
 def _unsupported(model: torch.nn.Module) -> str | None:
     """Why the decode loop cannot run this model (then `model.generate` does), or None."""
-    cfg = model.config.get_text_config()  # type: ignore[operator]
+    cfg = model.config.get_text_config()  # type: ignore[operator,union-attr]
     impl = model.config._attn_implementation  # type: ignore[union-attr]
     if impl not in ("sdpa", ATTENTION):
         return f"attention {impl!r} (the loop needs sdpa)"

@@ -115,7 +115,7 @@ def decode_attention(
         grouped,
         key,
         value,
-        attn_mask=attention_mask[:, :, :, : key.shape[2]],
+        attn_mask=attention_mask[:, :, :, : key.shape[2]],  # type: ignore[index]  # checked above
         scale=kwargs.get("scaling"),  # type: ignore[arg-type]
     )  # [B, Hkv, G, D]
     return out.reshape(B, 1, Hq, D), None

@@ -21,7 +21,8 @@ from peagle_pipeline.stages.onpolicy_files import rejects_file, rows_file
 
 ROW_KEYS = {"id", "source", "source_row", "sample", "messages", "input_ids", "loss_mask", "finish"}
 EOT = "<|im_end|>"
-SEED_NO_EMPTY_REPLY = 8  # a seed for which the stop model's sampled first replies to the 4 prompts are all non-empty
+# a seed for which the stop model's sampled first replies to the 4 prompts are all non-empty
+SEED_NO_EMPTY_REPLY = 8
 
 
 def _cfg(model: Path, data: Path, out: Path, **kw) -> GenerateConfig:
