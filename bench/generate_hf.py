@@ -76,7 +76,7 @@ def load_plain(cfg: GenerateConfig, device: str) -> Any:
         cfg.model, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32
     )
     model.generation_config = GenerationConfig()
-    return model.to(dev).eval()
+    return model.to(dev).eval()  # type: ignore[arg-type]  # transformers types `to` narrowly
 
 
 def stage_replies(output: str) -> dict[int, list[int]]:
