@@ -113,6 +113,8 @@ def run_hf(
     if device.type == "cuda":
         plain_generate(model, ids[: min(len(ids), 64)], cfg, stops, 64, args.plain_cache)  # warm-up, untimed
     plain1, plain_out = plain_generate(model, ids, cfg, stops, args.plain_batch, args.plain_cache)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the plain run's cached blocks back to the GPU before the stage sizes its batch
     summary = stage.run(cfg)
     plain2, _ = (
         (plain1, None)

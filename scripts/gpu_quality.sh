@@ -258,7 +258,7 @@ gen_bench() {  # there, after stage-a, carrying .gpu/b: the HF generate stage vs
   "$PY" bench/bench_generate.py --backend hf --device cuda --model "$MODEL" --data "$WORK/prompts.jsonl" \
     --prompts "${BENCH_PROMPTS:-8192}" --max-new-tokens "$MAX_NEW" --max-prompt-tokens 1024 --temperature "$TEMPERATURE" \
     --plain-batch "${PLAIN_BATCH:-1024}" --plain-cache "${PLAIN_CACHE:-dynamic}" ${GEN_BATCH:+--batch-size "$GEN_BATCH"} \
-    ${PLAIN_ONCE:+--plain-once} $([[ -z ${SKIP_GRAPHS:-} ]] && echo --cuda-graphs) --out "$OUT/generate-hf.json" >"$OUT/generate-hf.log" 2>&1
+    $([[ -z ${PLAIN_TWICE:-} ]] && echo --plain-once) $([[ -z ${SKIP_GRAPHS:-} ]] && echo --cuda-graphs) --out "$OUT/generate-hf.json" >"$OUT/generate-hf.log" 2>&1
   local rc=$?
   tail -n 20 "$OUT/generate-hf.log"
   return $rc

@@ -63,6 +63,7 @@ def auto_batch_size(model: torch.nn.Module, device: torch.device, capacity: int,
     vocab = model.get_output_embeddings().weight.shape[0]  # type: ignore[operator,union-attr]
     per_row = 2 * cfg.num_hidden_layers * kv_heads * head_dim * element * capacity + 40 * vocab + 16 * max_new
     free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # cached by this process
     return max(1, min(MAX_AUTO_BATCH, int(free * MEMORY_FRACTION) // per_row))
 
 
