@@ -9,6 +9,11 @@ without the engine start-up). Throughput = generated tokens / seconds. With --al
 is measured on the same prompts too (not part of the ratio).
 
     .venv-vllm/bin/python bench/bench_generate.py --out bench/results/generate.json [--prompts 64 --max-new-tokens 256]
+
+--backend hf (no vLLM needed; `bench/generate_hf.py`): the stage with the HF backend against plain `model.generate`
+of the same prompts, on --device (cpu, cuda), in one run:
+
+    python bench/bench_generate.py --backend hf --device cuda --prompts 4096 --plain-batch 1024 --out gen-hf.json
 """
 
 from __future__ import annotations
@@ -109,6 +114,21 @@ def main() -> None:
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--also-hf", action="store_true", help="also time the stage with the HF backend")
+    ap.add_argument(
+        "--backend", choices=["vllm", "hf"], default="vllm", help="hf: the HF stage vs model.generate"
+    )
+    ap.add_argument("--device", default="auto", help="hf: cpu, cuda, cuda:N or auto")
+    ap.add_argument("--batch-size", type=int, default=None, help="hf: the stage's batch (default: its own)")
+    ap.add_argument("--plain-batch", type=int, default=16, help="hf: model.generate's batch")
+    ap.add_argument(
+        "--plain-cache", choices=["dynamic", "static"], default="dynamic", help="hf: its KV cache"
+    )
+    ap.add_argument(
+        "--plain-once", action="store_true", help="hf: one plain run (after the stage: skip the second)"
+    )
+    ap.add_argument(
+        "--cuda-graphs", action="store_true", help="hf: the stage again with CUDA-graph decode steps"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -124,6 +144,11 @@ def main() -> None:
         )
         probe = GenerateConfig(**base, output=str(work / "probe"))
         prompts, rows, stops = first_turn_prompts(probe, args.prompts)
+        if args.backend == "hf":
+            from generate_hf import run_hf
+
+            write_result(args.out, run_hf(args, base, prompts, rows, stops, work))
+            return
         cfg = GenerateConfig(
             **base, output=str(work / "vllm"), backend="vllm", max_samples=rows, chunk_size=rows
         )

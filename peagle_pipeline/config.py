@@ -95,7 +95,10 @@ class GenerateConfig:
     chunk_size: int = _f(
         64, "Source conversations per committed chunk (generated together; the unit of resume)."
     )
-    batch_size: int = _f(16, "hf backend: sequences per `generate` call (vLLM schedules its own batches).")
+    batch_size: int | None = _f(
+        None,
+        "hf backend: replies decoded together (default: as many as the free GPU memory holds, 16 on a CPU; vLLM schedules its own).",
+    )
     rank: int | None = _f(None, "This writer's rank; default from RANK / SLURM_PROCID, else 0.")
     world_size: int | None = _f(None, "Number of writers; default from WORLD_SIZE / SLURM_NTASKS, else 1.")
     device: str = _f("auto", "Device for the hf backend: auto, cpu, cuda, cuda:N.")
@@ -117,12 +120,13 @@ class GenerateConfig:
             "max_prompt_tokens",
             "samples_per_prompt",
             "chunk_size",
-            "batch_size",
             "tensor_parallel_size",
             "repetition_penalty",
         )
         if self.max_samples is not None and self.max_samples <= 0:
             raise BadConfig(f"max_samples must be positive, got {self.max_samples}")
+        if self.batch_size is not None and self.batch_size <= 0:
+            raise BadConfig(f"batch_size must be positive, got {self.batch_size}")
         if self.temperature < 0:
             raise BadConfig(f"temperature must be >= 0, got {self.temperature}")
         # greedy: every sample of a prompt would be the same reply

@@ -10,6 +10,8 @@
 #                                                                  .gpu/b (the other half, the data): a call carries 64 MiB
 # There, in the repository root (each verb returns; the pipeline runs in its own session between calls):
 #   bash scripts/gpu_quality.sh stage-a       copies .gpu/a and the wheels to $WORK and installs them
+#   bash scripts/gpu_quality.sh gen-bench     instead of `go`: carrying .gpu/b, the HF generate benchmark
+#                                             (bench/bench_generate.py --backend hf --device cuda) into $OUT
 #   bash scripts/gpu_quality.sh go SECONDS    first call: copies .gpu/b and starts the pipeline (log: $WORK/log);
 #                                             every call: waits until it ends or SECONDS pass, reports, and once it
 #                                             has ended puts the next export files in $OUT (15 MiB parts of
@@ -24,7 +26,9 @@ RANKS=${RANKS:-4}
 TURNS=${TURNS:-first}  # all: multi-turn, several generate calls per conversation (HF generate is the slow stage)
 TEMPERATURE=${TEMPERATURE:-0.7}
 MAX_NEW=${MAX_NEW:-256}
-GEN_BATCH=${GEN_BATCH:-256}  # also the chunk size: a chunk commits after each batch
+GEN_RANKS=${GEN_RANKS:-1}  # generate processes: one per GPU (ranks sharing a GPU compete for it)
+GEN_BATCH=${GEN_BATCH:-}  # replies decoded together; empty: as many as the free GPU memory holds
+GEN_CHUNK=${GEN_CHUNK:-8192}  # conversations per committed chunk (several batches: finished rows are refilled)
 GEN_SECONDS=${GEN_SECONDS:-220}  # generation stops this long after the pipeline started
 TRAIN_END=${TRAIN_END:-480}  # training stops (with a checkpoint) this long after the pipeline started
 OFF_RECORDS=${OFF_RECORDS:-3000}  # ShareGPT records whose own replies are extracted as off-policy data (0: none)
@@ -113,12 +117,12 @@ pipeline() {  # the whole run, in order, each stage bounded in time; each stage 
       OFF_PIDS+=($!)
     done
   fi
-  say "generate: $RANKS ranks, turns $TURNS, T $TEMPERATURE, <= $MAX_NEW new tokens, for at most ${GEN_SECONDS}s"
+  say "generate: $GEN_RANKS ranks, turns $TURNS, T $TEMPERATURE, <= $MAX_NEW new tokens, for at most ${GEN_SECONDS}s"
   PIDS=()
-  for ((r = 0; r < RANKS; r++)); do
+  for ((r = 0; r < GEN_RANKS; r++)); do
     "${CLI[@]}" generate --model "$MODEL" --data "$WORK/prompts.jsonl" --output "$WORK/onpolicy" --backend hf \
       --device "$DEVICE" --max-samples "$MAX_SAMPLES" --turns "$TURNS" --temperature "$TEMPERATURE" --top-p 0.95 --max-new-tokens "$MAX_NEW" \
-      --max-prompt-tokens 1024 --chunk-size "$GEN_BATCH" --batch-size "$GEN_BATCH" --rank $r --world-size "$RANKS" \
+      --max-prompt-tokens 1024 --chunk-size "$GEN_CHUNK" ${GEN_BATCH:+--batch-size "$GEN_BATCH"} --rank $r --world-size "$GEN_RANKS" \
       >"$WORK/generate-$r.log" 2>&1 &
     PIDS+=($!)
   done
@@ -241,10 +245,30 @@ export_part() {  # the next 4 parts of the export into $OUT (the first call also
   ls -la "$OUT"
 }
 
+gen_bench() {  # there, after stage-a, carrying .gpu/b: the HF generate stage vs plain model.generate (docs/generate.md)
+  cp .gpu/b/* "$WORK/" || exit 1
+  if [[ ! -f $MODEL/model.safetensors ]]; then
+    cat "$WORK/gguf.part0" "$WORK/gguf.part1" >"$WORK/model.gguf"
+    [[ $(sha256sum "$WORK/model.gguf" | cut -d' ' -f1) == $(cat "$WORK/gguf.sha256") ]] || { say "GGUF damaged"; exit 1; }
+    "$PY" scripts/prepare_demo.py --out "$WORK" --skip-data --gguf "$WORK/model.gguf" || exit 1
+  fi
+  [[ -f $WORK/prompts.jsonl ]] || xz -dkf "$WORK/prompts.jsonl.xz"
+  mkdir -p "$OUT"
+  nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
+  "$PY" bench/bench_generate.py --backend hf --device cuda --model "$MODEL" --data "$WORK/prompts.jsonl" \
+    --prompts "${BENCH_PROMPTS:-8192}" --max-new-tokens "$MAX_NEW" --max-prompt-tokens 1024 --temperature "$TEMPERATURE" \
+    --plain-batch "${PLAIN_BATCH:-1024}" --plain-cache "${PLAIN_CACHE:-dynamic}" ${GEN_BATCH:+--batch-size "$GEN_BATCH"} \
+    $([[ -z ${PLAIN_TWICE:-} ]] && echo --plain-once) $([[ -z ${SKIP_GRAPHS:-} ]] && echo --cuda-graphs) --out "$OUT/generate-hf.json" >"$OUT/generate-hf.log" 2>&1
+  local rc=$?
+  tail -n 20 "$OUT/generate-hf.log"
+  return $rc
+}
+
 case ${1:-} in
   assets) assets ;;
   stage-a) stage_a ;;
+  gen-bench) gen_bench ;;
   pipeline) OLDPWD_REPO=${OLDPWD_REPO:-$PWD} pipeline ;;
   go) go "${2:-500}" ;;
-  *) echo "usage: $0 assets|stage-a|go SECONDS"; exit 2 ;;
+  *) echo "usage: $0 assets|stage-a|go SECONDS|gen-bench"; exit 2 ;;
 esac

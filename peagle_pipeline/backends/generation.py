@@ -51,7 +51,8 @@ class GeneratorSettings:
     dtype: Literal["bf16", "fp32"]
     device: str = "auto"
     max_model_len: int = 2048
-    batch_size: int = 16
+    batch_size: int | None = None  # hf: requests decoded together (None: from free GPU memory, 16 on a CPU)
+    decode_loop: bool = True  # hf: our continuous-batching loop (False: model.generate in batches)
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
 

@@ -21,6 +21,8 @@ from peagle_pipeline.stages.onpolicy_files import rejects_file, rows_file
 
 ROW_KEYS = {"id", "source", "source_row", "sample", "messages", "input_ids", "loss_mask", "finish"}
 EOT = "<|im_end|>"
+# a seed for which the stop model's sampled first replies to the 4 prompts are all non-empty
+SEED_NO_EMPTY_REPLY = 8
 
 
 def _cfg(model: Path, data: Path, out: Path, **kw) -> GenerateConfig:
@@ -152,7 +154,7 @@ def test_prompts_without_replies_get_the_targets_reply(tiny_stop_model, tmp_path
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
     )
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in prompts))
-    summary = stage.run(_cfg(tiny_stop_model, data, tmp_path / "gen"))
+    summary = stage.run(_cfg(tiny_stop_model, data, tmp_path / "gen", seed=SEED_NO_EMPTY_REPLY))
     rows = sorted(_rows(tmp_path / "gen"), key=lambda r: r["source_row"])
     assert [r["source_row"] for r in rows] == [0, 1, 2, 3] and summary.rows == 4
     for row in rows:
