@@ -147,7 +147,9 @@ def build_meta(cfg: GenerateConfig, backend: str, dtype: str, world: int, stops:
             "seed": cfg.seed,
             "max_samples": cfg.max_samples,
             "chunk_size": cfg.chunk_size,
-            "batch_size": cfg.batch_size if backend == "hf" else None,
+            # HF draws each request's tokens from its own stream (seeded by seed, row, sample, turn), so rows do not
+            # depend on the batch size; outputs of the per-batch streams before are refused, not continued
+            "sampling_streams": "per-request" if backend == "hf" else None,
             "backend": backend,
             "compute_dtype": dtype,
             "world_size": world,
@@ -163,6 +165,7 @@ def build_meta(cfg: GenerateConfig, backend: str, dtype: str, world: int, stops:
             "target_path": str(Path(cfg.model).resolve()),
             "data": [str(p) for p in cfg.data],
             "peagle_pipeline_version": __version__,
+            "batch_size": cfg.batch_size,
         },
     }
 

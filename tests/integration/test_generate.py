@@ -121,6 +121,9 @@ def test_samples_differ_and_same_settings_give_the_same_bytes(
     stage.run(_cfg(tiny_stop_model, conversations, again, samples_per_prompt=2))
     assert (again / rows_file(0, 1)).read_bytes() == (multi_turn / rows_file(0, 1)).read_bytes()
     assert (again / rejects_file(0, 1)).read_bytes() == (multi_turn / rejects_file(0, 1)).read_bytes()
+    batch = tmp_path / "batch5"  # each request samples from its own stream: the batch size changes no row
+    stage.run(_cfg(tiny_stop_model, conversations, batch, samples_per_prompt=2, batch_size=5))
+    assert (batch / rows_file(0, 1)).read_bytes() == (multi_turn / rows_file(0, 1)).read_bytes()
     other = tmp_path / "seed1"
     stage.run(_cfg(tiny_stop_model, conversations, other, samples_per_prompt=2, seed=1))
     assert (other / rows_file(0, 1)).read_bytes() != (multi_turn / rows_file(0, 1)).read_bytes()
@@ -189,6 +192,8 @@ def test_rerun_is_a_no_op_and_other_settings_are_refused(tiny_stop_model, conver
     before = (out / rows_file(0, 1)).read_bytes()
     again = stage.run(_cfg(tiny_stop_model, conversations, out, max_samples=3))
     assert again.already_complete and (out / rows_file(0, 1)).read_bytes() == before
+    other_batch = stage.run(_cfg(tiny_stop_model, conversations, out, max_samples=3, batch_size=2))
+    assert other_batch.already_complete  # the batch size is not a setting the rows depend on
     with pytest.raises(ResumeMismatch, match="temperature: 1.0 there, 0.5 now"):
         stage.run(_cfg(tiny_stop_model, conversations, out, max_samples=3, temperature=0.5))
 
