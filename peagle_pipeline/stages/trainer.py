@@ -181,7 +181,8 @@ class Trainer:
             sid, msg = batch.corrupt[0]
             if not self.cfg.skip_corrupt:
                 raise CorruptCache(
-                    f"{msg} (sample {sid}); re-extract or pass --skip-corrupt to skip such samples"
+                    f"{msg} (sample {sid}); re-extract, or re-run the same command with --resume --skip-corrupt "
+                    "to skip such samples"
                 )
             self.skipped_corrupt += len(batch.corrupt)
             log.warning("skipped %d corrupt sample(s) in row %d: %s", len(batch.corrupt), batch.row, msg)
