@@ -22,6 +22,7 @@ from typing import Any, Literal, NoReturn
 
 import numpy as np
 
+from peagle_pipeline.backends import vllm_log
 from peagle_pipeline.backends.base import BackendSettings, SampleOutputs, TargetBackend, default_layer_ids
 from peagle_pipeline.backends.registry import get_backend
 from peagle_pipeline.cache import layout
@@ -63,6 +64,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+LINE_EVERY_S = 10.0  # plain progress lines (no terminal): at most one per this many seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -475,6 +478,8 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
         writer = CacheWriter(root, meta, rank, world, remote=remote).open()
     except OSError as err:
         raise_if_unwritable(err, cfg.output)
+    if cfg.backend == "vllm" and not writer.complete:
+        vllm_log.route_to(root if remote is None else None)  # vLLM's own output: OUTPUT/vllm.log
     summary = ExtractSummary(output=cfg.output if remote is not None else str(root), store=writer.store)
     note = collapsed_layers_note(cfg, info.num_hidden_layers)
     summary.notes += [note] if note else []
@@ -574,12 +579,17 @@ def _loop(
     samples = sort_by_length(render_rows(rows, renderer, cfg.max_length, cfg.overlong), meta.length_window)
     items = plan_batches(samples, cfg.batch_tokens)
     backend: TargetBackend | None = None
-    new_tokens = 0
-    t0 = time.perf_counter()
-    with tqdm(total=total, unit="sample", desc=writer.store, mininterval=1.0, dynamic_ncols=True) as bar:
+    new_tokens = done = 0
+    t0 = last_line = time.perf_counter()
+    # no terminal (a pipe, SLURM, nohup): a plain line after a batch, at most every LINE_EVERY_S, instead of a bar
+    bar = tqdm(
+        total=total, unit="sample", desc=writer.store, mininterval=1.0, dynamic_ncols=True, disable=None
+    )
+    with bar:
         if banner and not bar.disable:  # with the bar only: a failing command prints one line on stderr
             bar.write(banner, file=sys.stderr)
         for item in items:
+            done += 1 if isinstance(item, RowReject) else len(item)
             if isinstance(item, RowReject):
                 writer.add_reject(item.sample_id, item.source, item.source_row, item.reason)
                 bar.update(1)
@@ -594,7 +604,11 @@ def _loop(
                 writer.add(sample.ordinal, sample.record, to_sample_data(sample, out, meta))
             new_tokens += sum(len(s.input_ids) for s in item)
             bar.update(len(item))
-            bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}", refresh=False)
+            rate = f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}"
+            bar.set_postfix(tok_s=rate, refresh=False)
+            if bar.disable and (time.perf_counter() - last_line >= LINE_EVERY_S or done == total):
+                last_line = time.perf_counter()
+                print(f"{writer.store}: {done}/{total} samples, {rate} tokens/s", file=sys.stderr, flush=True)
     return backend, new_tokens
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from peagle_pipeline.backends import vllm_log
 from peagle_pipeline.backends.generation import (
     GenerationBackend,
     GeneratorSettings,
@@ -272,6 +273,8 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
     device = _device_type(cfg.device, backend_name)
     dtype = resolve_compute_dtype(cfg.compute_dtype, device)
     root = prepare_output(Path(cfg.output), build_meta(cfg, backend_name, dtype, world, stops))
+    if backend_name == "vllm":
+        vllm_log.route_to(root)  # vLLM's own output: OUTPUT/vllm.log
     writer = OnPolicyWriter(root, rank, world).open()
     summary = GenerateSummary(output=str(root), rows_file=writer.rows_path.name, backend=backend_name)
     try:
