@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import errno
 import logging
+import os
 import shutil
 import sys
 import time
@@ -582,9 +583,11 @@ def _loop(
     new_tokens = done = 0
     t0 = last_line = time.perf_counter()
     # no terminal (a pipe, SLURM, nohup): a plain line after a batch, at most every LINE_EVERY_S, instead of a bar
+    # (TQDM_DISABLE=1 turns both off)
     bar = tqdm(
         total=total, unit="sample", desc=writer.store, mininterval=1.0, dynamic_ncols=True, disable=None
     )
+    plain = bar.disable and os.environ.get("TQDM_DISABLE", "").lower() in ("", "0", "false")
     with bar:
         if banner and not bar.disable:  # with the bar only: a failing command prints one line on stderr
             bar.write(banner, file=sys.stderr)
@@ -606,7 +609,7 @@ def _loop(
             bar.update(len(item))
             rate = f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}"
             bar.set_postfix(tok_s=rate, refresh=False)
-            if bar.disable and (time.perf_counter() - last_line >= LINE_EVERY_S or done == total):
+            if plain and (time.perf_counter() - last_line >= LINE_EVERY_S or done == total):
                 last_line = time.perf_counter()
                 print(f"{writer.store}: {done}/{total} samples, {rate} tokens/s", file=sys.stderr, flush=True)
     return backend, new_tokens
