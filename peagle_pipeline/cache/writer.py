@@ -23,7 +23,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -41,6 +41,9 @@ from peagle_pipeline.runtime import (
     raise_if_no_space,
 )
 
+if TYPE_CHECKING:
+    from zarr.core.array_spec import ArrayConfigParams
+
 __all__ = ["SampleRecord", "SampleData", "CacheWriter", "read_manifest"]
 
 log = logging.getLogger(__name__)
@@ -48,7 +51,7 @@ log = logging.getLogger(__name__)
 SLEEP_ENV = "PEAGLE_TEST_COMMIT_SLEEP"  # the crash-test hook of the module docstring
 # Zarr's runtime config of every array written: every chunk is stored, also one equal to the fill value (an
 # all-False loss_mask chunk of a long prompt), so a shard's bytes never depend on how its chunks were written.
-ARRAY_CONFIG: dict[str, Any] = {"write_empty_chunks": True}
+ARRAY_CONFIG: ArrayConfigParams = {"write_empty_chunks": True}
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +251,7 @@ class CacheWriter:
         group = zarr.open_group(str(self.store_dir), mode="r+")
         # write_empty_chunks is a runtime setting, not stored in zarr.json: a resumed writer sets it again, so an
         # all-False loss_mask chunk is stored as the first run stores it (byte-identical shards either way)
-        self._arrays = {name: group[name].with_config(ARRAY_CONFIG) for name in self.specs}
+        self._arrays = {name: cast(Any, group[name]).with_config(ARRAY_CONFIG) for name in self.specs}
         self.committed_tokens = int(manifest["committed_tokens"])
         self.committed_samples = int(manifest["committed_samples"])
         self.complete = bool(manifest["complete"])
