@@ -278,5 +278,7 @@ def test_without_a_terminal_progress_comes_as_plain_lines(setup, env, tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if " samples, " in line]
     total = len(open_cache(tmp_path / "cache").samples) + len(open_cache(tmp_path / "cache").rejects)
-    assert lines and lines[-1].startswith(f"{layout.store_name(0, 1)}: {total}/{total} samples, "), proc.stderr
+    assert lines and lines[-1].startswith(f"{layout.store_name(0, 1)}: {total}/{total} samples, "), (
+        proc.stderr
+    )
     assert "\r" not in proc.stderr and "%|" not in proc.stderr  # no bar redrawn into the log
