@@ -12,18 +12,23 @@ Target: speculators' P-EAGLE trains on exact targets only (verifier lm_head rows
 the normed last hidden state), so the headline ratio uses our exact-target step (`target: exact`); our default
 top-k step on the same layout is reported beside it. CPU settings of speculators: attention `sdpa` (dense bool
 mask from its own mask_mod; its default flex attention has no CPU backward) and the `eager` KL loss (its fused
-loss needs Triton). Both in fp32. Tokens/s counts the packed row's shifted tokens; each step includes COD
+loss needs Triton). Both in fp32, or both under bf16 autocast (`--precision bf16`, fp32 master weights, as our
+trainer's bf16). Tokens/s counts the packed row's shifted tokens; each step includes COD
 sampling, the mask, forward, loss and backward. Goal: ours / speculators >= 1.0.
 On a GPU (`--device cuda`, run by scripts/gpu_tier.sh) both sides use their CUDA attention: our compiled flex
 BlockMask and speculators' flex attention; its COD draws then come from the CUDA generator, so the element lists
 may differ from ours (reported as `same_cod_elements`).
+`--size 8b` gives both sides a Llama-3.1-8B-sized draft instead (H 4096, 32 / 8 heads, head_dim 128, V 128256,
+Vd 32000, random weights; aux ids [2, 16, 29]); `--vocab-size` shrinks V for a CPU smoke run of that path.
 
     .venv-bench/bin/python bench/bench_speculators.py --out bench/results/speculators.json [--quick]
+    python bench/bench_speculators.py --device cuda --size 8b --precision bf16 --tokens 8192 --out OUT.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -46,13 +51,30 @@ from peagle_pipeline.core.partition import forward_segment, plan_segments  # noq
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_step import SMOLLM2  # noqa: E402  (one SmolLM2-sized draft config for both step benchmarks)
 
-AUX_LAYERS = [2, 15, 27]  # SmolLM2's default aux ids (30 layers)
+# A Llama-3.1-8B-sized draft layer and vocabulary (the rope is the plain one: its scaling is irrelevant here).
+LLAMA_8B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+}
+SIZES = {
+    "smollm2": (SMOLLM2, [2, 15, 27]),
+    "8b": (LLAMA_8B, [2, 16, 29]),
+}  # config, default aux ids (L 30 / 32)
 
 
-def make_batch(L: int, seed: int, topk: int = 32) -> dict[str, torch.Tensor]:
+def make_batch(L: int, seed: int, config: dict[str, Any], topk: int = 32) -> dict[str, torch.Tensor]:
     """One shifted packed row of L tokens (a single sample): multi-turn supervision pattern, random states."""
     g = torch.Generator().manual_seed(seed)
-    H, V = SMOLLM2["hidden_size"], SMOLLM2["vocab_size"]
+    H, V = config["hidden_size"], config["vocab_size"]
     weight = torch.zeros(L, dtype=torch.bool)
     turn = 256  # each 256-token turn: 30 % user prompt (unsupervised), then 70 % supervised reply
     for start in range(0, L, turn):
@@ -70,7 +92,12 @@ def make_batch(L: int, seed: int, topk: int = 32) -> dict[str, torch.Tensor]:
 
 
 def build_speculators(
-    ours: torch.nn.Module, target_norm: torch.Tensor, depths: int, attn: str = "sdpa"
+    ours: torch.nn.Module,
+    target_norm: torch.Tensor,
+    depths: int,
+    attn: str = "sdpa",
+    config: dict[str, Any] = SMOLLM2,
+    aux_layers: list[int] = SIZES["smollm2"][1],
 ) -> torch.nn.Module:
     """speculators' PEagleDraftModel with our draft's configuration and weights (CPU: sdpa attention)."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
@@ -80,7 +107,7 @@ def build_speculators(
 
     cfg = ours.cfg
     layer_cfg = LlamaConfig(
-        **{k: v for k, v in SMOLLM2.items() if k != "model_type"},
+        **{k: v for k, v in config.items() if k != "model_type"},
         num_hidden_layers=len(ours.layers),
         pad_token_id=None,  # ours has no padding row in the embedding: same gradients
         attention_bias=False,
@@ -91,7 +118,7 @@ def build_speculators(
         transformer_layer_config=layer_cfg,
         draft_vocab_size=cfg.draft_vocab_size,
         norm_before_residual=cfg.norm_before_residual,
-        eagle_aux_hidden_state_layer_ids=AUX_LAYERS,
+        eagle_aux_hidden_state_layer_ids=aux_layers,
         mask_token_id=cfg.mask_token_id,
         speculators_config=SpeculatorsConfig(
             algorithm="peagle",
@@ -162,6 +189,13 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048, help="our loss chunk (elements), the trainer default")
     ap.add_argument("--quick", action="store_true", help="512 tokens, 1 timed repeat")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (speculators then uses flex attention)")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: both under autocast")
+    ap.add_argument(
+        "--size", choices=sorted(SIZES), default="smollm2", help="the draft's (and target's) sizes"
+    )
+    ap.add_argument(
+        "--vocab-size", type=int, default=None, help="override V (a small CPU smoke run of --size 8b)"
+    )
     args = ap.parse_args()
     dev = torch.device(args.device)
     if args.quick:
@@ -177,10 +211,20 @@ def main() -> None:
         ) from None
 
     L, K, seed = args.tokens, args.depths, 1234
-    model, vocab, pieces = tiny_draft(seed=0, layers=1, draft_vocab=args.draft_vocab, config=SMOLLM2)
-    norm_w, eps = pieces["norm.weight"].float(), float(SMOLLM2["rms_norm_eps"])
-    theirs = build_speculators(model, norm_w, K, "sdpa" if dev.type == "cpu" else "flex_attention")
-    b = make_batch(L, seed=7)
+    config, aux_layers = SIZES[args.size]
+    if args.vocab_size:
+        config = {**config, "vocab_size": args.vocab_size}
+    model, vocab, pieces = tiny_draft(seed=0, layers=1, draft_vocab=args.draft_vocab, config=config)
+    norm_w, eps = pieces["norm.weight"].float(), float(config["rms_norm_eps"])
+    attn = "sdpa" if dev.type == "cpu" else "flex_attention"
+    theirs = build_speculators(model, norm_w, K, attn, config, aux_layers)
+    del pieces
+    b = make_batch(L, seed=7, config=config)
+    autocast = (
+        (lambda: torch.autocast(dev.type, dtype=torch.bfloat16))
+        if args.precision == "bf16"
+        else contextlib.nullcontext
+    )
     cpu_weight = b["weight"]
     model.to(dev), theirs.to(dev)
     b, norm_w = {k: v.to(dev) for k, v in b.items()}, norm_w.to(dev)
@@ -199,22 +243,24 @@ def main() -> None:
     def run_ours(target: str) -> tuple[float, int]:
         model.zero_grad(set_to_none=True)
         layout = build_layout([L], cpu_weight, cod, torch.Generator().manual_seed(seed)).to(dev)
-        return our_step(model, vocab, layout, b, target, norm_w, eps, K, args.chunk)
+        with autocast():
+            return our_step(model, vocab, layout, b, target, norm_w, eps, K, args.chunk)
 
     def run_theirs() -> tuple[float, int]:
         theirs.zero_grad(set_to_none=True)
         torch.manual_seed(seed)
-        _, loss, metrics = theirs(
-            hidden_states=b["aux"][None],
-            input_ids=b["tokens"][None],
-            document_ids=zeros,
-            loss_mask=b["weight"][None].float(),
-            verifier_last_hidden_states=b["last_hidden"][None],
-            loss_config=loss_cfg,
-            max_anchors=args.max_anchors,
-            num_depths=K,
-        )
-        loss.backward()
+        with autocast():
+            _, loss, metrics = theirs(
+                hidden_states=b["aux"][None],
+                input_ids=b["tokens"][None],
+                document_ids=zeros,
+                loss_mask=b["weight"][None].float(),
+                verifier_last_hidden_states=b["last_hidden"][None],
+                loss_config=loss_cfg,
+                max_anchors=args.max_anchors,
+                num_depths=K,
+            )
+            loss.backward()
         return float(loss.detach()), int(sum(int(metrics[f"position_{d}_acc_total"]) for d in range(K)))
 
     timings: dict[str, list[float]] = {"ours_exact": [], "ours_topk": [], "speculators": []}
@@ -254,9 +300,12 @@ def main() -> None:
         "same_cod_elements": same_cod,
         "threads": args.threads,
         "device": str(dev),
-        "precision": "fp32",
+        "precision": args.precision,
+        "size": args.size,
+        "hidden_size": config["hidden_size"],
+        "vocab_size": config["vocab_size"],
         "speculators_settings": {
-            "attn": "sdpa" if dev.type == "cpu" else "flex_attention",
+            "attn": attn,
             "loss": "kl_div eager",
             "target": "exact (verifier lm_head)",
         },
@@ -271,7 +320,10 @@ def main() -> None:
         "goal_ratio_min": 1.0,
         "quick": args.quick,
     }
-    print(f"\n{L} tokens, K={K}, Vd={args.draft_vocab}, {len(lay)} COD elements (same in both: {same_cod})\n")
+    print(
+        f"\n{args.size} draft (H {config['hidden_size']}, V {config['vocab_size']}), {args.precision}, {L} tokens, "
+        f"K={K}, Vd={args.draft_vocab}, {len(lay)} COD elements (same in both: {same_cod})\n"
+    )
     print("| step | s/step | tokens/s | ours vs this |\n|---|---:|---:|---:|")
     print(
         f"| speculators 0.9.0 P-EAGLE (exact target) | {sec['speculators']:.2f} | {L / sec['speculators']:.0f} | 1.00 |"

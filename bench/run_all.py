@@ -5,7 +5,7 @@ OUT/report.md and OUT/report.json with each figure, its goal, and whether it is 
 
 Each script runs as a subprocess (its own tables go to the terminal) and writes OUT/<name>.json; this script only
 reads those files. Figures are ratios measured side by side in the same process on this machine, never absolute
-times. The speculators comparison runs in `.venv-bench` (`make setup-bench`), the generate benchmark in
+times. The speculators comparison runs in `.venv-bench` (`make setup-bench`), the generate and vLLM-extraction benchmarks in
 `.venv-vllm` (`make setup-vllm`); the quality figures come from the latest `make demo` (read from .demo, not re-run
 here). A script that fails is reported as such, the others still run, and the exit code is non-zero. Sizes are chosen
 so the whole run stays around 20-30 minutes on 2 CPU cores (the generate benchmark starts three vLLM engines); --quick shrinks every benchmark to a smoke test (its figures are not meaningful).
@@ -78,6 +78,13 @@ BENCHES = [
         "bench_generate.py",
         ["--prompts", "64", "--max-new-tokens", "256"],
         ["--prompts", "4", "--max-new-tokens", "16"],
+        VLLM_PY,
+    ),
+    Bench(
+        "vllm_extract",
+        "bench_vllm_extract.py",
+        ["--samples", "24", "--max-length", "512"],
+        ["--samples", "4", "--max-length", "128"],
         VLLM_PY,
     ),
     Bench(
@@ -249,6 +256,22 @@ def figures(out: Path) -> list[dict[str, Any]]:
             else missing,
             r and r["ratio"] >= 0.90,
             "each side starts its own engine; only generation is timed",
+        )
+    )
+
+    r = _load(out, "vllm_extract")
+    figs.append(
+        _fig(
+            "Extraction through vLLM vs a bare vLLM prefill of the same prompts",
+            ">= 0.85x",
+            "bench_vllm_extract",
+            r and r["ratio"],
+            f"{r['ratio']:.3f}x ({r['extract_tokens_per_s']:.0f} vs {r['bare_tokens_per_s']:.0f} tokens/s, "
+            f"{r['tokens']} tokens, vLLM {r['vllm']} on {r['device']})"
+            if r
+            else missing,
+            r and r["ratio"] >= 0.85,
+            "both engines run side by side; engine start excluded; bare = max_tokens 1, no log-probs",
         )
     )
 

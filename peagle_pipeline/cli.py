@@ -21,6 +21,7 @@ from typer.core import TyperCommand
 
 from peagle_pipeline import preemption
 from peagle_pipeline.config import (
+    SERVING_DEPTHS,
     ExtractConfig,
     GenerateConfig,
     TrainConfig,
@@ -136,9 +137,11 @@ def generate(
     config: ConfigOpt = None,
     model: Annotated[str | None, _opt(GenerateConfig, "model")] = None,
     data: Annotated[list[str] | None, _opt(GenerateConfig, "data")] = None,
+    split: Annotated[str | None, _opt(GenerateConfig, "split")] = None,
     output: Annotated[str | None, _opt(GenerateConfig, "output")] = None,
     backend: Annotated[str | None, _opt(GenerateConfig, "backend")] = None,
     turns: Annotated[str | None, _opt(GenerateConfig, "turns")] = None,
+    thinking: Annotated[str | None, _opt(GenerateConfig, "thinking")] = None,
     temperature: Annotated[float | None, _opt(GenerateConfig, "temperature")] = None,
     top_p: Annotated[float | None, _opt(GenerateConfig, "top_p")] = None,
     repetition_penalty: Annotated[float | None, _opt(GenerateConfig, "repetition_penalty")] = None,
@@ -169,6 +172,7 @@ def extract(
     config: ConfigOpt = None,
     model: Annotated[str | None, _opt(ExtractConfig, "model")] = None,
     data: Annotated[list[str] | None, _opt(ExtractConfig, "data")] = None,
+    split: Annotated[str | None, _opt(ExtractConfig, "split")] = None,
     output: Annotated[str | None, _opt(ExtractConfig, "output")] = None,
     backend: Annotated[str | None, _opt(ExtractConfig, "backend")] = None,
     layers: Annotated[str | None, _opt(ExtractConfig, "layers")] = None,
@@ -238,6 +242,7 @@ def train(
     keep_checkpoints: Annotated[int | None, _opt(TrainConfig, "keep_checkpoints")] = None,
     precision: Annotated[str | None, _opt(TrainConfig, "precision")] = None,
     device: Annotated[str | None, _opt(TrainConfig, "device")] = None,
+    fsdp: Annotated[bool | None, _opt(TrainConfig, "fsdp")] = None,
     resume: Annotated[bool | None, _opt(TrainConfig, "resume")] = None,
     num_workers: Annotated[int | None, _opt(TrainConfig, "num_workers")] = None,
     loss_chunk: Annotated[int | None, _opt(TrainConfig, "loss_chunk")] = None,
@@ -309,11 +314,21 @@ def export(
             "--force", help="Replace another run's export in --output (other files there are never replaced)."
         ),
     ] = False,
+    speculative_tokens: Annotated[
+        int | None,
+        typer.Option(
+            metavar="K",
+            help=f"K vLLM drafts by default (config.json speculative_tokens), at most the trained --depths "
+            f"(default: {SERVING_DEPTHS}, or the trained depths when fewer).",
+        ),
+    ] = None,
 ) -> None:
     """Export a trained draft in the speculators P-EAGLE format that vLLM loads."""
     from peagle_pipeline.stages import export as stage
 
-    path = stage.export_run(run_dir, output, checkpoint=checkpoint, force=force)
+    path = stage.export_run(
+        run_dir, output, checkpoint=checkpoint, force=force, speculative_tokens=speculative_tokens
+    )
     typer.echo(f"exported to {path}")
 
 
@@ -367,6 +382,13 @@ def evaluate(
     ] = "auto",
     seed: Annotated[int, typer.Option(help="Sampling seed of prompt i is seed + i (T > 0).")] = 0,
     tensor_parallel_size: Annotated[int, typer.Option(help="vLLM tensor parallel size.")] = 1,
+    allow_other_target: Annotated[
+        bool,
+        typer.Option(
+            "--allow-other-target",
+            help="Run a draft on a target whose config.json or tokenizer differ from the one it was trained on.",
+        ),
+    ] = False,
 ) -> None:
     """Measure drafts in vLLM: acceptance length, per-position acceptance, tokens/s and speedup per prompt set."""
     from peagle_pipeline.stages import evaluate as stage
@@ -385,6 +407,7 @@ def evaluate(
         dtype=dtype,  # type: ignore[arg-type]  # checked by EvalOptions
         seed=seed,
         tensor_parallel_size=tensor_parallel_size,
+        allow_other_target=allow_other_target,
     )
     stage.run(opts, echo=typer.echo)
 
@@ -412,6 +435,13 @@ def vllm_check(
     dtype: Annotated[
         str, typer.Option(help="Model dtype in vLLM: bf16 or fp32 (fp32 for exact greedy equality).")
     ] = "bf16",
+    allow_other_target: Annotated[
+        bool,
+        typer.Option(
+            "--allow-other-target",
+            help="Run a draft on a target whose config.json or tokenizer differ from the one it was trained on.",
+        ),
+    ] = False,
 ) -> None:
     """Load target + draft in vLLM (parallel drafting), check greedy equality, report vLLM's acceptance."""
     from peagle_pipeline.stages import vllm_check as stage
@@ -426,6 +456,7 @@ def vllm_check(
         report=report,
         dtype=dtype,  # type: ignore[arg-type]  # checked by the stage
         tensor_parallel_size=tensor_parallel_size,
+        allow_other_target=allow_other_target,
         echo=typer.echo,
     )
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from peagle_pipeline.core.settings import CODConfig
+from peagle_pipeline.core.settings import SERVING_DEPTHS, CODConfig
 from peagle_pipeline.errors import BadConfig
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "describe_fields",
     "is_required",
     "field_choices",
+    "SERVING_DEPTHS",
 ]
 
 
@@ -57,6 +58,10 @@ class GenerateConfig:
         "Chat data whose assistant replies are regenerated (every format extract reads). Repeatable.",
         required=True,
     )
+    split: str | None = _f(
+        None,
+        "The split of a Hugging Face DatasetDict (save_to_disk) to read; default train. Only DatasetDict data has splits.",
+    )
     output: str = _f(
         "", "Output directory of on-policy rows to create or resume (extract reads it).", required=True
     )
@@ -67,6 +72,10 @@ class GenerateConfig:
         "all",
         "Replies to regenerate: all (turn j sees the target's own earlier replies), first, or last (earlier original replies kept as context).",
     )
+    thinking: Literal["strip", "keep"] = _f(
+        "strip",
+        "turns all: an earlier generated reply with reasoning (<think>...</think>) is given to the chat template without it (strip) or whole (keep; Qwen3's template strips it anyway). The newest reply of a row keeps its thinking.",
+    )
     temperature: float = _f(
         0.7, "Sampling temperature (0 = greedy; greedy makes small models loop, see docs/generate.md)."
     )
@@ -76,7 +85,9 @@ class GenerateConfig:
     max_prompt_tokens: int = _f(
         1024, "Prompts (conversation so far) longer than this are skipped, with the reason recorded."
     )
-    samples_per_prompt: int = _f(1, "Independent conversations generated per source conversation.")
+    samples_per_prompt: int = _f(
+        1, "Independent conversations generated per source conversation (more than 1 needs temperature > 0)."
+    )
     seed: int = _f(0, "Sampling seed; each (row, sample, turn) draws from its own seed derived from it.")
     max_samples: int | None = _f(
         None, "Use only the first N conversations of the data (before rank splitting)."
@@ -114,6 +125,12 @@ class GenerateConfig:
             raise BadConfig(f"max_samples must be positive, got {self.max_samples}")
         if self.temperature < 0:
             raise BadConfig(f"temperature must be >= 0, got {self.temperature}")
+        # greedy: every sample of a prompt would be the same reply
+        if self.temperature == 0 and self.samples_per_prompt > 1:
+            raise BadConfig(
+                f"samples_per_prompt {self.samples_per_prompt} with temperature 0 (greedy) gives identical samples; "
+                "set temperature > 0 to sample, or samples_per_prompt 1"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise BadConfig(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -131,6 +148,10 @@ class ExtractConfig:
         [],
         "Dataset files or HF datasets saved to disk (ShareGPT or OpenAI messages; JSON, JSONL, Parquet). Repeatable.",
         required=True,
+    )
+    split: str | None = _f(
+        None,
+        "The split of a Hugging Face DatasetDict (save_to_disk) to read; default train. Only DatasetDict data has splits.",
     )
     output: str = _f("", "Cache directory to create or resume.", required=True)
     backend: Literal["hf", "vllm"] = _f("hf", "Target runtime: hf (transformers) or vllm.")
@@ -163,7 +184,10 @@ class ExtractConfig:
         "auto",
         "Target forward dtype. auto: fp32 when dtype is fp32, else bf16 on CUDA and on CPUs with bf16 units (AMX / AVX512-BF16), fp32 on other CPUs (faster there); a resumed cache keeps the dtype it was started with.",
     )
-    assistant_turns: Literal["all", "last"] = _f("all", "Supervise all assistant turns or only the last one.")
+    assistant_turns: Literal["all", "last"] = _f(
+        "all",
+        "Supervise all assistant turns or only the last one (of a token-id row: its last run of supervised tokens).",
+    )
     leading_assistant: Literal["context", "drop"] = _f(
         "context", "An assistant turn before any user turn: keep as unsupervised context, or drop it."
     )
@@ -230,7 +254,11 @@ class TrainConfig:
     )
     output: str = _f("", "Run directory (checkpoints, metrics, plots, export).", required=True)
     draft_layers: int = _f(1, "Decoder layers of the draft (the first is the fused EAGLE-3 layer).")
-    depths: int = _f(_COD["depths"], "K: tokens drafted in parallel (COD depths 0..K-1).")
+    depths: int = _f(
+        _COD["depths"],
+        f"K trained: tokens drafted in parallel (COD depths 0..K-1). The export serves at most this many (default "
+        f"{SERVING_DEPTHS}: train deeper than you serve, `export --speculative-tokens`).",
+    )
     draft_vocab_size: int = _f(
         32000, "Draft vocabulary size (most frequent supervised tokens); capped at the target vocabulary."
     )
@@ -281,6 +309,11 @@ class TrainConfig:
         "Compute precision: bf16 autocast or full fp32 (master weights stay fp32); auto = bf16 on CUDA and on CPUs with bf16 units (AMX / AVX512-BF16), fp32 on other CPUs.",
     )
     device: str = _f("auto", "auto, cpu, cuda, cuda:N (under torchrun, cuda:LOCAL_RANK).")
+    fsdp: bool = _f(
+        False,
+        "Under torchrun: shard the draft's trainable parameters, gradients and optimizer state over the ranks "
+        "(torch FSDP2) instead of keeping a replica on each (DDP); same updates, same checkpoints.",
+    )
     resume: bool = _f(False, "Continue the run in output from its latest complete checkpoint.")
     num_workers: int = _f(1, "DataLoader worker processes reading the cache.")
     loss_chunk: int = _f(2048, "Elements per chunk of the KL computation (bounds [elements, Vd] memory).")

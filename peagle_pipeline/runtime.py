@@ -26,6 +26,7 @@ __all__ = [
     "atomic_write_json",
     "create_exclusive",
     "claim_output_dir",
+    "check_output_dir",
     "fsync_dir",
     "fsync_file",
     "atomic_copy",
@@ -194,6 +195,16 @@ def claim_output_dir(root: Path, marker: str, what: str) -> None:
     Raises:
         OutputExists: `root` is a file, or a directory holding something else (`what`: "a peagle cache", ...).
     """
+    check_output_dir(root, marker, what)
+    root.mkdir(parents=True, exist_ok=True)
+
+
+def check_output_dir(root: Path, marker: str, what: str) -> None:
+    """`claim_output_dir` without creating anything: a stage checks its output this way before a slow start.
+
+    Raises:
+        OutputExists: as `claim_output_dir`.
+    """
     if root.exists() and not root.is_dir():
         raise OutputExists(f"output {root} exists and is not a directory; choose another --output")
     if root.exists() and not (root / marker).exists():
@@ -205,7 +216,6 @@ def claim_output_dir(root: Path, marker: str, what: str) -> None:
                 f"output {root} exists and is not {what} (it holds {foreign[0]!r}, ...); "
                 "choose an empty or new directory"
             )
-    root.mkdir(parents=True, exist_ok=True)
 
 
 def rank_world_from_env(rank: int | None, world_size: int | None) -> tuple[int, int]:

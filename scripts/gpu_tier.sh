@@ -47,10 +47,14 @@ print(json.dumps(res, indent=2))
 sys.exit(0 if res["torch_kept"] and cli == "ok" and installed is not None else 1)
 PYEOF
 
-if ls "$WHEELS"/speculators-*.whl >/dev/null 2>&1; then
-  step "1b. speculators (comparator only, --no-deps as in make setup-bench)"
-  "$PY" -m pip install -q --no-index --no-deps --no-compile $(ls "$WHEELS"/*.whl | grep -v peagle_pipeline) \
-    || echo "speculators wheels did not install: no speculators figure"
+if [[ -f "$WHEELS/speculators-carry.txt" ]]; then
+  # speculators and what it needs that this machine lacks (scripts/gpu_wheels.sh --speculators), --no-deps as in
+  # make setup-bench: its metadata wants torchvision/torchaudio, and what is installed here stays as it is.
+  step "1b. speculators (comparator only)"
+  { "$PY" -m pip install -q --no-index --no-deps --find-links "$WHEELS" --no-compile \
+      $("$PY" scripts/wheel_closure.py missing "$WHEELS/speculators-carry.txt") &&
+    (cd / && "$PY" -c "import speculators, speculators.models.peagle, speculators.losses"); } \
+    || echo "speculators did not install or import: no speculators figure"
 fi
 
 step "2. pytest -m gpu tests/gpu"

@@ -1,31 +1,43 @@
 #!/usr/bin/env bash
 # Run HERE (a machine with PyPI): put into .whl/ what the GPU machine lacks, for scripts/gpu_tier.sh there.
 # The lent GPU machines have python3 3.12 with CUDA torch 2.11, transformers and most of our dependencies, but no
-# zarr stack and nothing can be fetched there (docs/gpu.md). --speculators adds speculators==0.9.0 and its import
-# chain (as `make setup-bench` installs it) for the our-step-vs-speculators figure.
+# zarr stack and nothing can be fetched there (docs/gpu.md). --speculators adds speculators==0.9.0 and everything
+# its requirements pull in on Python 3.12 (resolved here), less torch with its CUDA stack and less what our package
+# requires directly (the GPU machine has those, or they are carried already); the versions there may differ, so
+# their own requirements are carried (openai 3 needs httpx2, which the GPU machine lacks).
+# .whl/speculators-carry.txt lists them (speculators included); gpu_tier.sh installs those the machine lacks. Any python3 with pip runs it (PYTHON=...): our wheel is built in pip's isolated build env.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+GPU_TORCH=${GPU_TORCH:-2.11.0}  # the GPU machine's torch, taken as given when resolving
 mkdir -p .whl
-dl() {
-  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "$@"
-}
+TARGET=(--only-binary=:all: --python-version 3.12 --implementation cp
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+  --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+dl() { "$PY" -m pip download -q --no-deps "${TARGET[@]}" -d .whl "$@"; }
+# What `pip install` would install on a Python 3.12 machine (nothing installed; only resolved) -> report $1.
+resolve() { "$PY" -m pip install -q --dry-run --ignore-installed "${TARGET[@]}" --target "$work/t" --report "$@"; }
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 # The zarr stack, at the versions of constraints/cpu.txt.
 dl -c constraints/cpu.txt zarr numcodecs donfig google-crc32c zstandard
-if [[ "${1:-}" == "--speculators" ]]; then
-  # What `make setup-bench` adds beside speculators (its metadata also wants torchvision/torchaudio: never
-  # installed), plus their own needs that the GPU image lacks. Not yet tried on a GPU machine.
-  dl speculators==0.9.0 "pydantic>=2,<3" pydantic-core "pydantic-settings>=2" "loguru>=0.7.2,<=0.7.3" \
-    typing-inspection annotated-types python-dotenv "openai>=2" distro jiter sniffio "datasets>=4,<=5.1.0" \
-    dill multiprocess hs-connectors==0.9.0
-fi
-# Our package as a wheel, built from a copy of the sources (the checkout gets no build/ folder).
-src=$(mktemp -d)
-trap 'rm -rf "$src"' EXIT
-cp -r pyproject.toml README.md peagle_pipeline "$src/"
+# Our package as a wheel, built from a copy of the sources (the checkout gets no build/ folder) in pip's isolated
+# build environment (setuptools >= 77 for the SPDX license string, whatever this python3 has).
+cp -r pyproject.toml README.md peagle_pipeline "$work/"
 rm -f .whl/peagle_pipeline-*.whl
-"$PY" -m pip wheel -q --no-deps --no-build-isolation --no-index -w .whl "$src"
+"$PY" -m pip wheel -q --no-deps -w .whl "$work"
+if [[ "${1:-}" == "--speculators" ]]; then
+  dl speculators==0.9.0
+  # Its metadata also wants torchvision/torchaudio, which its P-EAGLE model never imports: never carried.
+  "$PY" scripts/wheel_closure.py requires .whl/speculators-0.9.0-py3-none-any.whl \
+    --drop torch,torchvision,torchaudio > "$work/spec.txt"
+  torch_stub=$("$PY" scripts/wheel_closure.py stub torch "$GPU_TORCH" "$work")
+  resolve "$work/spec.json" -r "$work/spec.txt" "$torch_stub"
+  "$PY" scripts/wheel_closure.py requires .whl/peagle_pipeline-*.whl > "$work/ours.txt"
+  { echo speculators==0.9.0; "$PY" scripts/wheel_closure.py carry "$work/spec.json" --minus "$work/ours.txt"; } \
+    > .whl/speculators-carry.txt
+  echo "speculators carries: $(tr '\n' ' ' < .whl/speculators-carry.txt)"
+  dl -r .whl/speculators-carry.txt
+fi
 ls -la .whl
 du -sh .whl

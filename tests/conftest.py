@@ -16,7 +16,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
 sys.path.insert(0, str(TESTS_DIR))
 
-from tiny import add_stop_bias, build_tiny_model  # noqa: E402
+from tiny import add_stop_bias, build_tiny_model, build_tiny_qwen3  # noqa: E402
 
 try:  # property-based tests draw the same examples every run, so CI is repeatable (HYPOTHESIS_PROFILE=explore varies them)
     from hypothesis import settings
@@ -59,6 +59,12 @@ def tiny_model_factory(tmp_path_factory):
 def tiny_model(tiny_model_factory) -> Path:
     """The default tiny model: ChatML template, 6 layers, hidden 64, vocab 512 (tokenizer 400)."""
     return tiny_model_factory()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    """A tiny random Qwen3ForCausalLM (QK-norm, 4 layers, hidden 64, fp32) with Qwen3's real chat template."""
+    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """Tiny real models and tokenizers for tests: a byte-level BPE tokenizer with a real chat template and a
-random Llama (head_dim 32, so vLLM's CPU attention accepts it), saved as an ordinary HF model directory.
+random Llama (head_dim 32, so vLLM's CPU attention accepts it), saved as an ordinary HF model directory; and a
+random Qwen3 (QK-norm) with Qwen3's own chat template (tests/fixtures/chat_templates/qwen3.jinja).
 
 Built from scratch in a second; no hub, no mocks. Used by conftest fixtures and by subprocess tests.
 """
@@ -29,6 +30,12 @@ CHAT_TEMPLATES = {
         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
     ),
 }
+
+# Qwen3's real chat template (Qwen/Qwen3-8B tokenizer_config.json; see tests/fixtures/chat_templates/README.md).
+QWEN3_TEMPLATE_FILE = Path(__file__).resolve().parent / "fixtures" / "chat_templates" / "qwen3.jinja"
+# Qwen3's added tokens: the three special ones, then the ordinary added ones its template writes.
+QWEN3_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN3_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 
 SPECIAL_TOKENS = [
     "<pad>",
@@ -72,6 +79,66 @@ def build_tokenizer(out_dir: str | Path, template: str = "chatml", vocab_size: i
     fast.chat_template = CHAT_TEMPLATES[template]
     fast.save_pretrained(str(out_dir))
     return fast
+
+
+def build_qwen3_tokenizer(out_dir: str | Path, vocab_size: int = 400):
+    """A byte-level BPE tokenizer with Qwen3's added tokens (eos <|im_end|>, pad <|endoftext|>, no bos, `<think>`
+    and `<tool_call>` ordinary added tokens as in Qwen3) and Qwen3's real chat template; saved to `out_dir`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=QWEN3_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_ADDED])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = QWEN3_TEMPLATE_FILE.read_text(encoding="utf-8")
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build_tiny_qwen3(
+    out_dir: str | Path, num_layers: int = 4, hidden_size: int = 64, vocab_size: int = 512, seed: int = 0
+) -> Path:
+    """Save a random tiny Qwen3ForCausalLM (q_norm/k_norm, head_dim 32) with Qwen3's chat template; return the path."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_qwen3_tokenizer(out)
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // 32,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # as build_tiny_model; the QK norms get weights away from 1 so copying them shows
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    model.to(torch.float32).save_pretrained(str(out))
+    (out / "peagle_test_model.json").write_text(json.dumps({"template": "qwen3", "seed": seed}))
+    return out
 
 
 def build_tiny_model(

@@ -7,6 +7,7 @@ The runner never branches on the backend name; `registry.get_backend` picks the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -22,6 +23,7 @@ __all__ = [
     "TargetBackend",
     "default_layer_ids",
     "validate_layer_ids",
+    "submit",
 ]
 
 
@@ -89,6 +91,17 @@ class TargetBackend(Protocol):
     def forward(self, batch: list[list[int]]) -> list[SampleOutputs]: ...
 
     def close(self) -> None: ...
+
+
+def submit(backend: TargetBackend, batch: list[list[int]]) -> Callable[[], list[SampleOutputs]]:
+    """Start `batch` and return the call that gives its outputs (`forward`'s). A backend that can run ahead
+    (`submit`, as HF on CUDA: the forward is queued on the device) returns before the device is done, so the runner
+    writes batch i while batch i+1 computes; any other backend computes now."""
+    start = getattr(backend, "submit", None)
+    if start is not None:
+        return start(batch)
+    outputs = backend.forward(batch)
+    return lambda: outputs
 
 
 def default_layer_ids(num_hidden_layers: int) -> list[int]:

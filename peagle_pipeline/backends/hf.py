@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -113,10 +114,17 @@ class HFBackend:
             B SampleOutputs: aux_hidden [T_b, n_aux, H] (compute dtype), topk_ids [T_b, k] int64,
             topk_logprobs [T_b, k] float32 (row t = distribution of the token after x_t), last_hidden [T_b, H] or None.
         """
+        return self.submit(batch)()
+
+    def submit(self, batch: list[list[int]]) -> Callable[[], list[SampleOutputs]]:
+        """Enqueue one batch (forward, top-k, device-to-host copies) without waiting for it; the returned call
+        waits for the copies and gives `forward`'s outputs. On CUDA nothing here waits for the device, so the
+        runner can enqueue batch i+1 before it writes batch i; on CPU the work is done here and the copies are
+        no-ops. Per-sample outputs are the same either way (same kernels, same rows)."""
         if not batch:
-            return []
+            return list
         input_ids, attention_mask, lengths = self._pad(batch)
-        valid = attention_mask.bool()  # [B, T]
+        rows = self._valid_rows(lengths, input_ids.shape[1])  # [N] flat indices of the valid tokens
         L = self.info.num_hidden_layers
         with torch.inference_mode():
             self._captured.clear()
@@ -125,40 +133,39 @@ class HFBackend:
                 # Right padding + causal attention: a valid position only ever sees valid positions, so the
                 # padding mask changes nothing we keep; leaving it out lets attention take the plain causal path
                 # (about 10% less CPU time on SmolLM2); results agree within bf16 rounding (tested both ways).
-                mask_arg = attention_mask if self.pass_attention_mask else None
+                mask_arg = attention_mask.to(self.device) if self.pass_attention_mask else None
                 out = self.base(input_ids=input_ids, attention_mask=mask_arg, use_cache=False)
             finally:
                 self._capturing = False
-            final = out.last_hidden_state[valid]  # [N, H] after the final norm, valid tokens only
+            final = _gather(out.last_hidden_state, rows)  # [N, H] after the final norm, valid tokens only
             topk_ids, topk_lp = self._topk(final)  # [N, k], [N, k]
-            aux = torch.stack([self._captured[k][valid] for k in self.layer_ids], dim=1)  # [N, n_aux, H]
-            last = self._captured[L][valid] if self.want_last_hidden else None  # [N, H]
+            aux = torch.stack(
+                [_gather(self._captured[k], rows) for k in self.layer_ids], dim=1
+            )  # [N, n_aux, H]
+            last = _gather(self._captured[L], rows) if self.want_last_hidden else None  # [N, H]
             self._captured.clear()
-            aux, topk_ids, topk_lp = aux.cpu(), topk_ids.cpu(), topk_lp.cpu()
-            last = last.cpu() if last is not None else None
-        splits = lengths
-        return [
-            SampleOutputs(aux_hidden=a, topk_ids=i, topk_logprobs=p, last_hidden=h)
-            for a, i, p, h in zip(
-                aux.split(splits),
-                topk_ids.split(splits),
-                topk_lp.split(splits),
-                last.split(splits) if last is not None else [None] * len(batch),
-                strict=True,
-            )
-        ]
+            copies = _HostCopies([aux, topk_ids, topk_lp] + ([last] if last is not None else []))
+
+        def collect() -> list[SampleOutputs]:
+            host = copies.wait()
+            aux, ids, lp = (t.split(lengths) for t in host[:3])
+            last = host[3].split(lengths) if len(host) > 3 else [None] * len(lengths)
+            return [
+                SampleOutputs(aux_hidden=a, topk_ids=i, topk_logprobs=p, last_hidden=h)
+                for a, i, p, h in zip(aux, ids, lp, last, strict=True)
+            ]
+
+        return collect
 
     def bare_forward(self, batch: list[list[int]]) -> torch.Tensor:
         """The comparator of the extraction benchmark: the plain `model(input_ids)` forward (full [B, T, V]
         logits, no top-k, no copies) over the same padded batch, with the same attention path as `forward`
-        (mask passed only when `pass_attention_mask`), so the ratio measures extraction overhead only."""
+        (mask passed only when `pass_attention_mask`), so the ratio measures extraction overhead only. Like
+        `submit`, it does not wait for the device: the caller synchronises where it times."""
         input_ids, attention_mask, _ = self._pad(batch)
-        mask_arg = attention_mask if self.pass_attention_mask else None
+        mask_arg = attention_mask.to(self.device) if self.pass_attention_mask else None
         with torch.inference_mode():
-            logits = self.model(input_ids=input_ids, attention_mask=mask_arg, use_cache=False).logits
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-        return logits
+            return self.model(input_ids=input_ids, attention_mask=mask_arg, use_cache=False).logits
 
     def close(self) -> None:
         """Remove the hooks and drop the model."""
@@ -174,7 +181,8 @@ class HFBackend:
     # ------------------------------------------------------------------------------------------ helpers
 
     def _pad(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Right-pad to the longest sample: ids [B, T] int64 (pad id 0), attention mask [B, T] int64, lengths."""
+        """Right-pad to the longest sample: ids [B, T] int64 (pad id 0) on the device, attention mask [B, T] int64
+        on the host (the forward takes it only with `pass_attention_mask`), lengths."""
         lengths = [len(x) for x in batch]
         if min(lengths) == 0:
             raise ValueError("empty sample in batch")
@@ -184,7 +192,14 @@ class HFBackend:
         for b, x in enumerate(batch):
             ids[b, : len(x)] = torch.as_tensor(x, dtype=torch.long)
             mask[b, : len(x)] = 1
-        return ids.to(self.device), mask.to(self.device), lengths
+        return _to_device(ids, self.device), mask, lengths
+
+    def _valid_rows(self, lengths: list[int], T: int) -> torch.Tensor:
+        """[N] int64 indices of the valid (unpadded) tokens in the flattened [B * T] batch, on the device.
+
+        Built on the host from the lengths: a boolean-mask index on the device would wait for it (nonzero)."""
+        rows = torch.cat([torch.arange(n, dtype=torch.long) + b * T for b, n in enumerate(lengths)])
+        return _to_device(rows, self.device)
 
     def _topk(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k of log_softmax(lm_head(hidden)) in fp32, `topk_chunk` tokens at a time.
@@ -240,3 +255,41 @@ class HFBackend:
             )
             self._ws = ws = (logits, f32)
         return ws
+
+
+# ------------------------------------------------------------------------------------- host <-> device
+def _gather(states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[B, T, H] states -> [N, H], the rows at flat indices `rows` (what `states[valid]` gives, without a sync)."""
+    return states.reshape(-1, states.shape[-1]).index_select(0, rows)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: through pinned memory without waiting on CUDA; itself on the CPU."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class _HostCopies:
+    """Device tensors copied to the host without blocking: into pinned buffers, then one CUDA event.
+
+    `wait()` blocks until the copies are done and returns them in pageable memory (the pinned buffers go back to
+    torch's pinned-memory cache instead of living on in the cache writer's shard buffers). CPU tensors pass as
+    they are."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        if tensors[0].device.type != "cuda":
+            self.host, self.event = tensors, None
+            return
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for dst, src in zip(self.host, tensors, strict=True):
+            dst.copy_(src, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def wait(self) -> list[torch.Tensor]:
+        """The host tensors, once the copies are done."""
+        if self.event is None:
+            return self.host
+        self.event.synchronize()
+        return [t.clone() for t in self.host]

@@ -282,8 +282,8 @@ def _tensor(files: dict[str, Path], name: str) -> Any:
         return sf.get_tensor(name).contiguous()
 
 
-# A Llama-style decoder layer's tensors (Llama, Mistral, Qwen2/3 minus their q/k norms, SmolLM): what a draft's
-# fused layer can start from. Attention biases are taken where the checkpoint has them.
+# A Llama-style decoder layer's tensors (Llama, Mistral, Qwen2/3, SmolLM): what a draft's fused layer can start
+# from. Attention biases and Qwen3's per-head q/k norms are taken where the checkpoint has them.
 LAYER_TENSORS = (
     "input_layernorm.weight",
     "post_attention_layernorm.weight",
@@ -295,16 +295,22 @@ LAYER_TENSORS = (
     "mlp.up_proj.weight",
     "mlp.down_proj.weight",
 )
-_LAYER_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+_LAYER_OPTIONAL = (
+    "self_attn.q_proj.bias",
+    "self_attn.k_proj.bias",
+    "self_attn.v_proj.bias",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+)
 
 
 def find_layer_names(files: dict[str, Path], layer: int) -> dict[str, str]:
-    """{LAYER_TENSORS name (+ present biases): checkpoint name} of decoder layer `layer`; {} when the checkpoint
-    lacks any of LAYER_TENSORS under one of the known prefixes (another architecture: nothing is copied)."""
+    """{LAYER_TENSORS name (+ present biases and q/k norms): checkpoint name} of decoder layer `layer`; {} when
+    the checkpoint lacks any of LAYER_TENSORS under one of the known prefixes (another architecture: no copy)."""
     for prefix in _PREFIXES:
         base = f"{prefix}layers.{layer}."
         if all(base + t in files for t in LAYER_TENSORS):
-            return {t: base + t for t in (*LAYER_TENSORS, *_LAYER_BIASES) if base + t in files}
+            return {t: base + t for t in (*LAYER_TENSORS, *_LAYER_OPTIONAL) if base + t in files}
     return {}
 
 

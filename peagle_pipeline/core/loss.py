@@ -149,8 +149,10 @@ def _summarise(
     num_depths: int,
 ) -> LossOutput:
     d = depth.clamp(0, num_depths - 1)
-    total = torch.bincount(d[valid], minlength=num_depths)[:num_depths]
-    right = torch.bincount(d[valid & correct], minlength=num_depths)[:num_depths]
+    # counts per depth by index_add: the bincount of a boolean-masked selection waits for the device (its size)
+    zeros = torch.zeros(num_depths, dtype=torch.long, device=d.device)
+    total = zeros.index_add(0, d, valid.long())
+    right = zeros.index_add(0, d, (valid & correct).long())
     return LossOutput(
         loss_sum=loss,
         count=valid.sum(),

@@ -24,7 +24,16 @@ from peagle_pipeline.core.mask import AttnMask, attend
 from peagle_pipeline.core.vocab import DraftVocab
 from peagle_pipeline.errors import BadInput
 
-__all__ = ["RopeSpec", "DraftConfig", "RMSNorm", "PEagleDraft", "rope_inv_freq", "layout_inputs"]
+__all__ = [
+    "RopeSpec",
+    "DraftConfig",
+    "RMSNorm",
+    "PEagleDraft",
+    "QK_NORM_MODEL_TYPES",
+    "has_qk_norm",
+    "rope_inv_freq",
+    "layout_inputs",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +101,17 @@ def rope_inv_freq(spec: RopeSpec, head_dim: int) -> torch.Tensor:
     return inv
 
 
+# Target model types whose attention normalises queries and keys per head (q_norm / k_norm): their draft layers are
+# Qwen3 layers, the architecture vLLM's P-EAGLE loader accepts besides Llama.
+QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe"})
+
+
+def has_qk_norm(target_config: dict[str, Any]) -> bool:
+    """Whether a target (HF config dict) has Qwen3's QK-norm, so its draft gets Qwen3 layers."""
+    cfg = target_config.get("text_config") or target_config
+    return cfg.get("model_type") in QK_NORM_MODEL_TYPES
+
+
 @dataclass(frozen=True, slots=True)
 class DraftConfig:
     """Sizes and settings of the draft; built from the target's HF config dict."""
@@ -118,6 +138,9 @@ class DraftConfig:
     rope: RopeSpec = field(default_factory=RopeSpec)
     initializer_range: float = 0.02
     max_position_embeddings: int = 4096
+    qk_norm: bool = False
+    """Qwen3 architecture: RMS norms over head_dim on queries and keys before RoPE (`q_norm`, `k_norm`); exported
+    as a Qwen3 `transformer_layer_config`, which vLLM loads as `PeagleQwen3ForCausalLM`."""
 
     @property
     def aux_size(self) -> int:
@@ -133,8 +156,10 @@ class DraftConfig:
         draft_vocab_size: int,
         mask_token_id: int,
         norm_before_residual: bool = False,
+        qk_norm: bool = False,
     ) -> DraftConfig:
-        """Take sizes, heads, head_dim, MLP size, norm eps and RoPE from the target config dict.
+        """Take sizes, heads, head_dim, MLP size, norm eps and RoPE from the target config dict; `qk_norm` makes
+        the layers Qwen3 ones (see `has_qk_norm` for which targets have them).
 
         Raises:
             BadInput: missing sizes, an unsupported activation or RoPE, or out-of-range ids.
@@ -171,13 +196,14 @@ class DraftConfig:
             rope=RopeSpec.from_config(cfg),
             initializer_range=float(cfg.get("initializer_range", 0.02)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            qk_norm=bool(qk_norm),
         )
 
     def layer_config(self) -> dict[str, Any]:
-        """A Llama HF config dict of the draft (SPEC §6 `transformer_layer_config`)."""
+        """A Llama (or, with `qk_norm`, Qwen3) HF config dict of the draft (SPEC §6 `transformer_layer_config`)."""
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": ["Qwen3ForCausalLM" if self.qk_norm else "LlamaForCausalLM"],
+            "model_type": "qwen3" if self.qk_norm else "llama",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_attention_heads": self.num_heads,
@@ -230,11 +256,16 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_size, cfg.num_kv_heads * D, bias=bias)
         self.v_proj = nn.Linear(in_size, cfg.num_kv_heads * D, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * D, cfg.hidden_size, bias=bias)
+        if cfg.qk_norm:  # Qwen3: per-head RMS norms of queries and keys, before RoPE
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values [N, Hkv, D] of inputs x [N, in]."""
         N = x.shape[0]
-        k = _rotate(self.k_proj(x).view(N, self.num_kv_heads, self.head_dim), cos, sin)
+        k = self.k_proj(x).view(N, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
+        k = _rotate(self.k_norm(k) if self.qk_norm else k, cos, sin)
         return k, self.v_proj(x).view(N, self.num_kv_heads, self.head_dim)
 
     def forward(
@@ -248,7 +279,8 @@ class Attention(nn.Module):
         """x: [Nq, in] query inputs; cos, sin: [Nq, 1, D]; mask [Nq, Nk]; kv: keys/values of all Nk elements
         (default: computed from x, Nk = Nq). Returns [Nq, H]."""
         k, v = self.kv(x, cos, sin) if kv is None else kv
-        q = _rotate(self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim), cos, sin)  # [Nq, Hq, D]
+        q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)  # [Nq, Hq, D]
+        q = _rotate(self.q_norm(q) if self.qk_norm else q, cos, sin)
         o = attend(
             q.transpose(0, 1)[None],
             k.transpose(0, 1)[None].to(q.dtype),

@@ -7,7 +7,12 @@ from dataclasses import dataclass
 
 from peagle_pipeline.errors import BadConfig
 
-__all__ = ["CODConfig"]
+__all__ = ["CODConfig", "SERVING_DEPTHS"]
+
+# K that vLLM drafts with by default: the export's `speculative_tokens`, at most the K the draft was trained with
+# (`CODConfig.depths`). P-EAGLE trains deeper than it serves: trained at K = 8 and served at K = 5, a draft beats
+# one trained at K = 5 by 3-4 % (the paper); the deeper positions are cheap to train (COD keeps few of them).
+SERVING_DEPTHS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,7 +20,7 @@ class CODConfig:
     """COD sampling settings (SPEC §5.1)."""
 
     depths: int = 8
-    """K: elements per chain (depth 0 .. K-1)."""
+    """K: elements per chain (depth 0 .. K-1); trained deeper than served (`SERVING_DEPTHS`)."""
     ratio: float = 0.7
     """r: depth d keeps about r**d of the seeds."""
     ratio_min: float = 0.2

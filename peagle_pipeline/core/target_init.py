@@ -46,7 +46,8 @@ def init_from_target_layer(model: PEagleDraft, layer: dict[str, torch.Tensor]) -
         layer: the target layer's tensors keyed by Llama names: input_layernorm.weight [H],
             post_attention_layernorm.weight [H], self_attn.{q,k,v}_proj.weight [heads*D, H],
             self_attn.o_proj.weight [H, heads*D], mlp.{gate,up}_proj.weight [I, H], mlp.down_proj.weight [H, I];
-            self_attn.{q,k,v}_proj.bias when the target has them.
+            self_attn.{q,k,v}_proj.bias when the target has them; self_attn.{q,k}_norm.weight [D] (Qwen3),
+            required when the draft has QK-norm (`DraftConfig.qk_norm`).
 
     Raises:
         BadInput: a tensor is missing or its shape does not fit the draft (another architecture or size).
@@ -70,6 +71,11 @@ def init_from_target_layer(model: PEagleDraft, layer: dict[str, torch.Tensor]) -
         bias = getattr(attn, proj).bias
         if bias is not None and f"self_attn.{proj}.bias" in layer:
             plan.append((bias, f"self_attn.{proj}.bias", None))
+    if (
+        attn.qk_norm
+    ):  # a Qwen3 draft layer takes the target's per-head query/key norms (a Qwen3 target has them)
+        plan += [(attn.q_norm.weight, "self_attn.q_norm.weight", None)]
+        plan += [(attn.k_norm.weight, "self_attn.k_norm.weight", None)]
     for param, name, cols in plan:
         if name not in layer:
             raise BadInput(f"target layer tensors lack {name!r}")

@@ -5,7 +5,9 @@ conversation prefix that ends with the generation prompt, so the reply is exactl
 after that prompt: the content and the end-of-turn token(s) that follow it (`<|im_end|>`, `<|eot_id|>`, ...),
 never role headers, injected system prompts or the separator after the end-of-turn token. An assistant turn with
 OpenAI tool calls is passed to the template as is; its reply is the calls as the template renders them plus the
-end-of-turn token(s); a template that does not render them rejects the conversation (with that reason).
+end-of-turn token(s); a template that does not render them rejects the conversation (with that reason). The
+whole conversation is rendered once, as the server renders it; a template that writes the newest turn otherwise
+(Qwen3's `<think>` block) still has each reply supervised as written in that whole rendering.
 Pure given a tokenizer: no file I/O, no model.
 """
 
@@ -20,7 +22,11 @@ from typing import Any, Literal
 from peagle_pipeline.data.records import Message
 from peagle_pipeline.errors import BadInput
 
-__all__ = ["ChatRenderer", "RenderedSample", "RejectRow", "template_token_ids"]
+__all__ = ["ChatRenderer", "RenderedSample", "RejectRow", "template_token_ids", "EMPTY_REPLY"]
+
+EMPTY_REPLY = "empty reply"
+"""Why a row has nothing to learn from its replies: they are empty or whitespace only (no tool calls). The one rule for
+extract (such a reply is never supervised) and generate (such a generated reply is not kept)."""
 
 
 # A bounded render first tokenises 16 characters per wanted token (keeping the tokens within the first 8 per
@@ -126,6 +132,11 @@ class ChatRenderer:
         supervised = self._supervised_turns(msgs)
         if not supervised:
             raise RejectRow("no assistant turn after the first user turn")
+        supervised = [
+            t for t in supervised if _says_something(msgs[t])
+        ]  # a blank reply stays unsupervised context
+        if not supervised:
+            raise RejectRow(EMPTY_REPLY)
         full = self._render(msgs, generation_prompt=False)
         span = None if max_tokens is None else _FIRST_SPAN_CHARS_PER_TOKEN * max_tokens
         while True:
@@ -168,15 +179,26 @@ class ChatRenderer:
     def check_tokens(self, input_ids: Sequence[int], loss_mask: Sequence[bool]) -> RenderedSample:
         """A row that arrives already tokenised (on-policy data from `generate`), checked against this tokenizer.
 
+        Its replies are its runs of consecutive supervised tokens (a `generate` row supervises each generated reply,
+        stop token included, and the template text between replies is not): with assistant_turns "last" only the
+        last run stays supervised. Example: mask [0,1,1,0,0,1,1,1] -> [0,0,0,0,0,1,1,1].
+
         Raises:
             RejectRow: an id outside the tokenizer, or nothing supervised.
         """
         top = max(input_ids, default=-1)
         if top >= len(self.tokenizer):
             raise RejectRow(f"token id {top} is outside the tokenizer ({len(self.tokenizer)} ids)")
-        if not any(loss_mask):
+        mask = [bool(m) for m in loss_mask]
+        if not any(mask):
             raise RejectRow("no supervised tokens")
-        return RenderedSample(list(input_ids), [bool(m) for m in loss_mask])
+        if self.assistant_turns == "last":
+            end = len(mask) - mask[::-1].index(True)  # one past the last supervised token
+            start = end - 1
+            while start > 0 and mask[start - 1]:
+                start -= 1
+            mask = [start <= i < end for i in range(len(mask))]
+        return RenderedSample(list(input_ids), mask)
 
     def _tokenize(self, full: str, span: int | None, max_tokens: int | None) -> _Tokens | None:
         """Tokens of `full`; with `span`, of its first `span` characters only, when `full` is longer.
@@ -289,7 +311,10 @@ class ChatRenderer:
         c1 = c0 + len(content)
         after = self._prefix_len(msgs[: turn + 1], full, generation_prompt=False)
         if msgs[turn].get("tool_calls"):
-            return start, self._end_of_tool_calls(msgs[turn], turn, full, c1, after, toks)
+            bound = (
+                len(full) if after is not None and after >= c1 else self._next_message_end(msgs, turn, full)
+            )
+            return start, self._end_of_tool_calls(msgs[turn], turn, full, c1, after, bound, toks)
         bound = after if after is not None and after >= c1 else len(full)
         return start, self._end_of_turn(full, c1, bound, toks)
 
@@ -310,6 +335,7 @@ class ChatRenderer:
         full: str,
         c1: int,
         after: int | None,
+        bound: int,
         toks: _Tokens,
     ) -> int:
         """End of an assistant turn with tool calls: the calls as the template renders them (whatever their
@@ -319,11 +345,11 @@ class ChatRenderer:
             RejectRow: the turn's end cannot be found, or the template renders no tool calls (it would
                 supervise an empty reply): such conversations are rejected with that reason, never dropped silently.
         """
-        if after is None or after < c1:
-            raise RejectRow(
-                f"assistant turn {turn}: its tool calls cannot be located in the rendered chat template"
-            )
         names = [call["function"]["name"] for call in msg["tool_calls"]]
+        if (
+            after is None or after < c1
+        ):  # the template renders the newest turn otherwise (Qwen3: a <think> block)
+            return self._end_of_tool_calls_in_text(names, turn, full, c1, bound, toks)
         if not all(name in full[c1:after] for name in names):
             raise RejectRow(f"the chat template does not render tool calls (turn {turn})")
         if toks.limit is not None and after > toks.limit:  # the turn ends past the exact tokens
@@ -337,6 +363,50 @@ class ChatRenderer:
             if e > s and not full[s:e].isspace():
                 end = e
         return end
+
+    def _end_of_tool_calls_in_text(
+        self, names: list[str], turn: int, full: str, c1: int, bound: int, toks: _Tokens
+    ) -> int:
+        """End of a tool-call turn whose rendering as the newest turn is not a prefix of the whole conversation
+        (Qwen3 writes an empty `<think>` block there): the whole rendering is what the server sees, and in it the
+        turn is the calls, in order, then the template's end-of-turn: the first special token after the last
+        call's name, before the end of the next message (`bound`).
+
+        Raises:
+            RejectRow: a call's name is not rendered, or no special token closes the turn before `bound`.
+        """
+        pos = c1
+        for name in names:
+            at = full.find(name, pos, bound)
+            if at < 0:
+                raise RejectRow(f"the chat template does not render tool calls (turn {turn})")
+            pos = at + len(name)
+        if toks.limit is not None and pos >= toks.limit:  # past the exact tokens: decide from the text
+            hits = [k for k in (full.find(t, pos, bound) for t in self._special_texts) if k >= 0]
+            if hits:
+                k = min(hits)
+                return k + len(next(t for t in self._special_texts if full.startswith(t, k)))
+        else:
+            for j in range(bisect.bisect_right(toks.ends, pos), len(toks.ids)):
+                s, e = toks.offsets[j]
+                if s >= bound:
+                    break
+                if e > s and toks.ids[j] in self._special_ids:
+                    return e
+            else:
+                if toks.limit is not None:  # ran out of the exact tokens before the turn's end
+                    raise _NeedMore
+        raise RejectRow(
+            f"assistant turn {turn}: its tool calls cannot be located in the rendered chat template"
+        )
+
+    def _next_message_end(self, msgs: list[dict[str, Any]], turn: int, full: str) -> int:
+        """Where the message after `turn` ends in `full` (its rendering through it, when that is a prefix: it is
+        with Qwen3, whose tool results follow the call), else the text's end: no reply runs past it."""
+        if turn + 1 >= len(msgs):
+            return len(full)
+        end = self._prefix_len(msgs[: turn + 2], full, generation_prompt=False)
+        return end if end is not None else len(full)
 
     def _end_of_turn(self, full: str, c1: int, bound: int, toks: _Tokens) -> int:
         """End of the reply: through the first special token after the content (only whitespace between)."""
@@ -387,6 +457,11 @@ def template_token_ids(tokenizer: Any) -> frozenset[int]:
             if isinstance(text, str):
                 ids.update(tokenizer(text, add_special_tokens=False)["input_ids"])
     return frozenset(ids)
+
+
+def _says_something(msg: dict[str, Any]) -> bool:
+    """An assistant turn with text other than whitespace, or with tool calls (see `EMPTY_REPLY`)."""
+    return bool(msg.get("tool_calls")) or bool(msg["content"].strip())
 
 
 def _template_dict(m: Message) -> dict[str, Any]:

@@ -1,11 +1,15 @@
 """Prompts for regenerating a conversation's assistant replies, kept as token ids (SPEC section 4a).
 
 Turn j is prompted with the conversation so far in which the earlier replies are the target's *own* generated
-ones. Generated ids are never re-tokenised: after a reply, only the template text that follows it (the
-separator after its end-of-turn token, the next user turn, the generation prompt) is tokenised and appended. That
-text is the difference of two `apply_chat_template` renderings, and a template whose renderings are not prefixes
-of one another (it rewrites earlier turns) ends the conversation with a recorded reason.
-Pure given a tokenizer: no file I/O, no model, no randomness.
+ones, rendered the way the template renders an earlier reply (as vLLM renders the conversation when it serves
+turn j). Generated ids are never re-tokenised: after a reply, only the template text that follows it (the
+separator after its end-of-turn token, the next user turn, the generation prompt) is tokenised and appended.
+A reasoning reply ("<think>...</think>" then the answer, Qwen3) is given to the template without its thinking
+(`thinking="strip"`, as clients send replies back and as Qwen3's template renders earlier turns anyway) or whole
+(`"keep"`, the template decides); where the template writes only the answer, the reply's ids in later prompts are
+its generated ids after the thinking. The newest reply of a row is kept whole, as generated. A template that
+writes an earlier reply as other text than those ids decode to (it rewrites earlier turns) ends the conversation
+with a recorded reason. Pure given a tokenizer: no file I/O, no model, no randomness.
 """
 
 from __future__ import annotations
@@ -14,12 +18,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from peagle_pipeline.data.chat import ChatRenderer, RejectRow
+from peagle_pipeline.data.chat import EMPTY_REPLY, ChatRenderer, RejectRow
 from peagle_pipeline.data.records import Conversation
 
 __all__ = [
     "Dialogue",
     "DialogueBuilder",
+    "strip_thinking",
     "template_end_of_turn_ids",
     "REASON_TOO_LONG",
     "REASON_EMPTY",
@@ -30,10 +35,18 @@ __all__ = [
 
 # Why a conversation stopped early (one fixed line each, so the summary can count them).
 REASON_TOO_LONG = "prompt longer than max_prompt_tokens"
-REASON_EMPTY = "empty reply"
+REASON_EMPTY = EMPTY_REPLY  # the same rule as extract's (data/chat.py)
 REASON_LENGTH = "reply hit max_new_tokens"
 REASON_NOT_PREFIX_STABLE = "chat template is not prefix-stable (it rewrites earlier turns)"
 REASON_REWRITES_REPLY = "chat template rewrites the generated reply text"
+
+THINK_END = "</think>"  # ends the reasoning part of a reply (Qwen3, DeepSeek-R1 and their distills)
+
+
+def strip_thinking(text: str) -> str:
+    """A reply without its reasoning: the text after the last `</think>` and the newlines after it, as Qwen3's
+    template strips it ("<think>\\nwhy\\n</think>\\n\\nAnswer" -> "Answer"); the text itself when it has none."""
+    return text.split(THINK_END)[-1].lstrip("\n") if THINK_END in text else text
 
 
 @dataclass
@@ -57,6 +70,9 @@ class Dialogue:
     turn: int = 0
     reply_end: int = 0
     ended: str | None = None
+    # The row kept when the conversation ends here: ids, mask and messages up to the newest reply, as generated
+    # (the working `input_ids` may hold that reply rewritten as an earlier turn, without its thinking).
+    kept: tuple[list[int], list[int], list[dict[str, str]]] | None = None
 
     def __post_init__(self) -> None:
         if not self.loss_mask:
@@ -74,17 +90,17 @@ class Dialogue:
 
     def to_row(self) -> dict[str, Any]:
         """The kept row (the contract of docs/generate.md): messages and ids up to the last generated reply."""
-        if self.turn == 0:
+        if self.turn == 0 or self.kept is None:
             raise ValueError("no reply was generated for this dialogue")
-        last = self.slots[self.turn - 1]
+        ids, mask, messages = self.kept
         return {
             "id": f"{self.source_row}-{self.sample}",
             "source": self.source,
             "source_row": self.source_row,
             "sample": self.sample,
-            "messages": [dict(m) for m in self.messages[: last + 1]],
-            "input_ids": self.input_ids[: self.reply_end],
-            "loss_mask": self.loss_mask[: self.reply_end],
+            "messages": [dict(m) for m in messages],
+            "input_ids": list(ids),
+            "loss_mask": list(mask),
             "finish": list(self.finish),
         }
 
@@ -118,6 +134,8 @@ class DialogueBuilder:
             earlier *generated* replies; "first" only the first reply; "last" only the last one, prompted with
             the original earlier replies (kept as unsupervised context).
         stop_token_ids: the ids that end a reply (the template's end-of-turn and the model's eos).
+        thinking: how an earlier reply with reasoning is given to the template for the later turns: "strip"
+            (without it, see `strip_thinking`) or "keep" (whole; the template may still drop it, Qwen3's does).
     """
 
     def __init__(
@@ -125,12 +143,16 @@ class DialogueBuilder:
         renderer: ChatRenderer,
         turns: Literal["all", "first", "last"],
         stop_token_ids: Iterable[int],
+        thinking: Literal["strip", "keep"] = "strip",
     ) -> None:
         if turns not in ("all", "first", "last"):
             raise ValueError(f"turns must be all, first or last, got {turns!r}")
+        if thinking not in ("strip", "keep"):
+            raise ValueError(f"thinking must be strip or keep, got {thinking!r}")
         self.renderer = renderer
         self.tokenizer = renderer.tokenizer
         self.turns = turns
+        self.thinking = thinking
         self.stop_token_ids = frozenset(int(i) for i in stop_token_ids)
         self._stop_text = {i: self.tokenizer.decode([i]) for i in self.stop_token_ids}
 
@@ -181,7 +203,7 @@ class DialogueBuilder:
         """Append a generated reply (its ids end with a stop id when finish is "stop") and the next prompt.
 
         Sets `d.ended` instead when the reply is empty (it is not kept), when it hit the token limit while
-        more replies were due, or when the template cannot continue this conversation prefix-stably.
+        more replies were due, or when the template cannot continue this conversation from the generated ids.
         """
         stop = finish == "stop" and bool(ids) and ids[-1] in self.stop_token_ids
         body = ids[:-1] if stop else ids
@@ -189,53 +211,92 @@ class DialogueBuilder:
         if not content.strip():
             d.ended = REASON_EMPTY
             return
+        reply_start = len(d.input_ids)
         d.messages[d.slots[d.turn]] = {"role": "assistant", "content": content}
         d.input_ids.extend(ids)
         d.loss_mask.extend([1] * len(ids))
         d.finish.append(finish)
         d.turn += 1
         d.reply_end = len(d.input_ids)
+        d.kept = (
+            list(d.input_ids),
+            list(d.loss_mask),
+            [dict(m) for m in d.messages[: d.slots[d.turn - 1] + 1]],
+        )
         if d.turn == len(d.slots):
             return
         if finish == "length":
             d.ended = REASON_LENGTH
             return
         try:
-            delta, text = self._continuation(d, content, ids[-1] if stop else None)
+            kept, delta, text = self._continuation(d, body, content, ids[-1] if stop else None)
         except RejectRow as err:
             d.ended = err.reason
             return
+        reply = kept + ([ids[-1]] if stop else [])  # as the template writes this reply as an earlier turn
         new = self.encode(delta)
-        d.input_ids.extend(new)
-        d.loss_mask.extend([0] * len(new))
+        d.input_ids[reply_start:] = reply + new
+        d.loss_mask[reply_start:] = [1] * len(reply) + [0] * len(new)
+        d.reply_end = reply_start + len(reply)
         d.text = text
 
-    def _continuation(self, d: Dialogue, content: str, stop_id: int | None) -> tuple[str, str]:
-        """Template text between the just-generated reply's last token and the next reply; and the new prompt text.
+    def _continuation(
+        self, d: Dialogue, body: list[int], content: str, stop_id: int | None
+    ) -> tuple[list[int], str, str]:
+        """The just-generated reply's ids as the template writes it as an earlier turn, the template text between
+        that reply's last token and the next reply, and the new prompt text.
 
         Example (ChatML): the prompt text ends "<|im_start|>assistant\\n", the model generated "Hello" +
-        <|im_end|>. Rendering that reply gives tail "Hello<|im_end|>\\n"; "Hello" and the generated <|im_end|>
+        <|im_end|>. The next prompt renders that reply as "Hello<|im_end|>\\n"; "Hello" and the generated <|im_end|>
         are already in the ids (not duplicated), so the delta is "\\n" + "<|im_start|>user\\n...<|im_end|>\\n"
-        + "<|im_start|>assistant\\n".
+        + "<|im_start|>assistant\\n". Qwen3, reply "<think>\\nwhy\\n</think>\\n\\nHello" + <|im_end|>: the next
+        prompt holds "Hello<|im_end|>\\n", so the reply's ids become its generated ids after "</think>\\n\\n".
+
+        Raises:
+            RejectRow: the template rewrites earlier turns, or writes this reply as text its ids do not spell.
         """
         slot, nxt = d.slots[d.turn - 1], d.slots[d.turn]
-        rendered = self.renderer.render_text(d.messages[: slot + 1], generation_prompt=False)
-        if not rendered.startswith(d.text):
+        given = strip_thinking(content) if self.thinking == "strip" else content
+        d.messages[slot] = {"role": "assistant", "content": given}
+        following = self.renderer.render_text(d.messages[:nxt], generation_prompt=True)
+        if not following.startswith(d.text):
             raise RejectRow(REASON_NOT_PREFIX_STABLE)
-        tail = rendered[len(d.text) :]
-        if tail.startswith(content):
-            rest = tail[len(content) :]
-        elif tail.startswith(content.strip()):  # templates that trim the reply
-            rest = tail[len(content.strip()) :]
+        tail = following[len(d.text) :]
+        kept = body
+        if tail.startswith(content) or tail.startswith(content.strip()):  # as generated (templates may trim)
+            written = content if tail.startswith(content) else content.strip()
         else:
-            raise RejectRow(REASON_REWRITES_REPLY)
+            answer = strip_thinking(given)  # the template wrote the answer only (ours, or its own stripping)
+            written = answer if tail.startswith(answer) else answer.strip()
+            if not written or not tail.startswith(written):
+                raise RejectRow(REASON_REWRITES_REPLY)
+            kept = self._ids_spelling(body, content, answer)
+        rest = tail[len(written) :]
         if stop_id is not None:
             # The generated stop token stands for the template's end-of-turn text when they are the same token.
             stop_text = self._stop_text[stop_id]
             k = rest.find(stop_text) if stop_text else -1
             if k >= 0 and not rest[:k].strip():
                 rest = rest[k + len(stop_text) :]
-        following = self.renderer.render_text(d.messages[:nxt], generation_prompt=True)
-        if not following.startswith(rendered):
-            raise RejectRow(REASON_NOT_PREFIX_STABLE)
-        return rest + following[len(rendered) :], following
+        return kept, rest, following
+
+    def _ids_spelling(self, body: list[int], content: str, answer: str) -> list[int]:
+        """The suffix of the generated ids `body` (which decode to `content`) that decodes to exactly `answer`, a
+        suffix of `content`: the thinking's tokens are dropped, the answer's kept as generated.
+
+        Raises:
+            RejectRow: no token boundary falls where the answer starts.
+        """
+        decode = self.tokenizer.decode
+        drop = len(content) - len(answer)  # characters of thinking before the answer
+        lo, hi = 0, len(body)
+        while lo < hi:  # first k whose prefix decodes to at least `drop` characters
+            mid = (lo + hi) // 2
+            if len(decode(body[:mid], skip_special_tokens=False)) < drop:
+                lo = mid + 1
+            else:
+                hi = mid
+        for k in (lo, lo + 1, lo - 1):
+            if 0 <= k <= len(body) and decode(body[k:], skip_special_tokens=False) == answer:
+                return body[k:]
+        raise RejectRow(REASON_REWRITES_REPLY)

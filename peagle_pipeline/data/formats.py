@@ -3,7 +3,8 @@ source row.
 
 Formats: ShareGPT (`conversations: [{from, value}]`) and OpenAI (`messages: [{role, content}]`) records in JSON
 (an array or concatenated objects, parsed incrementally), JSONL, Parquet (row-group streaming) and Hugging Face
-datasets saved with `save_to_disk` (their Arrow files are read with pyarrow; `datasets` is not needed).
+datasets saved with `save_to_disk` (their Arrow files are read with pyarrow; `datasets` is not needed); of a
+DatasetDict only one split is read, `train` unless another is named.
 A bad row becomes a `Reject` with a reason; only a missing or unreadable path raises. Never loads a whole file.
 """
 
@@ -22,7 +23,15 @@ from typing import Any
 from peagle_pipeline.data.records import Reject, Row, to_conversation
 from peagle_pipeline.errors import BadInput
 
-__all__ = ["GENERATE_META", "WRITER_LOCK_PREFIX", "iter_rows", "iter_json_records", "dataset_fingerprint"]
+__all__ = [
+    "GENERATE_META",
+    "WRITER_LOCK_PREFIX",
+    "DEFAULT_SPLIT",
+    "iter_rows",
+    "iter_json_records",
+    "dataset_fingerprint",
+    "split_notes",
+]
 _JSON_SUFFIXES = (".json",)
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -30,23 +39,41 @@ GENERATE_META = "generate.json"  # marks a directory written by `peagle-pipeline
 _ROW_COLUMNS = ("conversations", "messages", "input_ids", "loss_mask")
 _READ_CHUNK = 1 << 20  # bytes per read of the incremental JSON parser
 _ARROW_BATCH = 1024  # rows per record batch converted to Python at a time
+DEFAULT_SPLIT = "train"  # the split of a DatasetDict read when none is named
+_DATASET_DICT = "dataset_dict.json"
 
 
-def iter_rows(paths: Iterable[str | os.PathLike[str]]) -> Iterator[Row]:
+def iter_rows(paths: Iterable[str | os.PathLike[str]], split: str | None = None) -> Iterator[Row]:
     """Yield every row of every path, in order, as a `Row` (a Conversation, a TokenizedConversation or a Reject).
 
     Args:
         paths: data files (.json, .jsonl/.ndjson, .parquet, .arrow) or directories written by
             `datasets.Dataset.save_to_disk` / `DatasetDict.save_to_disk`.
+        split: the split of a DatasetDict to read (None: `DEFAULT_SPLIT`); only a DatasetDict has splits.
 
     Raises:
-        BadInput: a path is missing, unreadable, or of an unsupported kind (all are checked when called,
-            before anything is read).
+        BadInput: a path is missing, unreadable, or of an unsupported kind; a DatasetDict without the split; a
+            split named while no path is a DatasetDict (all are checked when called, before anything is read).
     """
-    readers = [
-        (Path(path), _reader_for(Path(path))) for path in paths
-    ]  # every path checked before any is read
+    given = [Path(path) for path in paths]
+    readers = [(path, _reader_for(path, split)) for path in given]  # every path checked before any is read
+    if split is not None and not any(_is_dataset_dict(p) for p in given):
+        raise BadInput(
+            f"split {split!r} was given, but no data path is a Hugging Face DatasetDict (only those have splits)"
+        )
     return _chain(readers)
+
+
+def split_notes(paths: Iterable[str | os.PathLike[str]], split: str | None = None) -> list[str]:
+    """One line per DatasetDict among `paths`, saying which of its splits is read (and which are not)."""
+    notes = []
+    for path in map(Path, paths):
+        if _is_dataset_dict(path):
+            chosen = split or DEFAULT_SPLIT
+            others = [s for s in _dict_splits(path) if s != chosen]
+            rest = f" (not read: {', '.join(others)}; choose with --split)" if others else ""
+            notes.append(f"read split {chosen!r} of the Hugging Face DatasetDict {path}{rest}")
+    return notes
 
 
 def _chain(readers: list[tuple[Path, Any]]) -> Iterator[Row]:
@@ -57,14 +84,17 @@ def _chain(readers: list[tuple[Path, Any]]) -> Iterator[Row]:
 # ----------------------------------------------------------------------------------------------- dispatch
 
 
-def _reader_for(p: Path):  # type: ignore[no-untyped-def]
+def _reader_for(p: Path, split: str | None):  # type: ignore[no-untyped-def]
     if not p.exists():
         raise BadInput(f"data path not found: {p}")
     if p.is_dir():
         if (p / GENERATE_META).is_file():
             _generated_files(p)  # checked now: an unfinished output fails before anything is written
             return _iter_generated_dir
-        if (p / "dataset_dict.json").is_file() or (p / "state.json").is_file() or list(p.glob("*.arrow")):
+        if _is_dataset_dict(p):
+            chosen = _dict_split_dir(p, split)
+            return lambda path: _iter_hf_dir(chosen)
+        if (p / "state.json").is_file() or list(p.glob("*.arrow")):
             return _iter_hf_dir
         raise BadInput(
             f"data directory {p} is neither a `generate` output nor a Hugging Face dataset saved with save_to_disk"
@@ -302,16 +332,36 @@ def _iter_parquet(path: Path) -> Iterator[Row]:
     yield from _iter_batches(pf.iter_batches(batch_size=_ARROW_BATCH, columns=columns), source, 0)
 
 
-def _iter_hf_dir(path: Path) -> Iterator[Row]:
-    """A `save_to_disk` directory: a DatasetDict (one sub-directory per split) or a single Dataset."""
-    dict_file = path / "dataset_dict.json"
-    if dict_file.is_file():
-        splits = _read_json_file(dict_file).get("splits") or sorted(
-            d.name for d in path.iterdir() if d.is_dir()
+def _is_dataset_dict(path: Path) -> bool:
+    return path.is_dir() and (path / _DATASET_DICT).is_file() and not (path / GENERATE_META).is_file()
+
+
+def _dict_splits(path: Path) -> list[str]:
+    """The split names of the DatasetDict at `path` (its dataset_dict.json, else its sub-directories)."""
+    splits = _read_json_file(path / _DATASET_DICT).get("splits")
+    if not isinstance(splits, list) or not splits:
+        splits = sorted(d.name for d in path.iterdir() if d.is_dir())
+    return [str(s) for s in splits]
+
+
+def _dict_split_dir(path: Path, split: str | None) -> Path:
+    """The directory of split `split` (None: `DEFAULT_SPLIT`) of the DatasetDict at `path`.
+
+    Raises:
+        BadInput: the DatasetDict has no such split.
+    """
+    chosen = split or DEFAULT_SPLIT
+    splits = _dict_splits(path)
+    if chosen not in splits or not (path / chosen).is_dir():
+        raise BadInput(
+            f"the Hugging Face DatasetDict {path} has no split {chosen!r} (it has {', '.join(splits) or 'none'}); "
+            "choose one with --split"
         )
-        for split in splits:
-            yield from _iter_hf_dir(path / split)
-        return
+    return path / chosen
+
+
+def _iter_hf_dir(path: Path) -> Iterator[Row]:
+    """A single Dataset's `save_to_disk` directory (a DatasetDict's split is one)."""
     state_file = path / "state.json"
     if state_file.is_file():
         files = [path / f["filename"] for f in _read_json_file(state_file).get("_data_files", [])]
@@ -379,11 +429,12 @@ def _read_json_file(path: Path) -> dict[str, Any]:
 WRITER_LOCK_PREFIX = ".peagle-lock-"  # the lock file of a writer of on-policy rows (stages/onpolicy_files.py)
 
 
-def dataset_fingerprint(paths: Iterable[str | os.PathLike[str]]) -> str:
+def dataset_fingerprint(paths: Iterable[str | os.PathLike[str]], split: str | None = None) -> str:
     """A cheap identity of the input data: file names, sizes and a hash of each file's first and last MiB.
 
     Directories (HF datasets, `generate` outputs) contribute every file under them, in sorted order, except the
-    lock files a running writer holds (`.peagle-lock-*`: they hold a process id, not data).
+    lock files a running writer holds (`.peagle-lock-*`: they hold a process id, not data); a DatasetDict only the
+    files of the split that is read (`split`, None: `DEFAULT_SPLIT`), and that split's name.
 
     Raises:
         BadInput: a path does not exist.
@@ -393,10 +444,16 @@ def dataset_fingerprint(paths: Iterable[str | os.PathLike[str]]) -> str:
         p = Path(path)
         if not p.exists():
             raise BadInput(f"data path not found: {p}")
+        read = p
+        if _is_dataset_dict(p):
+            read = p / (split or DEFAULT_SPLIT)
+            h.update(f"split\0{read.name}\0".encode())
         files = (
-            sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith(WRITER_LOCK_PREFIX))
-            if p.is_dir()
-            else [p]
+            sorted(f for f in read.rglob("*") if f.is_file() and not f.name.startswith(WRITER_LOCK_PREFIX))
+            if read.is_dir()
+            else [read]
+            if read.exists()
+            else []
         )
         h.update(f"{p.name}\0{len(files)}\0".encode())
         for f in files:

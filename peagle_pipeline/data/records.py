@@ -28,6 +28,7 @@ Role = Literal["system", "user", "assistant", "tool"]
 # Source role names (lower-cased) -> our role. ShareGPT and OpenAI spellings in one table.
 ROLE_MAP: dict[str, Role] = {
     "system": "system",
+    "developer": "system",  # OpenAI's name for system instructions since o1; its API treats it as system
     "human": "user",
     "user": "user",
     "gpt": "assistant",

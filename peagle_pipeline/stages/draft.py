@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from peagle_pipeline.config import TrainConfig
 from peagle_pipeline.core import vocab
-from peagle_pipeline.core.model import DraftConfig, PEagleDraft
+from peagle_pipeline.core.model import DraftConfig, PEagleDraft, has_qk_norm
 from peagle_pipeline.core.target_init import init_from_target_layer
 from peagle_pipeline.errors import BadConfig
-from peagle_pipeline.stages.export import DraftSpec
+from peagle_pipeline.stages.export import DRAFT_SPEC, DraftSpec
 from peagle_pipeline.stages.loader import mix_seed
 
 __all__ = [
@@ -53,6 +54,7 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
     choice = choose_mask_token(cache, int(pieces["embed_tokens.weight"].shape[0]), cfg.mask_token_id)
     mask_id = choice.token_id
     target_config = cache.target_config()
+    qk_norm = draft_qk_norm(cfg, target_config)
     dcfg = DraftConfig.from_target_config(
         target_config,
         num_layers=cfg.draft_layers,
@@ -60,6 +62,7 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
         draft_vocab_size=size,
         mask_token_id=mask_id,
         norm_before_residual=cfg.norm_before_residual,
+        qk_norm=qk_norm,
     )
     keep = None if dvocab.is_identity else dvocab
     g = torch.Generator().manual_seed(mix_seed("init", cfg.seed))
@@ -76,8 +79,31 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
         mask_token_id=mask_id,
         norm_before_residual=cfg.norm_before_residual,
         depths=cfg.depths,
+        qk_norm=qk_norm,
+        target_identity={
+            "target_config_sha256": meta.target_config_sha256,
+            "tokenizer_sha256": meta.tokenizer_sha256,
+            "chat_template_sha256": meta.chat_template_sha256,
+        },
     )
     return model, spec, keep
+
+
+def draft_qk_norm(cfg: TrainConfig, target_config: dict[str, Any]) -> bool:
+    """Whether the draft's layers are Qwen3 ones (QK-norm): as the target, except in a run resumed from before
+    drafts had them (its draft.json lacks `qk_norm`, so its checkpoints hold Llama layers), which keeps Llama
+    layers; said on the terminal either way for a QK-norm target."""
+    target_qk = has_qk_norm(target_config)
+    spec = Path(cfg.output) / DRAFT_SPEC
+    qk_norm = DraftSpec.load(cfg.output).qk_norm if cfg.resume and spec.is_file() else target_qk
+    if target_qk and qk_norm:
+        log.info("draft layers: Qwen3 architecture (q_norm/k_norm, as the target), exported as a Qwen3 layer")
+    elif target_qk:
+        log.warning(
+            "draft layers: Llama architecture (this run started before Qwen3 draft layers): the target's "
+            "q_norm/k_norm are not carried over; start a new run for a Qwen3 draft layer"
+        )
+    return qk_norm
 
 
 def start_from_target(model: PEagleDraft, cache: Any) -> None:
@@ -92,8 +118,30 @@ def start_from_target(model: PEagleDraft, cache: Any) -> None:
         )
         return
     index, tensors = stored
+    norms = "self_attn.q_norm.weight" in tensors
+    if model.cfg.qk_norm and not norms:
+        log.warning(
+            "cache %s stores target layer %d without its q_norm/k_norm (written before they were stored): the "
+            "draft's QK norms start at 1; re-extract it to start them from the target",
+            cache.path,
+            index,
+        )
+        tensors = {**tensors, **_unit_qk_norms(model)}
     init_from_target_layer(model, tensors)
-    log.info("draft layer 0 starts from target layer %d; fc passes the last aux state through", index)
+    with_norms = " with its q_norm/k_norm" if model.cfg.qk_norm and norms else ""
+    dropped = "; the target's q_norm/k_norm are not carried over" if norms and not model.cfg.qk_norm else ""
+    log.info(
+        "draft layer 0 starts from target layer %d%s; fc passes the last aux state through%s",
+        index,
+        with_norms,
+        dropped,
+    )
+
+
+def _unit_qk_norms(model: PEagleDraft) -> dict[str, torch.Tensor]:
+    """Unit q/k norm weights [D] (the draft's own initialisation) for a stored target layer that lacks them."""
+    D = model.cfg.head_dim
+    return {"self_attn.q_norm.weight": torch.ones(D), "self_attn.k_norm.weight": torch.ones(D)}
 
 
 def require_last_hidden(target: str, meta: Any, label: str) -> None:

@@ -76,6 +76,7 @@ class EvalOptions:
     seed: int = 0
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
+    allow_other_target: bool = False  # run drafts trained on another target (a warning instead of a refusal)
 
     def __post_init__(self) -> None:
         if not self.drafts:
@@ -206,8 +207,10 @@ def resolve_draft(path: str, depths: int | None) -> Draft:
     Raises:
         BadInput: missing directory or not a P-EAGLE export.
     """
+    from peagle_pipeline.stages.export import trained_depths
+
     config = read_draft_config(path)
-    trained = draft_depths(config)
+    served, trained = draft_depths(config), trained_depths(path, config)
     verifier = (config.get("speculators_config", {}).get("verifier") or {}).get("name_or_path")
     vocab = (config.get("transformer_layer_config") or {}).get("vocab_size")
     run_dir = find_run(path)
@@ -219,7 +222,7 @@ def resolve_draft(path: str, depths: int | None) -> Draft:
         verifier=verifier if isinstance(verifier, str) else None,
         vocab_size=int(vocab) if isinstance(vocab, int) else None,
         trained_depths=trained,
-        depths=depths if depths is not None else trained,
+        depths=depths if depths is not None else served,
         run=str(run_dir) if run_dir is not None else None,
         estimate=trainer_estimate(run_dir, exported_step(path, run_dir)) if run_dir is not None else None,
     )
@@ -398,7 +401,8 @@ def run(opts: EvalOptions, echo: Callable[[str], None] | None = None) -> dict[st
         The report (see `build_report`).
 
     Raises:
-        BadInput: a missing draft or target, not a P-EAGLE export, drafts for another vocabulary, a bad prompt
+        BadInput: a missing draft or target, not a P-EAGLE export, drafts for another vocabulary or target
+            (`check_served_target`), a bad prompt
             set, vLLM not installed or refusing to start.
         Interrupted, Terminated: Ctrl-C or SIGTERM (nothing is kept: the message says so).
     """
@@ -412,6 +416,7 @@ def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any
     from peagle_pipeline.backends.pieces import read_target_info, text_config
     from peagle_pipeline.backends.vllm import EngineSettings, require_vllm
     from peagle_pipeline.stages.eval_report import format_table, plot_acceptance
+    from peagle_pipeline.stages.export import check_served_target
 
     say = echo or log.info
     t_start = time.perf_counter()
@@ -431,6 +436,9 @@ def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any
                 f"draft {d.path} was trained for a vocabulary of {d.vocab_size}, target {target} has "
                 f"{info.vocab_size}: give the target the draft was trained on"
             )
+        note = check_served_target(d.path, target, opts.allow_other_target)
+        if note:
+            say(note)
         if d.depths > d.trained_depths:
             say(
                 f"note: {d.name} was trained for K={d.trained_depths}; measuring K={d.depths} (extra positions "

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file
 
+from peagle_pipeline.core.settings import SERVING_DEPTHS
 from peagle_pipeline.errors import BadInput, CorruptCache, NumericalFault, OutputExists
 from peagle_pipeline.runtime import (
     atomic_write_json,
@@ -48,8 +49,13 @@ __all__ = [
     "read_marker",
     "EXPORT_FILES",
     "DraftSpec",
+    "serving_depths",
+    "trained_depths",
     "export_config",
     "run_identity",
+    "TARGET_IDENTITY",
+    "target_identity",
+    "check_served_target",
     "same_run",
     "check_export_target",
     "write_export",
@@ -77,6 +83,11 @@ class DraftSpec:
     mask_token_id: int
     norm_before_residual: bool
     depths: int
+    # Qwen3 draft layers (QK-norm, `core.model.has_qk_norm` of the target); False in runs started before them.
+    qk_norm: bool = False
+    # The target the draft was trained on, from the cache (`target_identity`); None in runs started before it
+    # was recorded. The export's marker carries it, and vllm-check / evaluate compare it with the target given.
+    target_identity: dict[str, str] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -105,8 +116,37 @@ class DraftSpec:
         return spec
 
 
-def export_config(spec: DraftSpec) -> dict[str, Any]:
-    """The speculators `config.json` of a draft (every field SPEC section 6 lists)."""
+def serving_depths(trained: int, requested: int | None = None) -> int:
+    """The K an export records as `speculative_tokens` (what vLLM drafts unless its speculative_config says
+    otherwise): `requested`, else `SERVING_DEPTHS`, never more than the `trained` depths.
+
+    Raises:
+        BadInput: `requested` is not positive or exceeds the depths the draft was trained for.
+    """
+    if requested is None:
+        return min(SERVING_DEPTHS, trained)
+    if requested < 1:
+        raise BadInput(f"--speculative-tokens must be positive, got {requested}")
+    if requested > trained:
+        raise BadInput(
+            f"--speculative-tokens {requested} exceeds the {trained} depths the draft was trained for: "
+            f"give at most {trained}, or train with --depths {requested} or more"
+        )
+    return requested
+
+
+def trained_depths(export_dir: str | os.PathLike[str], config: dict[str, Any]) -> int:
+    """K the draft of an export was trained with: its marker's `trained_depths`, else (an export of an older
+    version or of another tool) the `speculative_tokens` of its `config`."""
+    trained = read_marker(export_dir).get("trained_depths")
+    if isinstance(trained, int) and trained > 0:
+        return trained
+    return int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+
+
+def export_config(spec: DraftSpec, speculative_tokens: int | None = None) -> dict[str, Any]:
+    """The speculators `config.json` of a draft (every field SPEC section 6 lists); `speculative_tokens` is the
+    served K (`serving_depths`), `spec.depths` the trained one."""
     from peagle_pipeline.core.model import DraftConfig
 
     draft = DraftConfig.from_target_config(
@@ -116,6 +156,7 @@ def export_config(spec: DraftSpec) -> dict[str, Any]:
         draft_vocab_size=spec.draft_vocab_size,
         mask_token_id=spec.mask_token_id,
         norm_before_residual=spec.norm_before_residual,
+        qk_norm=spec.qk_norm,
     )
     layer = (
         draft.layer_config()
@@ -132,7 +173,7 @@ def export_config(spec: DraftSpec) -> dict[str, Any]:
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
-                    "speculative_tokens": spec.depths,
+                    "speculative_tokens": serving_depths(spec.depths, speculative_tokens),
                     "verifier_accept_k": 1,
                     "accept_tolerance": 0.0,
                 }
@@ -207,6 +248,58 @@ def export_run_dir(export_dir: str | os.PathLike[str]) -> str | None:
     return run if isinstance(run, str) else None
 
 
+# What identifies the target a draft was trained on (the cache's fields of the same names, SPEC section 3); the
+# first two must match for a draft to serve a target, the chat template only shapes the data it was trained on.
+TARGET_IDENTITY = ("target_config_sha256", "tokenizer_sha256", "chat_template_sha256")
+
+
+def target_identity(model_path: str | os.PathLike[str]) -> dict[str, str]:
+    """The identity of a target model directory: hashes of its config.json, tokenizer files and chat template,
+    computed as the cache records them (`backends.pieces`)."""
+    from peagle_pipeline.backends import pieces
+
+    return {
+        "target_config_sha256": pieces.config_sha256(model_path),
+        "tokenizer_sha256": pieces.tokenizer_sha256(model_path),
+        "chat_template_sha256": pieces.chat_template_sha256(model_path),
+    }
+
+
+def check_served_target(
+    export_dir: str | os.PathLike[str], target: str, allow_other: bool = False
+) -> str | None:
+    """Compare the target an export was trained on (its marker's "target") with the `target` it is about to run on.
+
+    Returns:
+        A one-line warning to print, or None: an export that records no identity (written before it was
+        recorded), another chat template, or another model let through by `allow_other`.
+
+    Raises:
+        BadInput: the target's config.json or tokenizer differ from the trained-on ones (and not `allow_other`).
+    """
+    recorded = read_marker(export_dir).get("target")
+    if not isinstance(recorded, dict):
+        return (
+            f"note: {export_dir} records no target identity (exported before it was recorded): not compared"
+        )
+    given = target_identity(target)
+    differ = [k for k in TARGET_IDENTITY if recorded.get(k) is not None and recorded.get(k) != given[k]]
+    model = [k.removesuffix("_sha256").replace("target_", "") for k in differ if k != "chat_template_sha256"]
+    if model and not allow_other:
+        raise BadInput(
+            f"draft {export_dir} was trained on another target than {target} (its {' and '.join(model)} differ): "
+            "give the target it was trained on, or --allow-other-target to run it anyway"
+        )
+    if model:
+        return f"warning: draft {export_dir} was trained on another target ({' and '.join(model)} differ)"
+    if differ:
+        return (
+            f"warning: {target}'s chat template differs from the one draft {export_dir} was trained with: "
+            "acceptance may be lower"
+        )
+    return None
+
+
 def same_run(marker: dict[str, Any], source: dict[str, Any] | None) -> bool:
     """Whether an export's marker names the run `source` (`run_identity`): by first start time, else by path."""
     if source is None:
@@ -274,6 +367,7 @@ def write_export(
     source: dict[str, Any] | None = None,
     force: bool = False,
     own: bool = False,
+    speculative_tokens: int | None = None,
 ) -> Path:
     """Write config.json + model.safetensors + the marker into `output`: built in a temporary sibling folder,
     then swapped in atomically (renameat2 RENAME_EXCHANGE; two renames where the OS lacks it).
@@ -281,14 +375,17 @@ def write_export(
     Args:
         source: what the marker records (`run_identity` plus the checkpoint); None for drafts not from a run.
         force, own: see `check_export_target`.
+        speculative_tokens: the served K (`serving_depths`); the marker records the trained one.
 
     Raises:
+        BadInput: `speculative_tokens` above the trained depths.
         OutputExists: see `check_export_target`.
         OutOfSpace: the disk filled up (the previous export, if any, is untouched).
     """
     from peagle_pipeline.stages.checkpoint import save_tensors
 
     out = Path(output)
+    config = export_config(spec, speculative_tokens)  # BadInput before anything is written
     check_export_target(out, source, force=force, own=own)
     weights = export_weights(spec, state)  # NumericalFault before anything is written
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -299,8 +396,14 @@ def write_export(
         tmp.mkdir()
         save_tensors(weights, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
         make_readable(tmp / WEIGHTS_FILE)  # safetensors writes 0600; a vLLM of another user must read it
-        (tmp / CONFIG_FILE).write_text(json.dumps(export_config(spec), indent=2) + "\n")
-        (tmp / MARKER_FILE).write_text(json.dumps({**(source or {}), "time": time.time()}, indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        marker = {
+            **(source or {}),
+            "target": spec.target_identity,
+            "trained_depths": spec.depths,
+            "time": time.time(),
+        }
+        (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
         for name in EXPORT_FILES:
             fsync_file(tmp / name)
         fsync_dir(tmp)
@@ -343,14 +446,16 @@ def export_run(
     output: str | os.PathLike[str],
     checkpoint: str = "best",
     force: bool = False,
+    speculative_tokens: int | None = None,
 ) -> Path:
-    """Export checkpoint `best`, `latest` or `step-N` of a training run to `output`.
+    """Export checkpoint `best`, `latest` or `step-N` of a training run to `output`, serving
+    `serving_depths(trained, speculative_tokens)` tokens (config.json's `speculative_tokens`).
 
     `output` may be new, empty, or hold an export of the same run (replaced); another run's export is replaced
     only with `force`; a folder holding anything else is refused (see `check_export_target`).
 
     Raises:
-        BadInput: not a run directory, or no such complete checkpoint.
+        BadInput: not a run directory, no such complete checkpoint, or `speculative_tokens` above the trained K.
         OutputExists: see `check_export_target`.
     """
     from peagle_pipeline.stages.checkpoint import CheckpointManager
@@ -359,13 +464,16 @@ def export_run(
     if Path(output).exists() and not Path(output).is_dir():
         raise BadInput(f"--output {output} is a file: give a directory for the export")
     spec = DraftSpec.load(run_dir)
+    serving_depths(spec.depths, speculative_tokens)  # refused before the (slow) checkpoint load
     source = run_identity(run_dir)
     own = Path(output).resolve() == Path(run_dir).resolve() / EXPORT_DIR
     check_export_target(output, source, force=force, own=own)  # before the (slow) checkpoint load
     manager = CheckpointManager(run_dir, keep=1)
     ckpt = manager.load(manager.resolve(checkpoint), with_optimizer=False)
     source.update(checkpoint=ckpt.path.name, step=ckpt.step)
-    return write_export(output, spec, ckpt.model, source=source, force=force, own=own)
+    return write_export(
+        output, spec, ckpt.model, source=source, force=force, own=own, speculative_tokens=speculative_tokens
+    )
 
 
 def load_export(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16) -> PEagleDraft:
@@ -393,6 +501,7 @@ def load_export(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
         draft_vocab_size=int(config["draft_vocab_size"]),
         mask_token_id=int(config["mask_token_id"]),
         norm_before_residual=bool(config["norm_before_residual"]),
+        qk_norm=layer.get("model_type") == "qwen3",
     )
     dvocab = None
     if "d2t" in weights and "t2d" in weights:  # Vd < V: rebuild the mapping from the exported offsets

@@ -16,7 +16,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NoReturn
@@ -24,7 +24,13 @@ from typing import Any, Literal, NoReturn
 import numpy as np
 
 from peagle_pipeline.backends import vllm_log
-from peagle_pipeline.backends.base import BackendSettings, SampleOutputs, TargetBackend, default_layer_ids
+from peagle_pipeline.backends.base import (
+    BackendSettings,
+    SampleOutputs,
+    TargetBackend,
+    default_layer_ids,
+    submit,
+)
 from peagle_pipeline.backends.registry import get_backend
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.layout import CacheMeta
@@ -44,6 +50,7 @@ from peagle_pipeline.errors import (
 )
 from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import (
+    check_output_dir,
     describe_compute_dtype,
     resolve_compute_dtype,
     writer_rank,
@@ -62,6 +69,7 @@ __all__ = [
     "backend_settings",
     "target_device",
     "forward_dtype",
+    "BatchPipeline",
 ]
 
 log = logging.getLogger(__name__)
@@ -286,7 +294,7 @@ def build_meta(
         overlong=cfg.overlong,
         assistant_turns=cfg.assistant_turns,
         leading_assistant=cfg.leading_assistant,
-        dataset_fingerprint=dataset_fingerprint(cfg.data),
+        dataset_fingerprint=dataset_fingerprint(cfg.data, cfg.split),
         max_samples=cfg.max_samples,
         world_size=world_size,
         shard_tokens=cfg.shard_tokens,
@@ -452,10 +460,10 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     from transformers import AutoTokenizer
 
     from peagle_pipeline.data.chat import ChatRenderer
-    from peagle_pipeline.data.formats import iter_rows
+    from peagle_pipeline.data.formats import iter_rows, split_notes
 
     # Checked before the output exists: bad data paths or tokenizer must not leave a cache stamped with them.
-    iter_rows(cfg.data)  # checks every path's existence and kind; reads nothing
+    iter_rows(cfg.data, cfg.split)  # checks every path's existence and kind; reads nothing
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     except Exception as err:  # transformers/tokenizers raise many types for a broken tokenizer
@@ -472,31 +480,39 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
         cfg = dataclasses.replace(cfg, length_window=window)
     meta = build_meta(cfg, info, layer_ids, world, compute)
     existed, created = Path(local).exists(), not (Path(local) / layout.CACHE_META).exists()
+    run_cfg = dataclasses.replace(cfg, compute_dtype=compute)  # the backend computes in what meta records
+    # A new cache is stamped (cache.json: compute dtype, ...) only once its backend has started, so a failed start
+    # (no CUDA, vLLM missing, ...) leaves nothing that would refuse or change the corrected command.
+    if cfg.backend == "vllm":  # vLLM's own output: OUTPUT/vllm.log, a temporary file until the output exists
+        vllm_log.route_to(local if remote is None and Path(local).is_dir() else None)
+    backend = _start_new(run_cfg, Path(local), meta) if created else None
     try:
         root = prepare_output(cfg, meta, root=local)
         if remote is not None:
             remote.push_root(meta)
         writer = CacheWriter(root, meta, rank, world, remote=remote).open()
-    except OSError as err:
-        raise_if_unwritable(err, cfg.output)
-    if cfg.backend == "vllm" and not writer.complete:
-        vllm_log.route_to(root if remote is None else None)  # vLLM's own output: OUTPUT/vllm.log
+    except BaseException as err:
+        if backend is not None:
+            backend.close()
+        if isinstance(err, OSError):
+            raise_if_unwritable(err, cfg.output)
+        raise
     summary = ExtractSummary(output=cfg.output if remote is not None else str(root), store=writer.store)
     note = collapsed_layers_note(cfg, info.num_hidden_layers)
-    summary.notes += [note] if note else []
+    summary.notes += ([note] if note else []) + split_notes(cfg.data, cfg.split)
     if writer.complete:
         writer.abort()
+        if backend is not None:
+            backend.close()
         if writer.committed_samples == 0 and world == 1:  # written by a version that allowed it
             raise BadInput(f"{_no_samples(cfg, writer)}; remove {cfg.output} and re-run with usable data")
         return _unstage(_finish(summary, writer, already=True), remote, writer)
     summary.compute_dtype = f"{why}; stored hidden states {cfg.dtype}"
     log.info("%s", summary.compute_dtype)
-    backend: TargetBackend | None = None
     start = time.perf_counter()
     try:
-        run_cfg = dataclasses.replace(cfg, compute_dtype=compute)  # the backend computes in what meta records
         backend, summary.new_tokens = _loop(
-            run_cfg, meta, writer, renderer, rank, world, summary.compute_dtype
+            run_cfg, meta, writer, renderer, rank, world, summary.compute_dtype, backend
         )
         if writer.next_ordinal == 0 and world == 1:  # (one of several ranks may legitimately get none)
             raise _NoSamples(_no_samples(cfg, writer))  # the store is never committed: a re-run starts afresh
@@ -525,6 +541,17 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
             backend.close()
     summary.elapsed_s = time.perf_counter() - start
     return _unstage(_finish(summary, writer, already=False), remote, writer)
+
+
+def _start_new(cfg: ExtractConfig, root: Path, meta: CacheMeta) -> TargetBackend:
+    """The backend of a new cache, started before anything is written; the output directory is checked first
+    (a foreign directory is refused before a slow start).
+
+    Raises:
+        OutputExists, BadConfig (vLLM missing), and whatever the backend's start raises (BadInput: no CUDA, ...).
+    """
+    check_output_dir(root, layout.CACHE_META, "a peagle cache")
+    return get_backend(cfg.backend, backend_settings(cfg), list(meta.aux_layer_ids))
 
 
 def _unstage(summary: ExtractSummary, remote: RemoteCache | None, writer: CacheWriter) -> ExtractSummary:
@@ -567,52 +594,103 @@ def _loop(
     rank: int,
     world: int,
     banner: str = "",
+    backend: TargetBackend | None = None,
 ) -> tuple[TargetBackend | None, int]:
-    """The batch loop; returns the backend (if one was started) and the tokens computed this run.
+    """The batch loop; returns the backend (`backend`, or one it started) and the tokens computed this run.
 
     `banner` is written once above the progress bar (the compute dtype line)."""
     from tqdm import tqdm
 
     from peagle_pipeline.data.formats import iter_rows
 
-    total = sum(1 for _ in rank_rows(iter_rows(cfg.data), rank, world, cfg.max_samples))
-    rows = rank_rows(iter_rows(cfg.data), rank, world, cfg.max_samples)
+    total = sum(1 for _ in rank_rows(iter_rows(cfg.data, cfg.split), rank, world, cfg.max_samples))
+    rows = rank_rows(iter_rows(cfg.data, cfg.split), rank, world, cfg.max_samples)
     samples = sort_by_length(render_rows(rows, renderer, cfg.max_length, cfg.overlong), meta.length_window)
     items = plan_batches(samples, cfg.batch_tokens)
-    backend: TargetBackend | None = None
-    new_tokens = done = 0
     t0 = last_line = time.perf_counter()
+    done = 0
     # no terminal (a pipe, SLURM, nohup): a plain line after a batch, at most every LINE_EVERY_S, instead of a bar
     # (TQDM_DISABLE=1 turns both off)
     bar = tqdm(
         total=total, unit="sample", desc=writer.store, mininterval=1.0, dynamic_ncols=True, disable=None
     )
     plain = bar.disable and os.environ.get("TQDM_DISABLE", "").lower() in ("", "0", "false")
+
+    def advance(n: int) -> None:
+        nonlocal done, last_line
+        bar.update(n)
+        done += n
+        now = time.perf_counter()
+        if plain and (now - last_line >= LINE_EVERY_S or done == total):
+            last_line = now
+            rate = ahead.new_tokens / max(now - t0, 1e-9)
+            print(f"{writer.store}: {done}/{total} samples, {rate:.0f} tokens/s", file=sys.stderr, flush=True)
+
     with bar:
         if banner and not bar.disable:  # with the bar only: a failing command prints one line on stderr
             bar.write(banner, file=sys.stderr)
+        ahead = BatchPipeline(writer, meta, advance)
         for item in items:
-            done += 1 if isinstance(item, RowReject) else len(item)
             if isinstance(item, RowReject):
-                writer.add_reject(item.sample_id, item.source, item.source_row, item.reason)
-                bar.update(1)
+                ahead.reject(item)
                 continue
             if item[-1].ordinal < writer.next_ordinal:  # committed by an earlier run
-                bar.update(len(item))
+                advance(len(item))
                 continue
             if backend is None:
                 backend = get_backend(cfg.backend, backend_settings(cfg), list(meta.aux_layer_ids))
-            outputs = backend.forward([s.input_ids for s in item])
-            for sample, out in zip(item, outputs, strict=True):
-                writer.add(sample.ordinal, sample.record, to_sample_data(sample, out, meta))
-            new_tokens += sum(len(s.input_ids) for s in item)
-            bar.update(len(item))
-            rate = f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}"
-            bar.set_postfix(tok_s=rate, refresh=False)
-            if plain and (time.perf_counter() - last_line >= LINE_EVERY_S or done == total):
-                last_line = time.perf_counter()
-                print(f"{writer.store}: {done}/{total} samples, {rate} tokens/s", file=sys.stderr, flush=True)
-    return backend, new_tokens
+            ahead.submit(backend, item)
+            rate = ahead.new_tokens / max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix(tok_s=f"{rate:.0f}", refresh=False)
+        ahead.drain()
+    return backend, ahead.new_tokens
+
+
+class BatchPipeline:
+    """Writes batches one behind the backend: batch i+1 is submitted (on CUDA, queued on the device) before batch
+    i's outputs are waited for, converted and added to the writer, so the device never idles while the host writes.
+
+    The writer sees exactly the calls, in exactly the order, of a plain forward-then-write loop: a reject seen
+    while a batch is in flight is recorded after that batch's samples, as it would have been.
+
+    Args:
+        writer: the store's writer.
+        meta: the cache's metadata (stored dtypes).
+        progress: called with the number of rows done (samples written, rejects recorded).
+    """
+
+    def __init__(self, writer: CacheWriter, meta: CacheMeta, progress: Callable[[int], Any]) -> None:
+        self.writer, self.meta, self.progress = writer, meta, progress
+        self.new_tokens = 0
+        self._pending: tuple[list[PlannedSample], Callable[[], list[SampleOutputs]]] | None = None
+        self._held: list[RowReject] = []
+
+    def submit(self, backend: TargetBackend, batch: list[PlannedSample]) -> None:
+        """Start `batch` on the backend, then write the batch before it."""
+        collect = submit(backend, [s.input_ids for s in batch])
+        self.drain()
+        self._pending = (batch, collect)
+
+    def reject(self, item: RowReject) -> None:
+        """Record a rejected row (after the batch in flight, if any)."""
+        if self._pending is not None:
+            self._held.append(item)
+            return
+        self.writer.add_reject(item.sample_id, item.source, item.source_row, item.reason)
+        self.progress(1)
+
+    def drain(self) -> None:
+        """Wait for the batch in flight, write it, then the rejects held behind it."""
+        if self._pending is not None:
+            batch, collect = self._pending
+            self._pending = None
+            for sample, out in zip(batch, collect(), strict=True):
+                self.writer.add(sample.ordinal, sample.record, to_sample_data(sample, out, self.meta))
+            self.new_tokens += sum(len(s.input_ids) for s in batch)
+            self.progress(len(batch))
+        held, self._held = self._held, []
+        for item in held:
+            self.reject(item)
 
 
 def _finish(summary: ExtractSummary, writer: CacheWriter, already: bool) -> ExtractSummary:

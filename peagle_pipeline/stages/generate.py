@@ -9,6 +9,7 @@ committed chunks and regenerates the next one exactly, because every request's s
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
@@ -31,13 +32,16 @@ from peagle_pipeline.config import GenerateConfig
 from peagle_pipeline.data.dialogue import REASON_TOO_LONG, Dialogue, DialogueBuilder
 from peagle_pipeline.errors import BadConfig, BadInput
 from peagle_pipeline.preemption import stop_error
-from peagle_pipeline.runtime import resolve_compute_dtype, writer_rank
+from peagle_pipeline.runtime import check_output_dir, resolve_compute_dtype, writer_rank
 from peagle_pipeline.stages.extract import rank_rows
 from peagle_pipeline.stages.onpolicy_files import (
     FORMAT,
+    META_FILE,
     ChunkOutput,
     OnPolicyWriter,
     prepare_output,
+    remove_new_output,
+    rows_file,
 )
 
 __all__ = ["run", "GenerateSummary", "generate_chunk", "resolve_backend", "resolve_stop_ids", "build_meta"]
@@ -62,6 +66,7 @@ class GenerateSummary:
     elapsed_s: float = 0.0
     engine_s: float = 0.0
     already_complete: bool = False
+    notes: list[str] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -84,6 +89,7 @@ class GenerateSummary:
             f"rejects {sum(self.rejects.values())}"
             + "".join(f"\n  {n:6d}  {r}" for r, n in sorted(self.rejects.items(), key=lambda kv: -kv[1])),
         ]
+        lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -131,6 +137,8 @@ def build_meta(cfg: GenerateConfig, backend: str, dtype: str, world: int, stops:
         "format": FORMAT,
         "settings": {
             "turns": cfg.turns,
+            # only when not the default, so outputs started before the setting existed resume unchanged
+            **({"thinking": cfg.thinking} if cfg.thinking != "strip" else {}),
             "temperature": cfg.temperature,
             "top_p": cfg.top_p,
             "repetition_penalty": cfg.repetition_penalty,
@@ -146,7 +154,7 @@ def build_meta(cfg: GenerateConfig, backend: str, dtype: str, world: int, stops:
             "world_size": world,
         },
         "stop_token_ids": stops,
-        "data_fingerprint": dataset_fingerprint(cfg.data),
+        "data_fingerprint": dataset_fingerprint(cfg.data, cfg.split),
         "target": {
             "config_sha256": pieces.config_sha256(cfg.model),
             "tokenizer_sha256": pieces.tokenizer_sha256(cfg.model),
@@ -250,7 +258,7 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
 
     from peagle_pipeline.backends.pieces import read_target_info, text_config
     from peagle_pipeline.data.chat import ChatRenderer
-    from peagle_pipeline.data.formats import iter_rows
+    from peagle_pipeline.data.formats import iter_rows, split_notes
 
     rank, world = writer_rank(cfg.rank, cfg.world_size)
     info = read_target_info(cfg.model)
@@ -260,7 +268,7 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
         raise BadConfig(
             f"max_prompt_tokens + max_new_tokens ({max_model_len}) exceeds the target's context ({context})"
         )
-    iter_rows(cfg.data)  # checks every path before the output exists; reads nothing
+    iter_rows(cfg.data, cfg.split)  # checks every path before the output exists; reads nothing
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     except Exception as err:  # transformers/tokenizers raise many types for a broken tokenizer
@@ -268,45 +276,118 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
         raise BadInput(f"cannot load the tokenizer of {cfg.model}: {why}") from None
     renderer = ChatRenderer(tokenizer)
     stops = resolve_stop_ids(cfg.model, renderer)
-    builder = DialogueBuilder(renderer, cfg.turns, stops)
+    builder = DialogueBuilder(renderer, cfg.turns, stops, cfg.thinking)
     backend_name = resolve_backend(cfg.backend)
-    device = _device_type(cfg.device, backend_name)
-    dtype = resolve_compute_dtype(cfg.compute_dtype, device)
-    root = prepare_output(Path(cfg.output), build_meta(cfg, backend_name, dtype, world, stops))
-    if backend_name == "vllm":
-        vllm_log.route_to(root)  # vLLM's own output: OUTPUT/vllm.log
-    writer = OnPolicyWriter(root, rank, world).open()
-    summary = GenerateSummary(output=str(root), rows_file=writer.rows_path.name, backend=backend_name)
+    dtype = resolve_compute_dtype(cfg.compute_dtype, _device_type(cfg.device, backend_name))
+    settings, sampling = _settings(cfg, dtype, max_model_len, stops)
+    root = Path(cfg.output)
+    summary = GenerateSummary(output=str(root), rows_file=rows_file(rank, world), backend=backend_name)
+    summary.notes += split_notes(cfg.data, cfg.split)
+    existed, fresh = root.exists(), not (root / META_FILE).exists()
+    if backend_name == "vllm":  # vLLM's own output: OUTPUT/vllm.log, a temporary file until the output exists
+        vllm_log.route_to(root if root.is_dir() else None)
+    # A new output is stamped (generate.json: backend, compute dtype) only once its backend has started, so a
+    # failed start (vLLM missing, no CUDA, ...) leaves nothing that would refuse the corrected command.
+    backend = _start_new(cfg, root, settings, summary, rank, world) if fresh else None
+    writer = _open_output(root, build_meta(cfg, backend_name, dtype, world, stops), rank, world, backend)
     try:
         if writer.complete:
             summary.already_complete = True
             return _totals(summary, writer)
-        settings = GeneratorSettings(
-            model=cfg.model,
-            dtype=dtype,  # type: ignore[arg-type]
-            device=cfg.device,
-            max_model_len=max_model_len,
-            batch_size=cfg.batch_size,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-        )
-        sampling = SamplingSettings(
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            repetition_penalty=cfg.repetition_penalty,
-            max_new_tokens=cfg.max_new_tokens,
-            stop_token_ids=tuple(stops),
-        )
-        _loop(cfg, builder, settings, sampling, writer, summary, rank, world, echo)
+        started, backend = backend, None  # from here _loop owns (and closes) it
+        _loop(cfg, builder, settings, sampling, writer, summary, rank, world, echo, started)
+        if writer.state["rows"] == 0 and world == 1:  # (one of several ranks may legitimately get none)
+            raise _NoRows(_no_rows(cfg, writer))
         writer.finish()
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM (preemption): the committed chunks stay
         raise stop_error(
             stop,
             f": {writer.state['rows']} rows of {writer.rows_path.name} are committed; re-run the same command to resume",
         ) from None
+    except _NoRows as err:
+        writer.close()
+        if fresh:  # nothing else is in it: leave the output as it was before this call
+            remove_new_output(root, rank, world, existed)
+        raise BadInput(str(err)) from None
     finally:
         writer.close()
+        if backend is not None:
+            backend.close()
     return _totals(summary, writer)
+
+
+def _settings(
+    cfg: GenerateConfig, dtype: str, max_model_len: int, stops: list[int]
+) -> tuple[GeneratorSettings, SamplingSettings]:
+    """What the backend starts with, and how it samples."""
+    settings = GeneratorSettings(
+        model=cfg.model,
+        dtype=dtype,  # type: ignore[arg-type]
+        device=cfg.device,
+        max_model_len=max_model_len,
+        batch_size=cfg.batch_size,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+    )
+    sampling = SamplingSettings(
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        repetition_penalty=cfg.repetition_penalty,
+        max_new_tokens=cfg.max_new_tokens,
+        stop_token_ids=tuple(stops),
+    )
+    return settings, sampling
+
+
+def _open_output(
+    root: Path, meta: dict[str, Any], rank: int, world: int, backend: GenerationBackend | None
+) -> OnPolicyWriter:
+    """Create or check the output and open this rank's writer; a started `backend` is closed if that fails."""
+    try:
+        prepare_output(root, meta)
+        return OnPolicyWriter(root, rank, world).open()
+    except BaseException:
+        if backend is not None:
+            backend.close()
+        raise
+
+
+class _NoRows(Exception):
+    """This (only) rank kept no row: reported as BadInput once a new output is removed."""
+
+
+def _no_rows(cfg: GenerateConfig, writer: OnPolicyWriter) -> str:
+    """The error for a run that kept no row, naming the most frequent reject reasons (as extract's)."""
+    data = ", ".join(cfg.data)
+    counts = collections.Counter(writer.state["reject_reasons"]).most_common()
+    top = ", ".join(f"{n} x {reason!r}" for reason, n in counts[:3])
+    more = f" and {len(counts) - 3} more reason(s)" if len(counts) > 3 else ""
+    return f"nothing generated from {data}: every row was rejected ({top}{more}); nothing was kept"
+
+
+def _start_new(
+    cfg: GenerateConfig,
+    root: Path,
+    settings: GeneratorSettings,
+    summary: GenerateSummary,
+    rank: int,
+    world: int,
+) -> GenerationBackend:
+    """Start the backend of a new output, after the checks that need no engine: the output directory is usable
+    and (a single rank) the data holds a row.
+
+    Raises:
+        OutputExists, BadInput (no rows), BadConfig (vLLM missing), and whatever the backend's start raises.
+    """
+    from peagle_pipeline.data.formats import iter_rows
+
+    check_output_dir(root, META_FILE, "a generate output")
+    if world == 1 and next(rank_rows(iter_rows(cfg.data, cfg.split), 0, 1, cfg.max_samples), None) is None:
+        raise BadInput(f"no rows to generate from: {', '.join(cfg.data)} holds none; nothing was written")
+    t0 = time.perf_counter()
+    backend = get_generation_backend(summary.backend, settings)
+    summary.engine_s = time.perf_counter() - t0
+    return backend
 
 
 def _device_type(device: str, backend: str) -> str:
@@ -327,16 +408,19 @@ def _loop(
     rank: int,
     world: int,
     echo: Callable[[str], None] | None,
+    backend: GenerationBackend | None = None,
 ) -> None:
-    """The chunk loop: skip committed chunks, start the backend on the first chunk to do, commit each chunk."""
+    """The chunk loop: skip committed chunks, start the backend on the first chunk to do (unless `backend` is
+    already started), commit each chunk; closes the backend."""
     from tqdm import tqdm
 
     from peagle_pipeline.data.formats import iter_rows
 
-    total = sum(1 for _ in rank_rows(iter_rows(cfg.data), rank, world, cfg.max_samples))
-    rows = rank_rows(iter_rows(cfg.data), rank, world, cfg.max_samples)
-    backend: GenerationBackend | None = None
-    start = time.perf_counter()
+    total = sum(1 for _ in rank_rows(iter_rows(cfg.data, cfg.split), rank, world, cfg.max_samples))
+    rows = rank_rows(iter_rows(cfg.data, cfg.split), rank, world, cfg.max_samples)
+    start = time.perf_counter() - (
+        summary.engine_s if backend is not None else 0.0
+    )  # a start counts as elapsed
     replies = done = 0
     bar = tqdm(total=total, unit="conv", desc=writer.rows_path.stem, disable=None, mininterval=1.0)
 

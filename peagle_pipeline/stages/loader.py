@@ -18,6 +18,7 @@ Never touches models; never writes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Generator, Iterator
@@ -45,6 +46,7 @@ __all__ = [
     "PackedRows",
     "LoaderSettings",
     "TrainLoader",
+    "ahead_to_device",
 ]
 
 log = logging.getLogger(__name__)
@@ -125,6 +127,20 @@ class PackedBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    def pin_memory(self) -> PackedBatch:
+        """The row in page-locked memory (the DataLoader's pin thread calls this when `pin_memory` is set)."""
+        return dataclasses.replace(self, **{k: t.pin_memory() for k, t in self._tensors().items()})
+
+    def to_device(self, device: torch.device) -> PackedBatch:
+        """The row's states on `device` (copied without blocking from pinned memory); `weight`, which the COD
+        layout reads on the host, stays where it is."""
+        moved = {k: t.to(device, non_blocking=True) for k, t in self._tensors().items() if k != "weight"}
+        return dataclasses.replace(self, **moved)
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        names = ("input_ids", "aux_hidden", "topk_ids", "topk_logprobs", "weight", "last_hidden")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
 
 def split_samples(samples: Any, eval_samples: int, seed: int) -> DataSplit:
@@ -372,6 +388,8 @@ class LoaderSettings:
     """Skip samples failing their checksum instead of stopping; see `read_packed`."""
     all_positions: bool = False
     """Loss on every position of the training rows, not only the cache's loss mask (`loss_positions: all`)."""
+    pin_memory: bool = False
+    """Rows in page-locked memory (set for a CUDA device: `ahead_to_device` then copies without blocking)."""
 
 
 class TrainLoader:
@@ -405,6 +423,7 @@ class TrainLoader:
         self.need_last_hidden = settings.need_last_hidden
         self.skip_corrupt = settings.skip_corrupt
         self.all_positions = settings.all_positions
+        self.pin_memory = settings.pin_memory
         self._plans: dict[int, list[RowPlan]] = {}
         if len(split.train_ids) == 0:
             raise BadConfig("no training samples with supervised tokens in the cache")
@@ -448,12 +467,49 @@ class TrainLoader:
             collate_fn=_identity,
             prefetch_factor=4 if self.num_workers else None,
             worker_init_fn=_ignore_sigint if self.num_workers else None,
+            pin_memory=self.pin_memory,
         )
         it = iter(loader)
         for epoch, step in self.steps_from(cursor):
             micro = [next(it) for _ in range(self.micro_steps)]
             n = self.steps_in_epoch(epoch)
             yield (Cursor(epoch, step + 1) if step + 1 < n else Cursor(epoch + 1, 0)), micro
+
+
+def ahead_to_device(
+    stream: Generator[tuple[Cursor, list[PackedBatch]], None, None], device: torch.device
+) -> Generator[tuple[Cursor, list[PackedBatch]], None, None]:
+    """`TrainLoader.iterate`'s stream with each step's rows copied to a CUDA `device` one step ahead, on a side
+    stream: while step i computes, step i+1's rows are in flight (the compute stream waits on an event before it
+    reads them). Anything but CUDA gets the stream as it is. Closing this closes `stream`."""
+    if device.type != "cuda":
+        yield from stream
+        return
+    copier = torch.cuda.Stream(device)
+
+    def start(item: tuple[Cursor, list[PackedBatch]]) -> tuple[Cursor, list[PackedBatch], torch.cuda.Event]:
+        with torch.cuda.stream(copier):
+            moved = [b.to_device(device) for b in item[1]]
+            done = torch.cuda.Event()
+            done.record(copier)
+        return item[0], moved, done
+
+    try:
+        ahead = start(next(stream))
+        while True:
+            cursor, micro, done = ahead
+            ahead = start(next(stream))
+            compute = torch.cuda.current_stream(device)
+            compute.wait_event(done)
+            for (
+                batch
+            ) in micro:  # the copy stream allocated them; tell the allocator the compute stream uses them
+                for t in batch._tensors().values():
+                    if t.device.type == "cuda":
+                        t.record_stream(compute)
+            yield cursor, micro
+    finally:
+        stream.close()
 
 
 def _identity(x: Any) -> Any:

@@ -10,6 +10,7 @@ Never generates anything; `stages/generate.py` decides what goes in.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ __all__ = [
     "state_file",
     "encode_line",
     "prepare_output",
+    "remove_new_output",
     "ChunkOutput",
     "OnPolicyWriter",
 ]
@@ -98,6 +100,21 @@ def prepare_output(root: Path, meta: dict[str, Any]) -> Path:
             "use the original settings to resume, or a new output directory"
         )
     return root
+
+
+def remove_new_output(root: Path, rank: int, world_size: int, existed: bool) -> None:
+    """Remove what a first run of this rank created in `root` (nothing else was in it), and `root` if it is new."""
+    for name in (
+        META_FILE,
+        rows_file(rank, world_size),
+        rejects_file(rank, world_size),
+        state_file(rank, world_size),
+    ):
+        (root / name).unlink(missing_ok=True)
+    (root / f"{WRITER_LOCK_PREFIX}{_rank_tag(rank, world_size)}").unlink(missing_ok=True)
+    if not existed:
+        with contextlib.suppress(OSError):
+            root.rmdir()
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:

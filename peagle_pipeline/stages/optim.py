@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from peagle_pipeline.stages.fsdp import local
+
 __all__ = ["build_optimizer", "clip_grad_norm", "effective_warmup", "lr_at", "RowSparseAdamW"]
 
 
@@ -23,7 +25,8 @@ class RowSparseAdamW(torch.optim.AdamW):
     parameter is plain AdamW. The state dict has AdamW's layout, so checkpoints load either way.
 
     A table's gradient may be dense or sparse (an `nn.Embedding(sparse=True)`, which spares the zero-filled
-    [R, H] gradient each step); both give the same update.
+    [R, H] gradient each step); both give the same update. A table sharded by rows (FSDP, `stages.fsdp`) is
+    updated shard by shard: each rank updates the rows it holds, which is the same update.
     """
 
     def __init__(
@@ -60,6 +63,8 @@ class RowSparseAdamW(torch.optim.AdamW):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["step"] += 1
+        p, grad = local(p), local(grad)  # a row-sharded table: this rank's rows (views of the shards)
+        exp_avg, exp_avg_sq = local(state["exp_avg"]), local(state["exp_avg_sq"])
         if grad.is_sparse:
             grad = grad.coalesce()
             rows, g = grad.indices()[0], grad.values()  # LongTensor[n], [n, H]
@@ -74,12 +79,12 @@ class RowSparseAdamW(torch.optim.AdamW):
         beta1, beta2 = group["betas"]
         lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
         t = float(state["step"])
-        m = state["exp_avg"][rows].lerp_(g, 1 - beta1)
-        v = state["exp_avg_sq"][rows].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        m = exp_avg[rows].lerp_(g, 1 - beta1)
+        v = exp_avg_sq[rows].mul_(beta2).addcmul_(g, g, value=1 - beta2)
         w = p[rows].mul_(1 - lr * decay)
         denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
         w.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
-        state["exp_avg"][rows], state["exp_avg_sq"][rows], p[rows] = m, v, w
+        exp_avg[rows], exp_avg_sq[rows], p[rows] = m, v, w
 
 
 def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -92,11 +97,17 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float) -
     return RowSparseAdamW(params, tables, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    all_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Scale the gradients of `params` so that their global L2 norm is at most `max_norm`; returns the norm before.
 
     `torch.nn.utils.clip_grad_norm_` for gradients that may be sparse (a sparse gradient is coalesced in place
-    first, so repeated rows count once). A non-finite norm leaves the gradients as they are.
+    first, so repeated rows count once). A non-finite norm leaves the gradients as they are. Sharded gradients
+    (FSDP: every parameter in `params` sharded) give their local shards, and `all_sum` (a sum over ranks of a CPU
+    tensor, in place) adds up the squares of all ranks.
     """
     grads: list[torch.Tensor] = []
     for p in params:
@@ -106,10 +117,14 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
             p.grad = p.grad.coalesce()
             grads.append(p.grad.values())
         else:
-            grads.append(p.grad)
-    if not grads:
+            grads.append(local(p.grad))
+    if all_sum is not None:
+        squares = sum((torch.linalg.vector_norm(g.float()) ** 2 for g in grads), torch.tensor(0.0))
+        norm = all_sum(squares.detach().double().cpu().reshape(1))[0].sqrt().float()
+    elif not grads:
         return torch.tensor(0.0)
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
     if math.isfinite(float(norm)) and float(norm) > max_norm:
         coef = max_norm / (float(norm) + 1e-6)
         for g in grads:

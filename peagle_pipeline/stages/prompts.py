@@ -14,7 +14,8 @@ Sources (`load_prompt_set`):
 - a file: JSONL of `{"prompt": str}` records, or chat data `extract` reads (each row's messages up to its first
   assistant reply after a user turn); both rendered with the chat template and the generation prompt.
 - None: a few built-in prompts (the `vllm-check` default).
-Prompts longer than `MAX_PROMPT_TOKENS` are skipped (counted). Never starts a model; reads files only.
+Empty prompts (no user text), rows without a prompt and prompts longer than `MAX_PROMPT_TOKENS` are skipped and
+counted (`PromptSet.skipped`), never dropped silently. Never starts a model; reads files only.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class PromptSet:
     name: str
     source: str
     prompts: list[list[int]]
-    skipped: int = 0  # prompts dropped: empty or longer than MAX_PROMPT_TOKENS
+    skipped: int = 0  # prompts dropped: empty (or a row with none), refused by the template, or too long
 
     def describe(self) -> dict[str, Any]:
         lengths = [len(p) for p in self.prompts]
@@ -218,8 +219,7 @@ def mt_bench_questions(path: Path) -> Iterator[list[dict[str, str]]]:
                 first = turns[0]
             except (ValueError, KeyError, IndexError, TypeError):
                 raise BadInput(f"{path}:{n}: not an MT-Bench question (no 'turns' list)") from None
-            if isinstance(first, str) and first.strip():
-                yield [{"role": "user", "content": first}]
+            yield [{"role": "user", "content": first if isinstance(first, str) else ""}]  # empty: counted
 
 
 def humaneval_questions(path: Path) -> Iterator[list[dict[str, str]]]:
@@ -236,8 +236,10 @@ def humaneval_questions(path: Path) -> Iterator[list[dict[str, str]]]:
             code = json.loads(line)["prompt"]
         except (ValueError, KeyError, TypeError):
             raise BadInput(f"{path}:{n}: not a HumanEval problem (no 'prompt')") from None
-        if isinstance(code, str) and code.strip():
-            yield [{"role": "user", "content": f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{code.rstrip()}\n```"}]
+        if not isinstance(code, str) or not code.strip():
+            yield []  # no problem to ask: counted as skipped
+            continue
+        yield [{"role": "user", "content": f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{code.rstrip()}\n```"}]
 
 
 # ---------------------------------------------------------------------------------------------- held-out
@@ -363,13 +365,15 @@ def _file_messages(path: Path) -> Iterator[list[dict[str, str]]]:
         yield from _prompt_records(path)
         return
     from peagle_pipeline.data.formats import iter_rows
-    from peagle_pipeline.data.records import Conversation
+    from peagle_pipeline.data.records import Conversation, Reject
 
     for row in iter_rows([path]):
+        if isinstance(row, Reject) and row.prompt is not None:
+            row = row.prompt  # a prompt without a reply (what `generate` reads too)
         if isinstance(row, Conversation):
-            msgs = chat_prompt([{"role": m.role, "content": m.content} for m in row.messages])
-            if msgs:
-                yield msgs
+            yield chat_prompt([{"role": m.role, "content": m.content} for m in row.messages])
+        else:
+            yield []  # a rejected or token-id row holds no prompt: counted as skipped
 
 
 def _prompt_records(path: Path) -> Iterator[list[dict[str, str]]]:
@@ -384,8 +388,7 @@ def _prompt_records(path: Path) -> Iterator[list[dict[str, str]]]:
             prompt = record.get("prompt") if isinstance(record, dict) else None
             if not isinstance(prompt, str):
                 raise BadInput(f"{path}:{n}: no 'prompt' string (a prompt file has one on every line)")
-            if prompt.strip():
-                yield [{"role": "user", "content": prompt}]
+            yield [{"role": "user", "content": prompt}]  # an empty one is counted as skipped
 
 
 def _first_record_has_prompt(path: Path) -> bool:
@@ -406,7 +409,8 @@ def _render_all(
     out: list[list[int]] = []
     skipped = 0
     for msgs in messages:
-        ids = _render(tokenizer, msgs)
+        asks = any(m["role"] == "user" and m["content"].strip() for m in msgs)
+        ids = _render(tokenizer, msgs) if asks else []  # an empty prompt is skipped, and counted
         if 0 < len(ids) <= MAX_PROMPT_TOKENS:
             out.append(ids)
             if len(out) == n:

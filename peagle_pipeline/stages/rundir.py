@@ -55,6 +55,7 @@ RESUME_FREE = frozenset(
         "log_every",
         "export",
         "device",
+        "fsdp",  # checkpoints have the same form with and without it
         "keep_checkpoints",
         "save_every",
         "eval_every",

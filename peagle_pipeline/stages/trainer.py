@@ -2,9 +2,11 @@
 
 One optimizer step, composed (each arrow a tested pure call):
 packed row -> `core.cod.build_layout` (generator seeded by (seed, epoch, row)) -> `core.partition.plan_segments`
--> mask (`core.mask.dense_mask` on CPU, `build_block_mask` on CUDA) -> DDP-wrapped `PEagleDraft` -> chunked KL
-`(loss_sum, count)` -> scale by world / GLOBAL count (counted before any backward) -> backward per segment
-(`no_sync` for all but the last) -> clip -> AdamW at `lr_at(step)`.
+-> mask (`core.mask.dense_mask` on CPU, `build_block_mask` on CUDA) -> DDP-wrapped (or FSDP-sharded, `--fsdp`:
+`stages.fsdp`) `PEagleDraft` -> chunked KL `(loss_sum, count)` -> scale by world / GLOBAL count (counted before
+any backward) -> backward per segment (gradients reduced on the last only) -> clip -> AdamW at `lr_at(step)`.
+Under FSDP every forward and backward is a collective, so all ranks run as many passes as the busiest one (the
+others add passes whose loss counts zero) and all ranks evaluate.
 
 Randomness: COD draws use a fresh generator per packed row seeded by (seed, epoch, row index), so resuming and
 changing how rows are spread over ranks/micro-steps give bit-identical layouts; the shuffle is seeded by
@@ -31,6 +33,7 @@ from peagle_pipeline.core.copying import COPY_RIGHT, copy_classes
 from peagle_pipeline.errors import CorruptCache, NumericalFault, OutOfSpace, StoreUnreachable
 from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import resolve_compute_dtype
+from peagle_pipeline.stages import fsdp
 from peagle_pipeline.stages import metrics as metrics_mod
 from peagle_pipeline.stages.checkpoint import CheckpointManager
 from peagle_pipeline.stages.distributed import Dist
@@ -39,6 +42,7 @@ from peagle_pipeline.stages.loader import (
     Cursor,
     PackedBatch,
     TrainLoader,
+    ahead_to_device,
     mix_seed,
     pack_rows,
     read_packed,
@@ -82,7 +86,12 @@ class Trainer:
             # DDP all-reduces dense gradients, so several ranks keep them.
             self.model.embed_tokens.sparse = True
         self.ddp: torch.nn.Module = self.model
-        if dist.world > 1:
+        self.sharded = cfg.fsdp and dist.world > 1  # one process: nothing to shard
+        if self.sharded:
+            fsdp.shard(
+                self.model, dist.device, dist.world
+            )  # in place: self.model is the sharded module (dense embedding gradient)
+        elif dist.world > 1:
             self.ddp = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None
             )
@@ -93,9 +102,8 @@ class Trainer:
         if self.eval_cache is self.cache:
             self.eval_set = self.split
         check_truncation(self.split, cfg.tokens_per_step)
-        self.loader = TrainLoader(
-            self.cache, self.split, loader_settings(cfg), dist.rank, dist.world, micro_steps
-        )
+        settings = dataclasses.replace(loader_settings(cfg), pin_memory=dist.device.type == "cuda")
+        self.loader = TrainLoader(self.cache, self.split, settings, dist.rank, dist.world, micro_steps)
         self.total_steps = cfg.steps or sum(self.loader.steps_in_epoch(e) for e in range(cfg.epochs))
         self.ckpt = CheckpointManager(cfg.output, cfg.keep_checkpoints)
         self.sink = sink or metrics_mod.NullSink()
@@ -136,8 +144,13 @@ class Trainer:
         ckpt = self.ckpt.load_latest()
         if ckpt is None:
             return False
-        self.model.load_state_dict({k: v.to(self.dist.device) for k, v in ckpt.model.items()}, strict=True)
-        self.optimizer.load_state_dict(ckpt.optimizer)  # type: ignore[arg-type]  # loaded with_optimizer
+        if self.sharded:
+            fsdp.load_state(self.model, self.optimizer, ckpt.model, ckpt.optimizer)  # type: ignore[arg-type]
+        else:
+            self.model.load_state_dict(
+                {k: v.to(self.dist.device) for k, v in ckpt.model.items()}, strict=True
+            )
+            self.optimizer.load_state_dict(ckpt.optimizer)  # type: ignore[arg-type]  # loaded with_optimizer
         s = ckpt.state
         self.step, self.cursor = int(s["step"]), Cursor(int(s["epoch"]), int(s["epoch_step"]))
         self.bad_steps, self.best, self.skipped_corrupt = (
@@ -156,19 +169,21 @@ class Trainer:
         Raises:
             NumericalFault: the weights are no longer finite (such a checkpoint would only poison a resume).
         """
-        bad = [
-            k for k, v in self.model.state_dict().items() if v.is_floating_point() and not v.isfinite().all()
-        ]
+        model = fsdp.gather_model_state(self.model) if self.sharded else self.model.state_dict()
+        bad = [k for k, v in model.items() if v.is_floating_point() and not v.isfinite().all()]
+        if self.sharded and self.dist.all_sum(torch.tensor([float(len(bad))]))[0] > 0:
+            bad = bad or ["(on rank 0)"]  # only rank 0 holds the gathered weights: every rank stops
         if bad:
             raise NumericalFault(
                 f"weights became non-finite by step {self.step} ({', '.join(bad[:3])}): not saved; the learning "
                 "rate is likely too high (resume from the last checkpoint with a lower one in a new run)"
             )
+        optim = fsdp.gather_optimizer_state(self.model, self.optimizer) if self.sharded else None
         if self.dist.main:
             self.ckpt.save(
                 self.step,
-                self.model.state_dict(),
-                self.optimizer.state_dict(),
+                model,
+                optim or self.optimizer.state_dict(),
                 self.state(),
                 {"metrics": metrics or {}},
                 best=best,
@@ -195,13 +210,13 @@ class Trainer:
         b = dataclasses.replace(
             batch,
             **{
-                k: getattr(batch, k).to(dev)
+                k: getattr(batch, k).to(dev, non_blocking=True)  # (no-ops for rows `ahead_to_device` moved)
                 for k in ("input_ids", "aux_hidden", "topk_ids", "topk_logprobs", "weight")
             },
-            last_hidden=None if batch.last_hidden is None else batch.last_hidden.to(dev),
+            last_hidden=None if batch.last_hidden is None else batch.last_hidden.to(dev, non_blocking=True),
         )
         g = torch.Generator().manual_seed(mix_seed("cod", self.cfg.seed, batch.epoch, batch.row))
-        lay = cod.build_layout(b.doc_lengths, b.weight.cpu(), self.cod, g, full=full).to(dev)
+        lay = cod.build_layout(b.doc_lengths, batch.weight.cpu(), self.cod, g, full=full).to(dev)
         valid = lay.element_weight(b.weight)
         if self.cfg.target == "topk" and len(lay):
             _, _, has, _ = loss.topk_targets(b.topk_ids[lay.target], b.topk_logprobs[lay.target], self.vocab)
@@ -225,8 +240,8 @@ class Trainer:
         sub = p.layout.select(seg.index)
         q = None if bool(seg.owned.all()) else seg.out_index  # all owned: plain forward, no query subset
         real = sub.depth == 0
-        aux_index = torch.zeros_like(sub.target)
-        aux_index[real] = torch.arange(int(real.sum()), device=sub.target.device)
+        # 0, 1, 2, ... at the depth-0 elements, 0 elsewhere (a cumulative sum: no count read back from the device)
+        aux_index = torch.where(real, real.long().cumsum(0) - 1, 0)
         aux = p.batch.aux_hidden[sub.target[real]]
         if self.precision == "fp32":
             aux = aux.float()
@@ -275,23 +290,13 @@ class Trainer:
         K = self.cfg.depths
         local_count = sum(int(p.valid.sum()) for p in prepared)
         count = int(self.dist.all_sum(torch.tensor([local_count], dtype=torch.float64))[0])
-        acc = torch.zeros(2 + 2 * K, dtype=torch.float64)  # loss_sum, tokens, correct[K], total[K]
+        # loss_sum, tokens, correct[K], total[K], summed on the device: one copy to the host per step, not three
+        # per segment (float64 throughout, so the sums are those of the host-side float() additions)
+        acc = torch.zeros(2 + 2 * K, dtype=torch.float64, device=self.dist.device)
         acc[1] = sum(p.batch.num_tokens for p in prepared)
         if count > 0:
-            scale = self.dist.world / count  # DDP averages over ranks: sum / global count overall
-            work = [(p, s) for p in prepared for s in p.segments]
-            for i, (p, seg) in enumerate(work):
-                sync = i == len(work) - 1
-                ctx = self.ddp.no_sync() if (self.dist.world > 1 and not sync) else contextlib.nullcontext()  # type: ignore[operator]
-                with ctx:
-                    out = self.forward_segment(p, seg, self.ddp)
-                    (out.loss_sum * scale).backward()
-                acc[0] += float(out.loss_sum.detach())
-                acc[2 : 2 + K] += out.correct.cpu().double()
-                acc[2 + K :] += out.total.cpu().double()
-            if not work and self.dist.world > 1:  # keep DDP's collective pattern: a zero-loss backward
-                self._zero_backward()
-        self.dist.all_sum(acc)
+            self._backward_all([(p, s) for p in prepared for s in p.segments], count, acc)
+        acc = self.dist.all_sum(acc.cpu())
         stats = StepStats(
             loss_sum=float(acc[0]),
             count=count,
@@ -304,7 +309,11 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             stats.skipped = True
             return stats
-        norm = clip_grad_norm(params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf)
+        norm = clip_grad_norm(
+            params,
+            self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf,
+            self.dist.all_sum if self.sharded else None,
+        )
         stats.grad_norm = float(norm)
         if not (math.isfinite(stats.loss_sum) and math.isfinite(stats.grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -328,6 +337,51 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return stats
+
+    def _backward_all(
+        self, work: list[tuple[Prepared, partition.Segment]], count: int, acc: torch.Tensor
+    ) -> None:
+        """Forward/backward every (row, segment) of this rank with loss scale world / `count` (the global count:
+        DDP and FSDP average over ranks); sums loss, correct and total into `acc` [2 + 2K]."""
+        K, scale = self.cfg.depths, self.dist.world / count
+        passes = self._most_over_ranks(len(work)) if self.sharded else len(work)
+        for i in range(passes):
+            sync = i == passes - 1
+            if self.sharded:
+                self.model.set_requires_gradient_sync(sync)  # type: ignore[operator]  # an FSDPModule
+                ctx: Any = contextlib.nullcontext()
+            else:
+                ctx = self.ddp.no_sync() if (self.dist.world > 1 and not sync) else contextlib.nullcontext()  # type: ignore[operator]
+            with ctx:
+                if i >= len(work):  # FSDP: match the busiest rank's collectives with a pass that counts zero
+                    self._idle_pass(work[-1] if work else None)
+                    continue
+                out = self.forward_segment(*work[i], self.ddp)
+                (out.loss_sum * scale).backward()
+            acc[0] += out.loss_sum.detach().double()
+            acc[2 : 2 + K] += out.correct.double()
+            acc[2 + K :] += out.total.double()
+        if not passes and self.dist.world > 1:  # keep DDP's collective pattern: a zero-loss backward
+            self._zero_backward()
+
+    def _most_over_ranks(self, n: int) -> int:
+        """The largest `n` of all ranks."""
+        each = torch.zeros(self.dist.world, dtype=torch.float64)
+        each[self.dist.rank] = n
+        return int(self.dist.all_sum(each).max())
+
+    def _idle_pass(self, item: tuple[Prepared, partition.Segment] | None) -> None:
+        """A forward/backward whose gradient is zero: `item` again, or one depth-0 element when this rank has none
+        (every parameter takes part either way, so the FSDP collectives match)."""
+        if item is not None:
+            (self.forward_segment(*item, self.ddp).loss_sum * 0.0).backward()
+            return
+        one = torch.zeros(1, dtype=torch.long, device=self.dist.device)
+        lay = cod.CODLayout(anchor=one, depth=one, doc=one, position=one, target=one)
+        aux = torch.zeros(1, self.model.cfg.aux_size, device=self.dist.device)
+        with torch.autocast(**self.autocast):
+            hidden = self.ddp(one, aux, one.bool(), one, self._mask(lay))
+        (hidden.float().sum() * 0.0).backward()
 
     def _zero_backward(self) -> None:
         out = sum(p.sum() * 0.0 for p in self.ddp.parameters() if p.requires_grad)
@@ -403,7 +457,9 @@ class Trainer:
         saved_at = self.step
         # `closing` ends the loader's worker on every way out. Left to the interpreter's exit, the worker would be
         # sent a SIGTERM that it ignores (`preemption.ignore_in_worker`), and the exit would wait on it forever.
-        with contextlib.closing(self.loader.iterate(self.cursor)) as stream:
+        with contextlib.closing(
+            ahead_to_device(self.loader.iterate(self.cursor), self.dist.device)
+        ) as stream:
             while self.step < self.total_steps:
                 signum = self._stop_signal(should_stop()) if should_stop is not None else 0
                 if signum:
@@ -440,7 +496,9 @@ class Trainer:
                     )
                 self.sink.progress(1, {})
                 if (self.step % cfg.eval_every == 0 or done) and self.eval_set.eval_ids.size:
-                    last_eval = self.evaluate() if self.dist.main else None
+                    # FSDP: the forward is a collective, every rank evaluates (rank 0 reports)
+                    last_eval = self.evaluate() if self.dist.main or self.sharded else None
+                    last_eval = last_eval if self.dist.main else None
                     is_best = False
                     if last_eval is not None:
                         self.sink.log(last_eval)
@@ -455,7 +513,16 @@ class Trainer:
                 if (self.step % cfg.save_every == 0 or done) and saved_at != self.step:
                     self.save()
                     saved_at = self.step
+        if self.sharded:
+            self._log_shards()
         return last_eval or {}
+
+    def _log_shards(self) -> None:
+        """Tell the optimizer state each rank holds (FSDP): one line on rank 0."""
+        each = torch.zeros(self.dist.world, dtype=torch.float64)
+        each[self.dist.rank] = fsdp.optimizer_bytes(self.optimizer)
+        held = ", ".join(f"{b / 2**20:.3f}" for b in self.dist.all_sum(each).tolist())
+        self.sink.write(f"fsdp: optimizer state per rank {held} MiB")
 
     def _stop_signal(self, local: int) -> int:
         """The stop signal any rank received, 0 for none (one tiny all-reduce per step under DDP; SIGTERM wins

@@ -33,7 +33,7 @@ from peagle_pipeline.stages.acceptance import (
     spec_counters,
     speculative_config,
 )
-from peagle_pipeline.stages.export import export_run_dir
+from peagle_pipeline.stages.export import check_served_target, export_run_dir
 from peagle_pipeline.stages.prompts import DEFAULT_PROMPTS, load_prompts
 
 __all__ = [
@@ -129,6 +129,7 @@ def run(
     dtype: Literal["bf16", "fp32"] = "bf16",
     tensor_parallel_size: int = 1,
     gpu_memory_utilization: float = 0.9,
+    allow_other_target: bool = False,
     echo: Callable[[str], None] | None = None,
 ) -> CheckReport:
     """Check an exported draft in vLLM: greedy equality with plain decoding, and vLLM's measured acceptance.
@@ -143,13 +144,15 @@ def run(
         report: write the JSON report here (also when the outputs differ).
         dtype: model dtype in vLLM.
         tensor_parallel_size, gpu_memory_utilization: vLLM engine options.
+        allow_other_target: run a draft trained on another target (see `check_served_target`) with a warning.
         echo: where the summary table goes (the CLI passes its printer); default: the log.
 
     Returns:
         The CheckReport.
 
     Raises:
-        BadInput: not an export, draft/target mismatch, bad options, vLLM refused to start.
+        BadInput: not an export, draft/target mismatch (vocabulary; config.json or tokenizer, see
+            `check_served_target`), bad options, vLLM refused to start.
         SpeculativeMismatch: speculative greedy output differs from plain greedy output.
         Interrupted, Terminated: Ctrl-C or SIGTERM (nothing is kept: the message says so).
     """
@@ -158,7 +161,8 @@ def run(
     vllm_log.route_to(beside if beside is not None and beside.is_dir() else None)
     try:
         result = _check(draft_dir, target, prompts, num_prompts, max_tokens, depths, dtype, say,
-                        tensor_parallel_size, gpu_memory_utilization)  # fmt: skip
+                        tensor_parallel_size, gpu_memory_utilization, allow_other_target,
+                        echo or log.warning)  # fmt: skip
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: nothing was written, nothing is kept
         raise stop_error(stop, STOPPED) from None
     say(result.table())
@@ -180,9 +184,14 @@ def _check(
     say: Callable[[str], None],
     tensor_parallel_size: int,
     gpu_memory_utilization: float,
+    allow_other_target: bool,
+    warn: Callable[[str], None],
 ) -> CheckReport:
-    """Both engine runs and their comparison (see `run`)."""
+    """Both engine runs and their comparison (see `run`); `warn` gets the note of a draft of another target."""
     K, info = _check_request(draft_dir, target, depths, max_tokens, dtype)
+    note = check_served_target(draft_dir, target, allow_other_target)  # before any engine starts
+    if note:
+        warn(note)
     ids = load_prompts(prompts, target, num_prompts, run_dir=export_run_dir(draft_dir))
     max_pos = int(text_config(info.config).get("max_position_embeddings") or 4096)
     settings = EngineSettings(

@@ -39,3 +39,41 @@ def test_cuda_extraction_equals_the_cpu_fp32_cache(tiny_model, gpu_conversations
     assert fp32["aux_rel"] < 1e-4 and fp32["top1_agree"] >= 0.995, fp32  # near-ties may flip
     bf16 = _compare(cpu, tiny_cache_cuda)
     assert bf16["aux_rel"] < 2e-2 and bf16["top1_agree"] > 0.95 and bf16["top1_logprob_max_abs"] < 0.5, bf16
+
+
+def _syncs(fn) -> int:
+    """How many synchronizing CUDA calls `fn()` makes (torch's sync debug mode, as warnings)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in seen)
+
+
+def test_submit_waits_no_more_than_the_bare_forward(tiny_model):
+    """issue 37: queuing a batch (forward, top-k, device-to-host copies) makes no host sync the model's own
+    forward does not make; collecting it then gives the outputs of a plain `forward`."""
+    from peagle_pipeline.backends.hf import HFBackend
+    from peagle_pipeline.config import ExtractConfig
+    from peagle_pipeline.stages.extract import backend_settings
+
+    cfg = ExtractConfig(model=str(tiny_model), data=["-"], output="-", device="cuda", last_hidden=True)
+    backend = HFBackend(backend_settings(cfg), [2, 3, 6])
+    batch = [list(range(5, 40)), list(range(7, 20)), list(range(3, 60))]
+    ids = torch.tensor([x + [0] * (57 - len(x)) for x in batch], device="cuda")
+    want = backend.forward(batch)
+    with torch.inference_mode():
+        bare = _syncs(lambda: backend.base(input_ids=ids, use_cache=False))
+    collectors: list = []
+    queued = _syncs(lambda: collectors.append(backend.submit(batch)))
+    assert queued <= bare, (queued, bare)
+    for got, ref in zip(collectors[0](), want, strict=True):
+        assert got.aux_hidden.device.type == "cpu" and torch.equal(got.aux_hidden, ref.aux_hidden)
+        assert torch.equal(got.topk_ids, ref.topk_ids) and torch.equal(got.last_hidden, ref.last_hidden)
+    backend.close()

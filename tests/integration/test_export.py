@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from peagle_pipeline.cache.reader import open_cache
 from peagle_pipeline.cli import main
-from peagle_pipeline.config import TrainConfig, resolve
+from peagle_pipeline.config import SERVING_DEPTHS, TrainConfig, resolve
 from peagle_pipeline.core import cod
 from peagle_pipeline.core.mask import dense_mask
 from peagle_pipeline.errors import BadInput, OutputExists
@@ -201,6 +201,33 @@ def test_export_cli_replaces_a_previous_export(run_dir: Path, tmp_path: Path, ca
     assert marker["run"] == str(run_dir.resolve()) and marker["checkpoint"] == "step-00000003"
     assert main(["export", str(tmp_path / "nope"), "--output", str(tmp_path / "x")]) == 2
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary or old folder left
+
+
+def test_export_records_the_served_k_apart_from_the_trained_k(run_dir: Path, tmp_path: Path, capsys) -> None:
+    """Train deeper than you serve (issue 36): speculative_tokens is the served K, at most the trained one."""
+
+    def served(path: Path) -> int:
+        cfg = json.loads((path / "config.json").read_text())
+        return cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+
+    assert export.serving_depths(8) == SERVING_DEPTHS == 4 and export.serving_depths(3) == 3
+    out = tmp_path / "draft"
+    assert main(["export", str(run_dir), "--output", str(out), "--speculative-tokens", "2"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert served(out) == 2 and export.trained_depths(out, cfg) == K
+    assert json.loads((out / export.MARKER_FILE).read_text())["trained_depths"] == K
+    assert main(["export", str(run_dir), "--output", str(out)]) == 0
+    assert served(out) == min(SERVING_DEPTHS, K)
+    capsys.readouterr()
+    assert main(["export", str(run_dir), "--output", str(out), "--speculative-tokens", str(K + 1)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: --speculative-tokens {K + 1} exceeds the {K} depths the draft was trained for: give at most {K}, "
+        f"or train with --depths {K + 1} or more"
+    ]
+    assert served(out) == min(SERVING_DEPTHS, K)  # the previous export is untouched
+    with pytest.raises(BadInput, match="must be positive"):
+        export.export_run(run_dir, tmp_path / "d", speculative_tokens=0)
 
 
 def test_non_finite_weights_are_never_exported_or_saved(

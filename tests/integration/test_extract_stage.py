@@ -313,3 +313,47 @@ def test_a_rank_without_samples_completes_an_empty_store(tiny_model, tmp_path, p
     assert "samples 0, tokens 0, supervised 0\n" in text and "bytes/token" not in text
     assert "rejects 1\n       1  no assistant turn" in text
     assert len(open_cache(tmp_path / "c").samples) == 1
+
+
+class _RunningAhead(FakeBackend):
+    """A FakeBackend that, like HF on CUDA, can be handed batch i+1 before batch i's outputs are asked for."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.events: list[tuple[str, int]] = []
+
+    def submit(self, batch):
+        n = len(self.calls)
+        self.events.append(("submit", n))
+        outputs = self.forward(batch)
+
+        def collect():
+            self.events.append(("collect", n))
+            return outputs
+
+        return collect
+
+
+def test_runner_submits_the_next_batch_before_writing_the_last(
+    tiny_model, tmp_path, patch_backend, monkeypatch
+):
+    """issue 37: batch i+1 is enqueued before batch i is copied/written, and the cache is bit-identical to the
+    one a forward-then-write backend gives (rejects included, recorded in the same order)."""
+    data = _data(tmp_path / "d.jsonl")
+    patch_backend()
+    stage.run(_cfg(tiny_model, data, tmp_path / "ref"))
+    made: list[_RunningAhead] = []
+
+    def factory(name, cfg, layer_ids):
+        from peagle_pipeline.backends.pieces import read_target_info
+
+        made.append(_RunningAhead(read_target_info(cfg.model), layer_ids, cfg.topk, cfg.last_hidden))
+        return made[-1]
+
+    monkeypatch.setattr(stage, "get_backend", factory)
+    stage.run(_cfg(tiny_model, data, tmp_path / "ahead"))
+    n = len(made[0].calls)
+    assert n >= 3
+    expected = [("submit", 0)] + [e for i in range(1, n) for e in (("submit", i), ("collect", i - 1))]
+    assert made[0].events == expected + [("collect", n - 1)]
+    assert_same_cache(tmp_path / "ref", tmp_path / "ahead")

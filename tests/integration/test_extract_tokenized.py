@@ -83,3 +83,28 @@ def test_mask_token_is_an_unused_special_token_never_seen_in_the_data(tiny_model
     assert choose_mask_token(open_cache(tmp_path / "b"), n, override=None).token_id == 5
     forced = choose_mask_token(open_cache(tmp_path / "b"), n, override=4)
     assert forced.token_id == 4 and "occurs 1 times" in forced.warning
+
+
+# ---- issue 39, item 9 ------------------------------------------------------------------------------------
+def test_assistant_turns_last_keeps_only_the_last_reply_of_token_id_rows(tiny_model, tmp_path):
+    """A token-id row's replies are its runs of supervised tokens (generate supervises each reply, never the template
+    text between them): `--assistant-turns last` supervises the last run only, as it does for text rows."""
+    two_turns = {
+        "input_ids": [2, 40, 41, 3, 60, 61, 62, 3, 2, 42, 3, 2, 70, 71, 3],
+        "loss_mask": [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1],
+    }
+    one_turn = {"input_ids": [2, 40, 3, 2, 80, 81, 3], "loss_mask": [0, 0, 0, 0, 1, 1, 1]}
+    data = tmp_path / "onpolicy.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in (two_turns, one_turn)))
+    _extract(tiny_model, data, tmp_path / "last", assistant_turns="last")
+    cache = open_cache(tmp_path / "last")
+    assert cache.meta.assistant_turns == "last"
+    a = cache.read_arrays(0)
+    assert a["input_ids"].tolist() == two_turns["input_ids"]
+    assert a["loss_mask"].astype(int).tolist() == [0] * 12 + [1, 1, 1]
+    assert cache.read_arrays(1)["loss_mask"].astype(int).tolist() == one_turn["loss_mask"]
+    _extract(tiny_model, data, tmp_path / "all")  # the default still supervises every reply
+    assert (
+        open_cache(tmp_path / "all").read_arrays(0)["loss_mask"].astype(int).tolist()
+        == two_turns["loss_mask"]
+    )

@@ -15,7 +15,7 @@ from cli_argv import run_peagle
 
 from peagle_pipeline.config import GenerateConfig
 from peagle_pipeline.data.dialogue import REASON_EMPTY, REASON_TOO_LONG
-from peagle_pipeline.errors import ResumeMismatch
+from peagle_pipeline.errors import BadInput, ResumeMismatch
 from peagle_pipeline.stages import generate as stage
 from peagle_pipeline.stages.onpolicy_files import rejects_file, rows_file
 
@@ -172,11 +172,13 @@ def test_long_prompts_and_empty_replies_are_recorded(tiny_stop_model, conversati
     for row in _rows(tmp_path / "short"):
         starts = [a for a, _ in _runs(row["loss_mask"])]
         assert all(s <= 40 for s in starts)  # every reply was prompted with <= max_prompt_tokens tokens
-    # greedy: this model's most likely first token is the end-of-turn, so every reply is empty
-    summary = stage.run(_cfg(tiny_stop_model, conversations, tmp_path / "greedy", temperature=0.0))
-    assert summary.rows == 0 and summary.rejects == {REASON_EMPTY: 10}
-    assert {r["reason"] for r in _rejects(tmp_path / "greedy")} == {REASON_EMPTY}
-    assert "empty reply" in summary.format()
+    # greedy: this model's most likely first token is the end-of-turn, so every reply is empty; no row is kept, which
+    # is an error naming the reason (as extract's "no usable samples"), and nothing is left (issue 39 item 6)
+    with pytest.raises(
+        BadInput, match=rf"every row was rejected \(10 x '{REASON_EMPTY}'\); nothing was kept"
+    ):
+        stage.run(_cfg(tiny_stop_model, conversations, tmp_path / "greedy", temperature=0.0))
+    assert not (tmp_path / "greedy").exists()
 
 
 def test_rerun_is_a_no_op_and_other_settings_are_refused(tiny_stop_model, conversations, tmp_path):

@@ -73,10 +73,10 @@ def test_generate_flags_become_overrides(monkeypatch, capsys):
 
     monkeypatch.setattr(generate_stage, "run", fake_run)
     argv = ["generate", "--model", "m", "--data", "d.jsonl", "--output", "o", "--turns", "last"]
-    assert cli.main([*argv, "--samples-per-prompt", "3", "--temperature", "0"]) == 0
+    assert cli.main([*argv, "--samples-per-prompt", "3", "--temperature", "0.5"]) == 0
     cfg = seen["cfg"]
     assert isinstance(cfg, GenerateConfig)
-    assert (cfg.turns, cfg.samples_per_prompt, cfg.temperature, cfg.data) == ("last", 3, 0.0, ["d.jsonl"])
+    assert (cfg.turns, cfg.samples_per_prompt, cfg.temperature, cfg.data) == ("last", 3, 0.5, ["d.jsonl"])
     assert "generated rows.jsonl in o with hf" in capsys.readouterr().out
 
 
@@ -172,3 +172,14 @@ def test_light_commands_do_not_import_torch(argv, tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().splitlines()[-1] == "RC 0 False False", out.stdout + out.stderr
+
+
+# ---- issue 39, item 7 ------------------------------------------------------------------------------------
+def test_the_docs_greedy_example_with_two_samples_is_one_line_exit_2(capsys, tmp_path):
+    """`--temperature 0 --samples-per-prompt 2` would write byte-identical duplicates: refused before anything."""
+    out = tmp_path / "gen"
+    argv = ["generate", "--model", "m", "--data", "d.jsonl", "--output", str(out)]
+    assert cli.main([*argv, "--temperature", "0", "--samples-per-prompt", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: samples_per_prompt 2 with temperature 0")
+    assert not out.exists()

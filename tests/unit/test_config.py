@@ -60,8 +60,8 @@ def test_bad_values_are_one_line_errors(overrides, needle):
 def test_generate_section_and_values(tmp_path):
     pipe = tmp_path / "p.yaml"
     pipe.write_text("generate:\n  model: m\n  data: d.jsonl\n  output: g\n  turns: first\n  temperature: 0\n")
-    cfg = resolve(GenerateConfig, pipe, {"samples_per_prompt": 2})
-    assert (cfg.turns, cfg.temperature, cfg.samples_per_prompt, cfg.backend) == ("first", 0.0, 2, "auto")
+    cfg = resolve(GenerateConfig, pipe, {"samples_per_prompt": 1})
+    assert (cfg.turns, cfg.temperature, cfg.samples_per_prompt, cfg.backend) == ("first", 0.0, 1, "auto")
     assert (cfg.top_p, cfg.max_new_tokens, cfg.compute_dtype) == (0.95, 1024, "auto")
     base = {"model": "m", "data": ["d"], "output": "o"}
     for bad, needle in (
@@ -178,3 +178,27 @@ def test_duplicate_data_and_layers_are_refused(tmp_path, monkeypatch):
         resolve(ExtractConfig, None, {**BASE_EXTRACT, "layers": "2,3,3"})
     cfg = resolve(ExtractConfig, None, {**BASE_EXTRACT, "data": ["d.jsonl", "e.jsonl"], "layers": "3,2"})
     assert cfg.data == ["d.jsonl", "e.jsonl"] and cfg.layers == [3, 2]
+
+
+# ---- issue 39, item 7 ------------------------------------------------------------------------------------
+def test_greedy_with_several_samples_per_prompt_is_refused(tmp_path):
+    """temperature 0 is greedy: n samples of one prompt would be n byte-identical rows. One line names both fixes."""
+    base = {"model": "m", "data": ["d"], "output": "o"}
+    with pytest.raises(BadConfig) as info:
+        resolve(GenerateConfig, None, {**base, "temperature": 0.0, "samples_per_prompt": 2})
+    message = str(info.value)
+    assert "\n" not in message and "identical" in message
+    assert "temperature > 0" in message and "samples_per_prompt 1" in message
+    pipe = tmp_path / "p.yaml"  # the same from a pipeline file
+    pipe.write_text(
+        "generate:\n  model: m\n  data: d.jsonl\n  output: g\n  temperature: 0\n  samples_per_prompt: 3\n"
+    )
+    with pytest.raises(BadConfig, match="identical samples"):
+        resolve(GenerateConfig, pipe, {})
+    assert (
+        resolve(
+            GenerateConfig, None, {**base, "temperature": 0.5, "samples_per_prompt": 2}
+        ).samples_per_prompt
+        == 2
+    )
+    assert resolve(GenerateConfig, None, {**base, "temperature": 0.0}).samples_per_prompt == 1

@@ -32,9 +32,9 @@ def make_random_draft(
         draft_vocab_size: Vd (default: the full target vocabulary); the Vd smallest-id tokens when smaller.
     """
     from peagle_pipeline.backends.pieces import load_target_pieces_from_model, read_target_info
-    from peagle_pipeline.core.model import DraftConfig, PEagleDraft
+    from peagle_pipeline.core.model import DraftConfig, PEagleDraft, has_qk_norm
     from peagle_pipeline.core.vocab import build_draft_vocab
-    from peagle_pipeline.stages.export import DraftSpec, write_export
+    from peagle_pipeline.stages.export import DraftSpec, target_identity, write_export
 
     info = read_target_info(target)
     V = info.vocab_size
@@ -50,9 +50,16 @@ def make_random_draft(
         mask_token_id=mask_token_id,
         norm_before_residual=False,
         depths=depths,
+        qk_norm=has_qk_norm(info.config),  # a Qwen3 target gets a Qwen3 draft layer, as `train` makes it
+        target_identity=target_identity(target),
     )
     cfg = DraftConfig.from_target_config(
-        info.config, num_layers=1, num_aux=len(layer_ids), draft_vocab_size=Vd, mask_token_id=mask_token_id
+        info.config,
+        num_layers=1,
+        num_aux=len(layer_ids),
+        draft_vocab_size=Vd,
+        mask_token_id=mask_token_id,
+        qk_norm=spec.qk_norm,
     )
     counts = torch.arange(V, 0, -1, dtype=torch.float64)  # lower ids "more frequent": Vd smallest ids kept
     vocab = build_draft_vocab(counts, Vd) if Vd < V else None

@@ -155,3 +155,38 @@ def test_config_from_target_and_bad_targets():
         DraftConfig.from_target_config(tiny_target_config(), 1, 3, 10, V)  # mask id outside the vocabulary
     with pytest.raises(BadInput):
         PEagleDraft(cfg, {"embed_tokens.weight": torch.zeros(3, 3)}, None)
+
+
+def test_qwen3_draft_layer_equals_transformers_qwen3_layer():
+    """Issue 39 item 3: with QK-norm a plain draft layer computes what a transformers Qwen3 decoder layer computes
+    (per-head q/k RMS norms before RoPE), so the Qwen3 layer vLLM builds from the export matches training."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+
+    target = {**tiny_target_config(), "model_type": "qwen3"}
+    cfg = DraftConfig.from_target_config(
+        target, num_layers=2, num_aux=3, draft_vocab_size=V, mask_token_id=500, qk_norm=True
+    )
+    assert cfg.layer_config()["model_type"] == "qwen3"
+    model = PEagleDraft(cfg, None, None, generator=torch.Generator().manual_seed(0))
+    ours = model.layers[1]  # a plain (not fused) layer
+    with torch.no_grad():
+        for name in ("q_norm", "k_norm"):
+            getattr(ours.self_attn, name).weight.uniform_(0.5, 1.5)
+    hf_cfg = Qwen3Config(
+        **{k: v for k, v in target.items() if k != "model_type"}, attn_implementation="eager"
+    )
+    hf = Qwen3DecoderLayer(hf_cfg, layer_idx=0)
+    hf.load_state_dict(ours.state_dict())
+    N = 9
+    x = torch.randn(N, H, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(N)
+    cos, sin = model.rope(pos)
+    causal = torch.ones(N, N, dtype=torch.bool).tril()
+    with torch.no_grad():
+        got = ours(x, None, cos, sin, causal)
+        hf_cos, hf_sin = Qwen3RotaryEmbedding(hf_cfg)(x[None], pos[None])
+        additive = torch.zeros(N, N).masked_fill(~causal, float("-inf"))[None, None]
+        want = hf(x[None], attention_mask=additive, position_embeddings=(hf_cos, hf_sin))
+        want = want[0] if isinstance(want, tuple) else want
+    torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tiny import build_tokenizer
+from tiny import build_qwen3_tokenizer, build_tokenizer
 
 from peagle_pipeline.data.chat import ChatRenderer, RejectRow
 from peagle_pipeline.data.records import Message
@@ -53,7 +53,9 @@ def test_mask_is_exactly_assistant_content_and_end_token(tok, drop_system):
     ref = ref["input_ids"] if isinstance(ref, dict) or hasattr(ref, "keys") else ref
     assert sample.input_ids == list(ref)  # same ids as the template's own tokenisation
     assert len(sample.loss_mask) == len(sample.input_ids)
-    replies = [m.content for m in conv if m.role == "assistant"]
+    replies = [
+        m.content for m in conv if m.role == "assistant" and m.content.strip()
+    ]  # the empty one is context
     assert masked_spans(tokenizer, sample) == [expected_reply(template, c) for c in replies]
     # Role headers, the (possibly injected) system prompt and user turns are never supervised.
     unsupervised = tokenizer.decode(
@@ -165,6 +167,52 @@ def test_tool_calls_under_a_template_without_tool_support_reject_the_row(tmp_pat
         ChatRenderer(tokenizer).render(TOOL_CONV)
 
 
+# ---- issue 39, item 1: Qwen3's real template (an empty <think> block on the newest assistant turn) ---------------
+@pytest.fixture(scope="module")
+def qwen3_tok(tmp_path_factory):
+    return build_qwen3_tokenizer(tmp_path_factory.mktemp("qwen3-tok"))
+
+
+def test_qwen3_tool_call_turns_are_supervised_as_the_template_writes_them(qwen3_tok):
+    """Rendered as the server renders the whole conversation; each reply is what the template writes for it."""
+    sample = ChatRenderer(qwen3_tok).render(TOOL_CONV)
+    msgs = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "content": "18 C, sunny", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "It is 18 C and sunny."},
+    ]
+    assert qwen3_tok.decode(sample.input_ids) == qwen3_tok.apply_chat_template(msgs, tokenize=False)
+    assert masked_spans(qwen3_tok, sample) == [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+        "<think>\n\n</think>\n\nIt is 18 C and sunny.<|im_end|>",
+    ]
+
+
+def test_qwen3_tool_result_that_repeats_an_argument(qwen3_tok):
+    """The tool answers with text that also appears in the call's arguments: the call is still found whole."""
+    conv = [*TOOL_CONV[:2], Message("tool", "Paris", tool_call_id="c1"), TOOL_CONV[3]]
+    sample = ChatRenderer(qwen3_tok).render(conv)
+    assert masked_spans(qwen3_tok, sample)[0] == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+    )
+
+
+def test_qwen3_tool_call_as_the_newest_turn_and_plain_multi_turn(qwen3_tok):
+    renderer = ChatRenderer(qwen3_tok)
+    sample = renderer.render(
+        TOOL_CONV[:2]
+    )  # the call is the newest turn: the template writes an empty think block
+    assert masked_spans(qwen3_tok, sample) == [
+        '<think>\n\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+    ]
+    sample = renderer.render(CONV[1:5])
+    assert masked_spans(qwen3_tok, sample) == [
+        " Hello! How are you? <|im_end|>",  # an earlier reply, rendered as given (Qwen3 does not trim)
+        "<think>\n\n</think>\n\nParis is the capital.\n<|im_end|>",
+    ]
+
+
 # ---- issue 15, item 11: memory bounded by the max length ------------------------------------------------------
 def _render_or_reason(renderer, conv, max_tokens=None):
     try:
@@ -246,3 +294,28 @@ def test_a_huge_conversation_is_tokenised_only_as_far_as_max_tokens_needs(tmp_pa
     assert len(cut.input_ids) == 257 and max(spy.lengths) <= 2 * 16 * 257
     whole = ChatRenderer(tokenizer).render(huge)
     assert cut.input_ids == whole.input_ids[:257] and cut.loss_mask == whole.loss_mask[:257]
+
+
+# ---- issue 39, item 8 ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("blank", ["", " ", "\n\n", " \t "])
+def test_a_blank_reply_is_never_supervised_and_a_row_of_only_blank_replies_is_an_empty_reply(tok, blank):
+    """One rule with `generate` (which keeps no empty generated reply): a blank reply is unsupervised context; a
+    row whose replies are all blank is rejected as `empty reply`, the reason generate records."""
+    from peagle_pipeline.data.chat import EMPTY_REPLY
+    from peagle_pipeline.data.dialogue import REASON_EMPTY
+
+    template, tokenizer = tok
+    assert EMPTY_REPLY == REASON_EMPTY == "empty reply"
+    conv = [
+        Message("user", "Hi"),
+        Message("assistant", blank),
+        Message("user", "Again?"),
+        Message("assistant", "Yes"),
+    ]
+    sample = ChatRenderer(tokenizer).render(conv)
+    assert masked_spans(tokenizer, sample) == [expected_reply(template, "Yes")]
+    for renderer in (ChatRenderer(tokenizer), ChatRenderer(tokenizer, assistant_turns="last")):
+        with pytest.raises(RejectRow, match=EMPTY_REPLY):
+            renderer.render([Message("user", "Hi"), Message("assistant", blank)])
+    with pytest.raises(RejectRow, match=EMPTY_REPLY):  # "last": the last reply is the one that counts
+        ChatRenderer(tokenizer, assistant_turns="last").render([*conv[:3], Message("assistant", blank)])

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from tiny import build_tokenizer
+from tiny import build_qwen3_tokenizer, build_tokenizer
 
 from peagle_pipeline.data.chat import ChatRenderer, RejectRow
 from peagle_pipeline.data.dialogue import (
     REASON_EMPTY,
     REASON_LENGTH,
     REASON_NOT_PREFIX_STABLE,
+    REASON_REWRITES_REPLY,
     DialogueBuilder,
     template_end_of_turn_ids,
 )
@@ -142,9 +143,22 @@ def test_a_template_that_rewrites_earlier_turns_ends_the_conversation(tmp_path):
     d = b.start(CONV, index=0)
     reply = _reply(tokenizer, "Hello", "<|im_end|>")
     b.add_reply(d, reply, "stop")
-    assert d.ended == REASON_NOT_PREFIX_STABLE
+    assert d.ended == REASON_REWRITES_REPLY  # its earlier reply is written as "(hidden)", not as generated
     row = d.to_row()
     assert row["finish"] == ["stop"] and row["input_ids"][-len(reply) :] == reply
+
+
+def test_a_template_whose_earlier_text_changes_is_not_prefix_stable(tmp_path):
+    tokenizer = build_tokenizer(tmp_path, "chatml")
+    tokenizer.chat_template = (  # the header counts the messages: the text before the reply changes every turn
+        "{{ '<|im_start|>system\n' + (messages|length|string) + '<|im_end|>\n' }}{% for m in messages %}"
+        "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    b = _builder(tokenizer)
+    d = b.start(CONV, index=0)
+    b.add_reply(d, _reply(tokenizer, "Hello", "<|im_end|>"), "stop")
+    assert d.ended == REASON_NOT_PREFIX_STABLE and d.turn == 1
 
 
 def test_another_stop_token_keeps_the_templates_end_of_turn(tmp_path):
@@ -184,3 +198,84 @@ def test_a_prompt_without_a_reply_gets_its_reply_slot(tmp_path):
         assert d.text == renderer.render_text(msgs, generation_prompt=True)
         b.add_reply(d, tokenizer("Sure", add_special_tokens=False)["input_ids"], "length")
         assert d.messages[-1] == {"role": "assistant", "content": "Sure"} and d.turn == 1
+
+
+# ---- issue 39, item 2: Qwen3's template (empty <think> on the newest turn, earlier replies without thinking) ----
+QWEN3_REPLIES = [
+    "<think>\nThe user greets me.\n</think>\n\nHello! How are you?",
+    "Paris is the capital.",  # a reply without thinking (what a random tiny model writes)
+    "<think>\nok\n</think>\n\nYou are welcome.",
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3_tok(tmp_path_factory):
+    return build_qwen3_tokenizer(tmp_path_factory.mktemp("qwen3-tok"))
+
+
+def _qwen3_dialogue(tokenizer, thinking="strip"):
+    renderer = ChatRenderer(tokenizer)
+    b = DialogueBuilder(renderer, "all", template_end_of_turn_ids(renderer), thinking=thinking)
+    d = b.start(CONV, index=0)
+    generated = []
+    for text in QWEN3_REPLIES:
+        assert d.active, d.ended
+        generated.append(_reply(tokenizer, text, "<|im_end|>"))
+        b.add_reply(d, generated[-1], "stop")
+    return d, generated
+
+
+@pytest.mark.parametrize("thinking", ["strip", "keep"])  # Qwen3's template strips earlier thinking either way
+def test_qwen3_multi_turn_rows_are_what_the_template_renders_with_the_generated_ids(qwen3_tok, thinking):
+    d, generated = _qwen3_dialogue(qwen3_tok, thinking)
+    assert d.ended is None and d.turn == 3
+    row = d.to_row()
+    # The row is the conversation as the server renders it when the last reply is the newest turn: earlier
+    # replies without their thinking, the newest one whole (its reasoning in the <think> block).
+    msgs = [{"role": m.role, "content": m.content} for m in CONV.messages]
+    msgs[2]["content"], msgs[4]["content"], msgs[6]["content"] = "Hello! How are you?", *QWEN3_REPLIES[1:]
+    rendered = qwen3_tok.apply_chat_template(msgs, tokenize=False)
+    assert qwen3_tok.decode(row["input_ids"]) + "\n" == rendered
+    assert row["input_ids"][-len(generated[2]) :] == generated[2]  # the newest reply: its generated ids
+    answer = qwen3_tok("Hello! How are you?", add_special_tokens=False)["input_ids"]
+    assert (
+        generated[0][-len(answer) - 1 : -1] == answer
+    )  # the earlier reply's ids are its generated answer ids
+    spans, run = [], []
+    for tid, m in zip(row["input_ids"], row["loss_mask"], strict=True):
+        if m:
+            run.append(tid)
+        elif run:
+            spans.append(qwen3_tok.decode(run))
+            run = []
+    spans.append(qwen3_tok.decode(run))
+    assert spans == [
+        "Hello! How are you?<|im_end|>",
+        "Paris is the capital.<|im_end|>",
+        "<think>\nok\n</think>\n\nYou are welcome.<|im_end|>",
+    ]
+
+
+def test_qwen3_a_row_that_ends_early_keeps_its_newest_reply_as_generated(qwen3_tok):
+    renderer = ChatRenderer(qwen3_tok)
+    b = DialogueBuilder(renderer, "all", template_end_of_turn_ids(renderer))
+    d = b.start(CONV, index=0)
+    first = _reply(qwen3_tok, QWEN3_REPLIES[0], "<|im_end|>")
+    b.add_reply(d, first, "stop")
+    b.add_reply(d, _reply(qwen3_tok, "", "<|im_end|>"), "stop")  # an empty second reply ends it
+    row = d.to_row()
+    assert d.ended == REASON_EMPTY and row["input_ids"][-len(first) :] == first
+    assert row["messages"][-1]["content"] == QWEN3_REPLIES[0]
+
+
+def test_keep_gives_a_template_that_keeps_thinking_the_whole_reply(tmp_path):
+    tokenizer = build_tokenizer(tmp_path, "chatml")  # plain ChatML writes whatever content it is given
+    renderer = ChatRenderer(tokenizer)
+    for thinking, seen in (("keep", True), ("strip", False)):
+        b = DialogueBuilder(renderer, "all", template_end_of_turn_ids(renderer), thinking=thinking)
+        d = b.start(CONV, index=0)
+        first = _reply(tokenizer, QWEN3_REPLIES[0], "<|im_end|>")
+        b.add_reply(d, first, "stop")
+        assert d.ended is None
+        prompt = tokenizer.decode(d.input_ids)
+        assert ("The user greets me." in prompt) is seen and "Hello! How are you?<|im_end|>" in prompt

@@ -236,9 +236,10 @@ def test_hf_saved_dataset_and_dataset_dict(tmp_path):
     _save_hf_dataset(dd / "train", [msgs])
     _save_hf_dataset(dd / "test", [pa.table({"conversations": [SHAREGPT["conversations"]]})])
     (dd / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
-    rows = _rows(dd)
-    assert [r.source for r in rows] == [str(dd / "train")] * 3 + [str(dd / "test")]
-    assert rows[3].messages == EXPECTED_SHAREGPT
+    rows = _rows(dd)  # a DatasetDict: its train split only (issue 39 item 10)
+    assert [r.source for r in rows] == [str(dd / "train")] * 3
+    (row,) = list(iter_rows([dd], split="test"))
+    assert row.source == str(dd / "test") and row.messages == EXPECTED_SHAREGPT
 
 
 def test_bad_paths_raise_bad_input(tmp_path):
@@ -350,3 +351,55 @@ def test_dataset_fingerprint_of_a_directory_ignores_a_writers_lock_file(tmp_path
     assert dataset_fingerprint([tmp_path]) == before
     (tmp_path / "state-rank00000-of-00001.json").write_text("{}")
     assert dataset_fingerprint([tmp_path]) != before
+
+
+# ---- issue 39, item 11 -----------------------------------------------------------------------------------
+def test_openai_developer_role_is_read_as_system(tmp_path):
+    """OpenAI's `developer` role (o1 and later) carries what `system` did; its API takes one for the other."""
+    record = {
+        "messages": [
+            {"role": "developer", "content": "Answer in French."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Bonjour."},
+        ]
+    }
+    (row,) = _rows(_write_jsonl(tmp_path / "d.jsonl", [record]))
+    assert isinstance(row, Conversation), row
+    assert row.messages[0] == Message("system", "Answer in French.")
+
+
+# ---- issue 39, item 10 -----------------------------------------------------------------------------------
+def test_a_dataset_dict_is_read_one_split_at_a_time_and_says_which(tmp_path):
+    """All splits in one cache would put the test split in training: `train` by default, another by name, a note
+    says which was read, and the fingerprint (what resume compares) is that of the split read."""
+    from peagle_pipeline.data.formats import split_notes
+
+    plain = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4."}]
+    dd = tmp_path / "dd"
+    _save_hf_dataset(dd / "train", [pa.table({"messages": [plain] * 3})])
+    _save_hf_dataset(dd / "test", [pa.table({"conversations": [SHAREGPT["conversations"]]})])
+    _save_hf_dataset(dd / "validation", [pa.table({"messages": [plain] * 2})])
+    (dd / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test", "validation"]}))
+    assert {r.source for r in iter_rows([dd])} == {str(dd / "train")} and len(list(iter_rows([dd]))) == 3
+    assert len(list(iter_rows([dd], split="validation"))) == 2
+    assert split_notes([dd]) == [
+        f"read split 'train' of the Hugging Face DatasetDict {dd} (not read: test, validation; choose with --split)"
+    ]
+    assert split_notes([dd], "test")[0].startswith(f"read split 'test' of the Hugging Face DatasetDict {dd}")
+    jsonl = _write_jsonl(tmp_path / "d.jsonl", [SHAREGPT])
+    assert split_notes([jsonl]) == []
+    with pytest.raises(
+        BadInput, match=r"has no split 'dev' \(it has train, test, validation\); choose one with --split"
+    ):
+        iter_rows([dd], split="dev")
+    with pytest.raises(BadInput, match="no data path is a Hugging Face DatasetDict"):
+        iter_rows([jsonl], split="test")
+    train_fp = dataset_fingerprint([dd])
+    assert train_fp == dataset_fingerprint([dd], "train") != dataset_fingerprint([dd], "test")
+    (dd / "test" / "extra.arrow").write_bytes(b"x")  # a split that is not read does not change the identity
+    assert dataset_fingerprint([dd]) == train_fp
+    no_train = tmp_path / "nt"
+    _save_hf_dataset(no_train / "test", [pa.table({"messages": [plain]})])
+    (no_train / "dataset_dict.json").write_text(json.dumps({"splits": ["test"]}))
+    with pytest.raises(BadInput, match=r"has no split 'train' \(it has test\)"):
+        iter_rows([no_train])

@@ -14,6 +14,7 @@ from peagle_pipeline.stages.loader import (
     LoaderSettings,
     RowPlan,
     TrainLoader,
+    ahead_to_device,
     into_shared_memory,
     pack_epoch,
     pack_rows,
@@ -162,3 +163,27 @@ def test_all_positions_weighs_every_shifted_row() -> None:
     masked = read_packed(_Cache(set()), plan, 0, 0, False, False)
     everywhere = read_packed(_Cache(set()), plan, 0, 0, False, False, all_positions=True)
     assert masked.weight.sum() == 6 and everywhere.weight.all() and everywhere.weight.numel() == 10
+
+
+def test_ahead_to_device_passes_cpu_rows_through_and_closes_the_loader() -> None:
+    """issue 37: the CUDA prefetch wrapper leaves a CPU run's stream as it is (same steps, same tensors) and
+    closing it closes the loader's stream (which ends its workers)."""
+    split = split_samples(table([9] * 12), 0, seed=0)
+    loader = TrainLoader(_Cache(set()), split, _settings(16))
+    inner = loader.iterate(Cursor())
+    wrapped = ahead_to_device(inner, torch.device("cpu"))
+    got = [next(wrapped) for _ in range(3)]
+    want = [next(loader.iterate(Cursor())) for _ in range(1)]
+    assert got[0][0] == want[0][0] and [b.sample_ids for b in got[0][1]] == [b.sample_ids for b in want[0][1]]
+    assert torch.equal(got[0][1][0].aux_hidden, want[0][1][0].aux_hidden)
+    wrapped.close()
+    with pytest.raises(StopIteration):
+        next(inner)
+
+
+def test_a_row_moves_to_a_device_but_keeps_its_weight_on_the_host() -> None:
+    """`to_device` moves the states (the COD layout reads `weight` on the host, so it stays there)."""
+    b = read_packed(_Cache(set()), RowPlan((1, 2), (7, 3)), 0, 0, False, False)
+    moved = b.to_device(torch.device("meta"))
+    assert moved.aux_hidden.device.type == "meta" and moved.topk_ids.device.type == "meta"
+    assert moved.weight is b.weight and moved.sample_ids == b.sample_ids

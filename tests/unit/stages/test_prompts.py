@@ -199,3 +199,29 @@ def test_cache_prompts_use_the_runs_recorded_split(tmp_path: Path) -> None:
     via_heldout = load_prompt_set(f"heldout:{run}", None, 100)
     assert via_run.prompts == via_heldout.prompts and via_run.prompts
     assert load_prompt_set(str(cache), None, 100).prompts != via_run.prompts  # defaults draw another split
+
+
+# ---- issue 39, item 8 ------------------------------------------------------------------------------------
+def test_empty_prompts_and_rows_without_one_are_counted_as_skipped(tok, tmp_path: Path) -> None:
+    """Whatever is dropped is counted in `skipped` (the evaluation report shows it): an empty or blank prompt, a
+    chat row whose question is blank, a row the reader rejects. A prompt-only chat row is a prompt."""
+    path = tmp_path / "q.jsonl"
+    lines = [{"prompt": "Paris?"}, {"prompt": ""}, {"prompt": "  \n"}, {"prompt": "Hello there"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    s = load_prompt_set(str(path), tok, 10)
+    assert len(s.prompts) == 2 and s.skipped == 2 and s.describe()["skipped"] == 2
+    chat = tmp_path / "chat.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": "Q one"}, {"role": "assistant", "content": "A one"}]},
+        {"messages": [{"role": "user", "content": " "}, {"role": "assistant", "content": "A two"}]},
+        {"conversations": [{"from": "gpt", "value": "no user turn"}]},
+        {"messages": [{"role": "robot", "content": "x"}]},
+        {"messages": [{"role": "user", "content": "Only a question"}]},
+    ]
+    chat.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = load_prompt_set(str(chat), tok, 10)
+    assert [tok.decode(p).count(q) for p, q in zip(s.prompts, ("Q one", "Only a question"), strict=True)] == [
+        1,
+        1,
+    ]
+    assert s.skipped == 3

