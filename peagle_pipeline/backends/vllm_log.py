@@ -31,6 +31,7 @@ class _Route:
     announced: Path | None = None
     handler: logging.Handler | None = None
     depth = 0
+    terminal_err: int | None = None  # inside quiet(): a duplicate of the stderr it replaced
 
 
 def current() -> Path | None:
@@ -79,8 +80,12 @@ def announce() -> Path:
     path = current() or route_to(None)
     if _Route.announced != path:
         _Route.announced = path
-        sys.stderr.write(f"vLLM's own messages go to {path}\n")
-        sys.stderr.flush()
+        line = f"vLLM's own messages go to {path}\n"
+        if _Route.terminal_err is not None:  # inside quiet(): to the stderr it replaced
+            os.write(_Route.terminal_err, line.encode())
+        else:
+            sys.stderr.write(line)
+            sys.stderr.flush()
     return path
 
 
@@ -107,11 +112,11 @@ def quiet() -> Iterator[Path]:
         os.dup2(fd, 2)
     finally:
         os.close(fd)
-    _Route.depth = 1
+    _Route.depth, _Route.terminal_err = 1, saved[1]
     try:
         yield path
     finally:
-        _Route.depth = 0
+        _Route.depth, _Route.terminal_err = 0, None
         _flush()
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)

@@ -13,9 +13,9 @@ import logging, os, sys, warnings
 from peagle_pipeline.backends import vllm_log
 
 vllm_log.route_to(sys.argv[1])
-vllm_log.announce()
-vllm_log.announce()  # once per file
 with vllm_log.quiet():
+    vllm_log.announce()  # (an engine start inside quiet(): still to the terminal)
+    vllm_log.announce()  # once per file
     os.write(1, b"c-level noise\\n")
     print("python noise")
     sys.stderr.write("stderr noise\\n")
