@@ -12,7 +12,8 @@ runs, not a replacement for them.
 
 Printed: the estimate (mean over anchors of 1 + the leading correct depths of a full-depth chain), per-depth top-1
 agreement, and both split by the bigram copy rule (`core/copying.py`): positions whose next token the rule gets
-right from the context, gets wrong, or has no guess for.
+right from the context, gets wrong, or has no guess for. A class without positions (e.g. replies that never repeat
+a pair of tokens of their context) prints `-` for its figures (null in --json).
 """
 
 from __future__ import annotations
@@ -103,6 +104,11 @@ def measure(trainer: Trainer) -> dict[str, object]:
     }
 
 
+def _figure(value: float | None) -> str:
+    """A figure to 3 decimals, or "-" for one that has no anchors to count."""
+    return "-" if value is None else f"{value:.3f}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", help="a train output folder")
@@ -125,15 +131,13 @@ def main() -> int:
     print(
         f"{args.run} (step {trainer.step}) on {args.cache}: {fig['samples']} samples, {fig['anchors']} anchors"
     )
-    agreement = " ".join(f"{a:.3f}" if a is not None else "-" for a in fig["agreement"])  # type: ignore[attr-defined]
+    agreement = " ".join(map(_figure, fig["agreement"]))  # type: ignore[call-overload]
     print(f"estimated acceptance length {fig['acceptance']:.3f}; agreement per depth {agreement}")
     print("bigram copy rule   share  depth-0 agreement  estimated AL")
     for name, row in fig["by_copy_rule"].items():  # type: ignore[union-attr]
-        a, e = row["depth0_agreement"], row["acceptance"]
-        print(
-            f"{name:17s}  {row['share']:.3f}  {a if a is None else format(a, '.3f'):>17}  "
-            f"{e if e is None else format(e, '.3f'):>12}"
-        )
+        # a class with no anchors (e.g. replies that never repeat a pair of the context) has no figures: "-"
+        a, e = (_figure(row[k]) for k in ("depth0_agreement", "acceptance"))
+        print(f"{name:17s}  {row['share']:.3f}  {a:>17}  {e:>12}")
     if args.json:
         args.json.write_text(
             json.dumps({"run": args.run, "cache": args.cache, "step": trainer.step, **fig}, indent=1)

@@ -10,6 +10,7 @@ vocabulary) are kept. Never keeps all layers (`output_hidden_states` is not used
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +60,12 @@ class HFBackend:
         self.pass_attention_mask = False  # see forward(); True gives the classic padded-mask forward
         self.device = resolve_device(cfg.device)
         self.dtype = torch.bfloat16 if cfg.compute_dtype == "bf16" else torch.float32
+        if (
+            not sys.stderr.isatty()
+        ):  # transformers' "Loading weights" bar, redrawn into a log, is only noise there
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
         try:
             model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype)
         except (OSError, ValueError) as err:

@@ -26,6 +26,7 @@ import torch
 
 from peagle_pipeline.backends.base import BackendSettings, SampleOutputs
 from peagle_pipeline.backends.pieces import check_target, text_config
+from peagle_pipeline.backends.vllm_log import announce, quiet
 from peagle_pipeline.errors import BackendMismatch, BadInput
 
 if TYPE_CHECKING:
@@ -137,6 +138,14 @@ def build_llm(settings: EngineSettings, *, in_process_on_cpu: bool = False, **en
         BadInput: vLLM is not installed, or refused the model/options (its first error line is kept).
     """
     _prepare_env(settings.tensor_parallel_size)
+    announce()
+    with quiet() as log_file:  # vLLM's output (and its workers', started inside) goes to the log file
+        return _start_llm(settings, in_process_on_cpu, engine_args, log_file)
+
+
+def _start_llm(
+    settings: EngineSettings, in_process_on_cpu: bool, engine_args: dict[str, Any], log_file: Path
+) -> LLM:
     try:
         from vllm import LLM
     except ImportError:
@@ -159,7 +168,7 @@ def build_llm(settings: EngineSettings, *, in_process_on_cpu: bool = False, **en
         return LLM(**args)
     except (ValueError, TypeError, OSError, RuntimeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise BadInput(f"vLLM could not start {settings.model}: {first}") from err
+        raise BadInput(f"vLLM could not start {settings.model}: {first} (vLLM's log: {log_file})") from err
 
 
 def shutdown_llm(llm: LLM | None) -> None:
@@ -168,7 +177,8 @@ def shutdown_llm(llm: LLM | None) -> None:
         return
     core = getattr(llm.llm_engine, "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
+        with quiet():
+            core.shutdown()
 
 
 def parse_topk(flat: Any, k: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -290,7 +300,8 @@ class VLLMBackend:
         if min(len(x) for x in batch) == 0:
             raise ValueError("empty sample in batch")
         prompts: list[Any] = [{"prompt_token_ids": list(map(int, x))} for x in batch]
-        outputs = self.llm.generate(prompts, self._params, use_tqdm=False)
+        with quiet():
+            outputs = self.llm.generate(prompts, self._params, use_tqdm=False)
         if len(outputs) != len(batch):
             raise VLLMMismatch(f"vLLM returned {len(outputs)} outputs for {len(batch)} prompts")
         return [self._one(ids, out) for ids, out in zip(batch, outputs, strict=True)]
@@ -338,8 +349,6 @@ class VLLMBackend:
         """Shut the engine down (its worker processes exit) and remove the hidden-states scratch folder."""
         llm, self.llm = self.llm, None
         if llm is not None:
-            core = getattr(llm.llm_engine, "engine_core", None)
-            if core is not None and hasattr(core, "shutdown"):
-                core.shutdown()
+            shutdown_llm(llm)
             del llm
         shutil.rmtree(self._storage, ignore_errors=True)

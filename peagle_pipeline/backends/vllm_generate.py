@@ -17,6 +17,7 @@ from peagle_pipeline.backends.generation import (
     SamplingSettings,
 )
 from peagle_pipeline.backends.vllm import EngineSettings, VLLMMismatch, build_llm, shutdown_llm
+from peagle_pipeline.backends.vllm_log import quiet
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -72,13 +73,14 @@ class VLLMGenerator:
             tensor_parallel_size=settings.tensor_parallel_size,
             gpu_memory_utilization=settings.gpu_memory_utilization,
         )
-        self.llm: LLM | None = build_llm(
-            engine,
-            in_process_on_cpu=True,
-            skip_tokenizer_init=True,
-            enable_prefix_caching=True,
-            **_seeded_sampling_workaround(settings.max_model_len),
-        )
+        with quiet():  # (the workaround imports vLLM, which prints as it loads)
+            self.llm: LLM | None = build_llm(
+                engine,
+                in_process_on_cpu=True,
+                skip_tokenizer_init=True,
+                enable_prefix_caching=True,
+                **_seeded_sampling_workaround(settings.max_model_len),
+            )
 
     def generate(
         self, prompts: list[list[int]], seeds: list[int], sampling: SamplingSettings
@@ -96,7 +98,8 @@ class VLLMGenerator:
             return []
         requests: list[Any] = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
         params = [sampling_params(sampling, seed) for seed in seeds]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        with quiet():
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
         if len(outputs) != len(prompts):
             raise VLLMMismatch(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
         stops = set(sampling.stop_token_ids)

@@ -46,27 +46,41 @@ def prepare_cache(
         ResumeMismatch: a cache made with other settings (the message names them).
     """
     root = Path(root)
+    existed = root.exists()
     claim_output_dir(root, layout.CACHE_META, "a peagle cache")
     meta_path = root / layout.CACHE_META
-    if not meta_path.exists():
+    created = not meta_path.exists()
+    if created:
         create_exclusive(meta_path, json.dumps(meta.to_dict(), indent=2, sort_keys=True) + "\n")
     check_meta(meta_path, meta)
-    yaml_path = root / layout.EXTRACT_YAML
-    if not yaml_path.exists():
-        atomic_write_text(yaml_path, settings_yaml)
-    target_dir = root / layout.TARGET_DIR
-    if not target_dir.exists():
-        tmp = root / f".peagle-target-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_target_pieces(tmp, target)
-        try:
-            os.rename(tmp, target_dir)  # atomic; fails if another rank got there first
-            fsync_dir(root)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not target_dir.exists():
-                raise
+    try:
+        yaml_path = root / layout.EXTRACT_YAML
+        if not yaml_path.exists():
+            atomic_write_text(yaml_path, settings_yaml)
+        _save_target(root, target)
+    except BaseException:  # e.g. a truncated model.safetensors: a cache this call stamped is removed again
+        if created:
+            remove_new_cache(root, existed)
+        raise
     return root
+
+
+def _save_target(root: Path, target: TargetSource) -> None:
+    """Write root/target/ (when absent) through a temporary folder that no way out leaves behind."""
+    target_dir = root / layout.TARGET_DIR
+    if target_dir.exists():
+        return
+    tmp = root / f".peagle-target-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        save_target_pieces(tmp, target)
+        os.rename(tmp, target_dir)  # atomic; fails if another rank got there first
+        fsync_dir(root)
+    except OSError:
+        if not target_dir.exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def check_meta(meta_path: Path, meta: CacheMeta) -> None:

@@ -23,7 +23,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -41,11 +41,17 @@ from peagle_pipeline.runtime import (
     raise_if_no_space,
 )
 
+if TYPE_CHECKING:
+    from zarr.core.array_spec import ArrayConfigParams
+
 __all__ = ["SampleRecord", "SampleData", "CacheWriter", "read_manifest"]
 
 log = logging.getLogger(__name__)
 
 SLEEP_ENV = "PEAGLE_TEST_COMMIT_SLEEP"  # the crash-test hook of the module docstring
+# Zarr's runtime config of every array written: every chunk is stored, also one equal to the fill value (an
+# all-False loss_mask chunk of a long prompt), so a shard's bytes never depend on how its chunks were written.
+ARRAY_CONFIG: ArrayConfigParams = {"write_empty_chunks": True}
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +249,9 @@ class CacheWriter:
         for partial in self.store_dir.rglob("*.partial"):  # zarr's temp files of a killed write
             partial.unlink(missing_ok=True)
         group = zarr.open_group(str(self.store_dir), mode="r+")
-        self._arrays = {name: group[name] for name in self.specs}
+        # write_empty_chunks is a runtime setting, not stored in zarr.json: a resumed writer sets it again, so an
+        # all-False loss_mask chunk is stored as the first run stores it (byte-identical shards either way)
+        self._arrays = {name: cast(Any, group[name]).with_config(ARRAY_CONFIG) for name in self.specs}
         self.committed_tokens = int(manifest["committed_tokens"])
         self.committed_samples = int(manifest["committed_samples"])
         self.complete = bool(manifest["complete"])
@@ -293,7 +301,7 @@ class CacheWriter:
                 compressors=compressors,
                 fill_value=0,
                 attributes=attrs,
-                config={"write_empty_chunks": True},
+                config=ARRAY_CONFIG,
             )
 
     def _load_tables(self, manifest: dict[str, Any]) -> None:

@@ -179,7 +179,7 @@ def engine(settings: Any, speculative: dict[str, Any] | None) -> Iterator[tuple[
         settings: `backends.vllm.EngineSettings` (prefix caching is always off).
         speculative: vLLM `speculative_config`, or None for the plain target.
     """
-    from peagle_pipeline.backends.vllm import build_llm
+    from peagle_pipeline.backends.vllm import build_llm, shutdown_llm
 
     t0 = time.perf_counter()
     llm = build_llm(settings, in_process_on_cpu=True, speculative_config=speculative, disable_log_stats=False)
@@ -187,9 +187,7 @@ def engine(settings: Any, speculative: dict[str, Any] | None) -> Iterator[tuple[
     try:
         yield llm, started
     finally:
-        core = getattr(llm.llm_engine, "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
+        shutdown_llm(llm)
         del llm
         gc.collect()
 
@@ -211,6 +209,21 @@ def run_prompts(
     Returns:
         EngineRun with the output token ids in prompt order.
     """
+    from peagle_pipeline.backends.vllm_log import quiet
+
+    with quiet():  # vLLM's own output goes to its log file
+        return _run_prompts(llm, prompts, max_tokens, temperature, seed, concurrency, warmup)
+
+
+def _run_prompts(
+    llm: Any,
+    prompts: list[list[int]],
+    max_tokens: int,
+    temperature: float,
+    seed: int,
+    concurrency: int,
+    warmup: bool,
+) -> EngineRun:
     from vllm import SamplingParams
 
     def params(i: int, tokens: int) -> Any:

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from peagle_pipeline.backends import vllm_log
 from peagle_pipeline.errors import BadInput
+from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.stages.acceptance import (
     EngineRun,
     describe_hardware,
@@ -368,12 +370,13 @@ def build_report(
 
 
 def _measure(
-    llm: Any, sets: list[PromptSet], opts: EvalOptions, levels: list[int]
+    llm: Any, sets: list[PromptSet], opts: EvalOptions, levels: list[int], say: Callable[[str], None]
 ) -> dict[tuple[str, int], EngineRun]:
+    """Every prompt set at every concurrency level on one engine; one progress line per run."""
     out = {}
     for s in sets:
         for c in levels:
-            out[(s.name, c)] = run_prompts(
+            r = out[(s.name, c)] = run_prompts(
                 llm,
                 s.prompts,
                 max_tokens=opts.max_tokens,
@@ -381,7 +384,14 @@ def _measure(
                 seed=opts.seed,
                 concurrency=c,
             )
+            say(
+                f"  {s.name}, {c} in flight: {len(s.prompts)} prompts, {r.output_tokens} tokens in "
+                f"{r.seconds:.1f} s ({format(r.tokens_per_s or 0.0, '.1f')} tokens/s)"
+            )
     return out
+
+
+STOPPED = ": evaluate keeps no partial work (its report is written at the end); re-run the same command"
 
 
 def run(opts: EvalOptions, echo: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -394,7 +404,15 @@ def run(opts: EvalOptions, echo: Callable[[str], None] | None = None) -> dict[st
         BadInput: a missing draft or target, not a P-EAGLE export, drafts for another vocabulary or target
             (`check_served_target`), a bad prompt
             set, vLLM not installed or refusing to start.
+        Interrupted, Terminated: Ctrl-C or SIGTERM (nothing is kept: the message says so).
     """
+    try:
+        return _run(opts, echo)
+    except KeyboardInterrupt as stop:
+        raise stop_error(stop, STOPPED) from None
+
+
+def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any]:
     from peagle_pipeline.backends.pieces import read_target_info, text_config
     from peagle_pipeline.backends.vllm import EngineSettings, require_vllm
     from peagle_pipeline.stages.eval_report import format_table, plot_acceptance
@@ -443,16 +461,17 @@ def run(opts: EvalOptions, echo: Callable[[str], None] | None = None) -> dict[st
     )
     levels = opts.levels
     engine_seconds: dict[str, float] = {}
+    vllm_log.route_to(output)  # vLLM's own output: OUTPUT/vllm.log (a temporary file without --output)
     say(f"plain target {target}: {sum(len(s.prompts) for s in sets)} prompts in {len(sets)} set(s)")
     with engine(settings, None) as (llm, started):
         engine_seconds["plain"] = started
-        plain = _measure(llm, sets, opts, levels)
+        plain = _measure(llm, sets, opts, levels, say)
     spec: dict[tuple[str, str, int], EngineRun] = {}
     for d in drafts:
         say(f"draft {d.name} (K={d.depths})")
         with engine(settings, speculative_config(d.path, d.depths)) as (llm, started):
             engine_seconds[d.name] = started
-            for (set_name, c), r in _measure(llm, sets, opts, levels).items():
+            for (set_name, c), r in _measure(llm, sets, opts, levels, say).items():
                 spec[(d.name, set_name, c)] = r
     # after the engines: naming a GPU initialises CUDA in this process, which vLLM prefers to do in its workers
     hardware = describe_hardware(opts.tensor_parallel_size)

@@ -164,7 +164,7 @@ def export_config(spec: DraftSpec, speculative_tokens: int | None = None) -> dic
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if spec.target_config.get(key) is not None:
             layer[key] = spec.target_config[key]
-    layer["torch_dtype"] = "bfloat16"
+    layer["dtype"] = "bfloat16"  # (transformers >= 4.56's name: "torch_dtype" prints a deprecation warning)
     return {
         "speculators_model_type": "peagle",  # no top-level model_type: vLLM detects speculators_config
         "speculators_config": {
@@ -190,7 +190,7 @@ def export_config(spec: DraftSpec, speculative_tokens: int | None = None) -> dic
         "norm_before_residual": spec.norm_before_residual,
         "norm_before_fc": False,
         "target_hidden_size": spec.hidden_size,
-        "torch_dtype": "bfloat16",
+        "dtype": "bfloat16",
     }
 
 

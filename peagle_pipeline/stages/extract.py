@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import errno
 import logging
+import os
 import shutil
 import sys
 import time
@@ -22,6 +23,7 @@ from typing import Any, Literal, NoReturn
 
 import numpy as np
 
+from peagle_pipeline.backends import vllm_log
 from peagle_pipeline.backends.base import (
     BackendSettings,
     SampleOutputs,
@@ -71,6 +73,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+LINE_EVERY_S = 10.0  # plain progress lines (no terminal): at most one per this many seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -479,6 +483,8 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     run_cfg = dataclasses.replace(cfg, compute_dtype=compute)  # the backend computes in what meta records
     # A new cache is stamped (cache.json: compute dtype, ...) only once its backend has started, so a failed start
     # (no CUDA, vLLM missing, ...) leaves nothing that would refuse or change the corrected command.
+    if cfg.backend == "vllm":  # vLLM's own output: OUTPUT/vllm.log, a temporary file until the output exists
+        vllm_log.route_to(local if remote is None and Path(local).is_dir() else None)
     backend = _start_new(run_cfg, Path(local), meta) if created else None
     try:
         root = prepare_output(cfg, meta, root=local)
@@ -601,17 +607,35 @@ def _loop(
     rows = rank_rows(iter_rows(cfg.data, cfg.split), rank, world, cfg.max_samples)
     samples = sort_by_length(render_rows(rows, renderer, cfg.max_length, cfg.overlong), meta.length_window)
     items = plan_batches(samples, cfg.batch_tokens)
-    t0 = time.perf_counter()
-    with tqdm(total=total, unit="sample", desc=writer.store, mininterval=1.0, dynamic_ncols=True) as bar:
+    t0 = last_line = time.perf_counter()
+    done = 0
+    # no terminal (a pipe, SLURM, nohup): a plain line after a batch, at most every LINE_EVERY_S, instead of a bar
+    # (TQDM_DISABLE=1 turns both off)
+    bar = tqdm(
+        total=total, unit="sample", desc=writer.store, mininterval=1.0, dynamic_ncols=True, disable=None
+    )
+    plain = bar.disable and os.environ.get("TQDM_DISABLE", "").lower() in ("", "0", "false")
+
+    def advance(n: int) -> None:
+        nonlocal done, last_line
+        bar.update(n)
+        done += n
+        now = time.perf_counter()
+        if plain and (now - last_line >= LINE_EVERY_S or done == total):
+            last_line = now
+            rate = ahead.new_tokens / max(now - t0, 1e-9)
+            print(f"{writer.store}: {done}/{total} samples, {rate:.0f} tokens/s", file=sys.stderr, flush=True)
+
+    with bar:
         if banner and not bar.disable:  # with the bar only: a failing command prints one line on stderr
             bar.write(banner, file=sys.stderr)
-        ahead = BatchPipeline(writer, meta, bar.update)
+        ahead = BatchPipeline(writer, meta, advance)
         for item in items:
             if isinstance(item, RowReject):
                 ahead.reject(item)
                 continue
             if item[-1].ordinal < writer.next_ordinal:  # committed by an earlier run
-                bar.update(len(item))
+                advance(len(item))
                 continue
             if backend is None:
                 backend = get_backend(cfg.backend, backend_settings(cfg), list(meta.aux_layer_ids))

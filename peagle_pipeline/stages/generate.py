@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from peagle_pipeline.backends import vllm_log
 from peagle_pipeline.backends.generation import (
     GenerationBackend,
     GeneratorSettings,
@@ -286,6 +287,8 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
     summary = GenerateSummary(output=str(root), rows_file=rows_file(rank, world), backend=backend_name)
     summary.notes += split_notes(cfg.data, cfg.split)
     existed, fresh = root.exists(), not (root / META_FILE).exists()
+    if backend_name == "vllm":  # vLLM's own output: OUTPUT/vllm.log, a temporary file until the output exists
+        vllm_log.route_to(root if root.is_dir() else None)
     # A new output is stamped (generate.json: backend, compute dtype) only once its backend has started, so a
     # failed start (vLLM missing, no CUDA, ...) leaves nothing that would refuse the corrected command.
     backend = _start_new(cfg, root, settings, summary, rank, world) if fresh else None

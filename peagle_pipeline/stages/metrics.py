@@ -58,6 +58,20 @@ class StepWindow:
         self.correct, self.total = [0] * depths, [0] * depths
         self.wait, self.elapsed, self.grad_norm = 0.0, 0.0, 0.0
 
+    def to_state(self) -> dict[str, Any]:
+        """The sums so far, for a checkpoint: a run stopped inside a log window resumes it (`from_state`), so the
+        window's record is the one an uninterrupted run writes."""
+        return dict(vars(self))
+
+    @classmethod
+    def from_state(cls, depths: int, state: dict[str, Any] | None) -> StepWindow:
+        """A window holding the sums of `to_state` (an empty one for None: a checkpoint of an older version)."""
+        window = cls(depths)
+        if state is not None and len(state.get("correct", ())) == depths:
+            for key in vars(window):
+                setattr(window, key, state[key])
+        return window
+
     def add(self, s: StepStats, wait: float, elapsed: float) -> None:
         """Count one step; a skipped step (no update) adds its time and tokens but no loss or agreement."""
         self.steps += 1

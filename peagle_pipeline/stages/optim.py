@@ -11,7 +11,7 @@ import torch
 
 from peagle_pipeline.stages.fsdp import local
 
-__all__ = ["build_optimizer", "clip_grad_norm", "lr_at", "RowSparseAdamW"]
+__all__ = ["build_optimizer", "clip_grad_norm", "effective_warmup", "lr_at", "RowSparseAdamW"]
 
 
 class RowSparseAdamW(torch.optim.AdamW):
@@ -132,11 +132,21 @@ def clip_grad_norm(
     return norm
 
 
+def effective_warmup(warmup: int, total: int) -> int:
+    """The warm-up steps a run of `total` steps uses: `warmup`, or a tenth of the run (rounded up) when `warmup`
+    is not below `total`, so the lr still reaches its peak (e.g. `--steps 20` with the default 50 -> 2)."""
+    if warmup <= 0 or warmup < total:
+        return max(0, warmup)
+    return max(1, -(-total // 10))
+
+
 def lr_at(step: int, peak: float, warmup: int, total: int, schedule: str) -> float:
     """Learning rate of optimizer step `step` (0-based): linear warm-up to `peak`, then cosine/linear to 0 or flat.
 
+    The warm-up is `effective_warmup(warmup, total)`.
     Example: peak 1.0, warmup 2, total 6, cosine -> 0.5, 1.0, 1.0, 0.854, 0.5, 0.146.
     """
+    warmup = effective_warmup(warmup, total)
     if step < warmup:
         return peak * (step + 1) / warmup
     if schedule == "constant":

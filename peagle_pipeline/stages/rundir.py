@@ -45,7 +45,8 @@ LOCK_FILE = "train.lock"
 METRICS_FILE = "metrics.jsonl"  # (metrics.METRICS_FILE; spelled here to keep this module free of the sinks)
 CHECKPOINTS_DIR = "checkpoints"
 # Settings a resume may change: they do not alter the weights trained so far (where the run lives, how often it
-# logs, evaluates and saves, how many checkpoints it keeps, the device, the reader processes).
+# logs, evaluates and saves, how many checkpoints it keeps, the device, the reader processes, whether a corrupt
+# sample met from now on is skipped: the advice of the corrupt-sample error is `--resume --skip-corrupt`).
 RESUME_FREE = frozenset(
     {
         "resume",
@@ -59,6 +60,7 @@ RESUME_FREE = frozenset(
         "save_every",
         "eval_every",
         "max_bad_steps",
+        "skip_corrupt",
     }
 )
 # Settings a resume may change to extend (or shorten) the run: the schedule is recomputed for the new total.

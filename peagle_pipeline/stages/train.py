@@ -20,7 +20,7 @@ from peagle_pipeline.stages import metrics as metrics_mod
 from peagle_pipeline.stages.distributed import Dist
 from peagle_pipeline.stages.draft import describe_mask_token, describe_vocab_coverage
 from peagle_pipeline.stages.export import check_export_target, export_run, run_identity
-from peagle_pipeline.stages.optim import lr_at
+from peagle_pipeline.stages.optim import effective_warmup, lr_at
 from peagle_pipeline.stages.rundir import (
     EXPORT_DIR,
     LOCK_FILE,
@@ -133,6 +133,12 @@ def _start_notes(cfg: TrainConfig, trainer: Trainer) -> list[str]:
             f"run length changed from {trainer.saved_total} to {trainer.total_steps} steps: the {cfg.schedule} "
             f"schedule is recomputed for {trainer.total_steps} steps from step {trainer.step} "
             f"(lr {lr_then:.3g} -> {lr_now:.3g}; warm-up is not repeated)"
+        )
+    warmup = effective_warmup(cfg.warmup, trainer.total_steps)
+    if warmup != cfg.warmup:
+        notes.append(
+            f"warmup {cfg.warmup} is not below the run's {trainer.total_steps} steps (the lr would never reach "
+            f"its peak): warming up over {warmup} step(s), a tenth of the run; pass --warmup to choose"
         )
     if cfg.extra_cache:
         starts = trainer.cache.starts  # a CacheUnion: the primary's ids come first

@@ -110,6 +110,9 @@ class Trainer:
         self.step, self.cursor, self.bad_steps = 0, Cursor(), 0
         self.best: float | None = None
         self.skipped_corrupt = 0
+        self.window = StepWindow(
+            cfg.depths
+        )  # the log window in progress (checkpointed: a resume continues it)
         self.saved_total: int | None = (
             None  # total_steps of the checkpoint restored (None: fresh or older run)
         )
@@ -133,6 +136,7 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
             "seed": self.cfg.seed,
             "total_steps": self.total_steps,
+            "log_window": self.window.to_state(),
         }
 
     def restore(self) -> bool:
@@ -156,6 +160,7 @@ class Trainer:
         )
         torch.set_rng_state(s["torch_rng"])
         self.saved_total = int(s["total_steps"]) if "total_steps" in s else None
+        self.window = StepWindow.from_state(self.cfg.depths, s.get("log_window"))
         return True
 
     def save(self, best: bool = False, metrics: dict[str, Any] | None = None) -> None:
@@ -196,7 +201,8 @@ class Trainer:
             sid, msg = batch.corrupt[0]
             if not self.cfg.skip_corrupt:
                 raise CorruptCache(
-                    f"{msg} (sample {sid}); re-extract or pass --skip-corrupt to skip such samples"
+                    f"{msg} (sample {sid}); re-extract, or re-run the same command with --resume --skip-corrupt "
+                    "to skip such samples"
                 )
             self.skipped_corrupt += len(batch.corrupt)
             log.warning("skipped %d corrupt sample(s) in row %d: %s", len(batch.corrupt), batch.row, msg)
@@ -447,7 +453,6 @@ class Trainer:
             Interrupted: a stop was requested (after the checkpoint is written).
         """
         cfg, K = self.cfg, self.cfg.depths
-        window = StepWindow(K)
         last_eval: dict[str, Any] | None = None
         saved_at = self.step
         # `closing` ends the loader's worker on every way out. Left to the interpreter's exit, the worker would be
@@ -471,16 +476,16 @@ class Trainer:
                 t_data = time.perf_counter() - t0
                 stats = self.train_step(micro)
                 self.cursor, self.step = cursor, self.step + 1
-                window.add(stats, t_data, time.perf_counter() - t0)
+                self.window.add(stats, t_data, time.perf_counter() - t0)
                 done = self.step == self.total_steps
                 if self.step % cfg.log_every == 0 or done:
-                    record = window.record(
+                    record = self.window.record(
                         self.step,
                         lr_at(self.step - 1, cfg.lr, cfg.warmup, self.total_steps, cfg.schedule),
                         self.skipped_corrupt,
                     )
                     self.sink.log(record)
-                    window = StepWindow(K)
+                    self.window = StepWindow(K)
                     self.sink.progress(
                         0,
                         {

@@ -16,10 +16,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from peagle_pipeline.backends import vllm_log
 from peagle_pipeline.backends.base import TargetInfo
 from peagle_pipeline.backends.pieces import read_target_info, text_config
 from peagle_pipeline.backends.vllm import EngineSettings, require_vllm
 from peagle_pipeline.errors import BadInput, SpeculativeMismatch
+from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import atomic_write_json
 from peagle_pipeline.stages.acceptance import (
     SpecCounters,
@@ -152,11 +154,44 @@ def run(
         BadInput: not an export, draft/target mismatch (vocabulary; config.json or tokenizer, see
             `check_served_target`), bad options, vLLM refused to start.
         SpeculativeMismatch: speculative greedy output differs from plain greedy output.
+        Interrupted, Terminated: Ctrl-C or SIGTERM (nothing is kept: the message says so).
     """
+    say = echo or log.info
+    beside = Path(report).parent if report else None  # vLLM's own output: beside the report, else a temp file
+    vllm_log.route_to(beside if beside is not None and beside.is_dir() else None)
+    try:
+        result = _check(draft_dir, target, prompts, num_prompts, max_tokens, depths, dtype, say,
+                        tensor_parallel_size, gpu_memory_utilization, allow_other_target,
+                        echo or log.warning)  # fmt: skip
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: nothing was written, nothing is kept
+        raise stop_error(stop, STOPPED) from None
+    say(result.table())
+    _publish(result, report)
+    return result
+
+
+STOPPED = ": vllm-check keeps no partial work (its report is written at the end); re-run the same command"
+
+
+def _check(
+    draft_dir: str,
+    target: str,
+    prompts: str | None,
+    num_prompts: int,
+    max_tokens: int,
+    depths: int | None,
+    dtype: Literal["bf16", "fp32"],
+    say: Callable[[str], None],
+    tensor_parallel_size: int,
+    gpu_memory_utilization: float,
+    allow_other_target: bool,
+    warn: Callable[[str], None],
+) -> CheckReport:
+    """Both engine runs and their comparison (see `run`); `warn` gets the note of a draft of another target."""
     K, info = _check_request(draft_dir, target, depths, max_tokens, dtype)
     note = check_served_target(draft_dir, target, allow_other_target)  # before any engine starts
     if note:
-        (echo or log.warning)(note)
+        warn(note)
     ids = load_prompts(prompts, target, num_prompts, run_dir=export_run_dir(draft_dir))
     max_pos = int(text_config(info.config).get("max_position_embeddings") or 4096)
     settings = EngineSettings(
@@ -166,12 +201,16 @@ def run(
         tensor_parallel_size=tensor_parallel_size,
         gpu_memory_utilization=gpu_memory_utilization,
     )
-    with engine(settings, None) as (llm, _):
+    say(f"plain target {target}: {len(ids)} prompts x {max_tokens} tokens")
+    with engine(settings, None) as (llm, started):
         plain = run_prompts(llm, ids, max_tokens=max_tokens)
-    with engine(settings, speculative_config(draft_dir, K)) as (llm, _):
+    say(f"  engine started in {started:.1f} s; generated in {plain.seconds:.1f} s")
+    say(f"with draft {draft_dir} (K={K})")
+    with engine(settings, speculative_config(draft_dir, K)) as (llm, started):
         spec = run_prompts(llm, ids, max_tokens=max_tokens)
+    say(f"  engine started in {started:.1f} s; generated in {spec.seconds:.1f} s")
     counters = spec.counters
-    result = CheckReport(
+    return CheckReport(
         draft=str(draft_dir),
         target=str(target),
         depths=K,
@@ -188,9 +227,6 @@ def run(
         plain_seconds=plain.seconds,
         speculative_seconds=spec.seconds,
     )
-    (echo or log.info)(result.table())
-    _publish(result, report)
-    return result
 
 
 def _check_request(
@@ -202,7 +238,8 @@ def _check_request(
         BadInput: vLLM not importable, not an export, draft/target vocabulary mismatch, bad options.
     """
     try:
-        import vllm  # noqa: F401  (imported below anyway; a missing or broken install is a setup problem)
+        with vllm_log.quiet():  # (vLLM prints as it loads)
+            import vllm  # noqa: F401  (imported below anyway; a missing or broken install is a setup problem)
     except ImportError as err:
         raise BadInput(
             f"vllm-check needs vLLM, which {sys.executable} cannot import ({err}): install it (`make setup-vllm` "

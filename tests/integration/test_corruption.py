@@ -160,8 +160,14 @@ def test_training_refuses_or_skips_a_corrupted_sample(pristine: Path, tmp_path: 
     assert "Traceback" not in refused.stderr and errors == lines[-1:] and lines[-1].startswith("error: "), (
         refused.stderr
     )
-    assert STORE in lines[-1] and "--skip-corrupt" in lines[-1]
+    assert STORE in lines[-1] and "--resume --skip-corrupt" in lines[-1]
     assert any(f"(sample {sid})" in lines[-1] for sid in hit), lines[-1]
+    # the advice works on the stopped run, which has trained (a resume may change skip_corrupt)
+    assert any(r["kind"] == "train" for r in metrics.read_metrics(tmp_path / "refuse"))
+    advised = _train(cache, tmp_path / "refuse", "--resume", "--skip-corrupt")
+    assert advised.returncode == 0, advised.stderr[-2000:]
+    done = [r for r in metrics.read_metrics(tmp_path / "refuse") if r["kind"] == "train"]
+    assert done[-1]["skipped_corrupt"] == len(hit)
 
     skipped = _train(cache, tmp_path / "skip", "--skip-corrupt")
     assert skipped.returncode == 0, skipped.stderr[-2000:]

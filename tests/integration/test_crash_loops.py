@@ -148,6 +148,48 @@ def test_extraction_survives_kill9_loop(tiny_model: Path, conversations: Path, t
     assert kills >= KILLS and mid_commit >= 1
 
 
+def _store_files(root: Path) -> dict[str, bytes]:
+    """Every file of every store but the manifest (which counts commits) and the writer's lock file."""
+    stores = root / layout.STORES_DIR
+    return {
+        str(p.relative_to(stores)): p.read_bytes()
+        for p in sorted(stores.rglob("*"))
+        if p.is_file() and p.name != layout.MANIFEST and not p.name.endswith(".lock")
+    }
+
+
+def test_an_extraction_resumed_after_kill9_writes_the_same_shard_files(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Long prompts and short replies: many loss_mask chunks are all False (Zarr's "empty" chunks). The resumed
+    writer stores them exactly as the uninterrupted one does, so every store file is byte-identical."""
+    data = tmp_path / "long-prompts.jsonl"
+    words = "hello world the quick brown fox jumps over lazy dog".split()
+    with data.open("w") as f:
+        for i in range(16):
+            ask = " ".join(words[(i + j) % len(words)] for j in range(60))
+            turns = [{"role": "user", "content": ask}, {"role": "assistant", "content": " ".join(words[:5])}]
+            f.write(json.dumps({"messages": turns}) + "\n")
+    ref, out = tmp_path / "ref", tmp_path / "resumed"
+    done = subprocess.run(_extract_cmd(tiny_model, data, ref), env=_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    empty = [p for p in (ref / layout.STORES_DIR).rglob("loss_mask/c/*") if p.is_file()]
+    assert empty, "no loss_mask shard written"
+
+    def committed() -> bool:
+        m = _manifest(out)
+        return m is not None and m["commits"] >= 1
+
+    assert _kill_when(_extract_cmd(tiny_model, data, out), _env(PEAGLE_TEST_COMMIT_SLEEP="0.3"), committed, 0)
+    man = _manifest(out)
+    assert man is not None and not man["complete"]
+    final = subprocess.run(_extract_cmd(tiny_model, data, out), env=_env(), capture_output=True, text=True)
+    assert final.returncode == 0, final.stderr[-2000:]
+    assert_same_cache(ref, out)
+    a, b = _store_files(ref), _store_files(out)
+    assert sorted(a) == sorted(b) and [k for k in a if a[k] != b[k]] == []
+
+
 # --------------------------------------------------------------------------------------------------- train
 def _train_cmd(cache: Path, out: Path, *extra: str) -> list[str]:
     return train_argv(cache, out, *TRAIN_FLAGS, *extra)

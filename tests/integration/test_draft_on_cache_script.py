@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_argv import run_peagle
 
 from peagle_pipeline.cli import main
 from peagle_pipeline.config import TrainConfig, resolve
@@ -72,6 +73,29 @@ def test_the_script_holds_out_every_sample_of_the_cache(
     assert all(name in proc.stdout for name in ("copy right", "copy wrong", "no copy guess"))
     first = subprocess.run([*cmd[:4], "--samples", "5"], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0 and "5 samples" in first.stdout
+
+
+def test_a_cache_where_the_copy_rule_never_guesses_prints_dashes(
+    run: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """Replies of words the context never spells out: the copy-right and copy-wrong classes have no anchors."""
+    data = tmp_path / "plain.jsonl"
+    turns = [
+        {"role": "user", "content": "hello world"},
+        {"role": "assistant", "content": "the quick brown fox"},
+    ]
+    data.write_text(json.dumps({"messages": turns}) + "\n")
+    cache = tmp_path / "cache"
+    argv = ["--dtype", "fp32", "--max-length", "256", "--shard-tokens", "2048", "--chunk-tokens", "256"]
+    run_peagle("extract", "--model", str(tiny_model), "--data", str(data), "--output", str(cache), *argv)
+    out = tmp_path / "fig.json"
+    cmd = [sys.executable, str(SCRIPT), str(run), str(cache), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    split = json.loads(out.read_text())["by_copy_rule"]
+    assert split["copy right"]["acceptance"] is None and split["no copy guess"]["share"] == 1.0
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("copy right"))
+    assert row.split()[-2:] == ["-", "-"], proc.stdout
 
 
 def test_a_missing_run_is_one_line(tmp_path: Path, other_tiny_cache: Path) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,6 +80,31 @@ def test_config_has_every_field(run_dir: Path, tiny_cache: Path, tmp_path: Path)
     assert cfg["norm_before_residual"] is False and cfg["norm_before_fc"] is False
     assert "fc_norm" not in cfg and "norm_output" not in cfg
     assert not list(tmp_path.glob(".draft*"))  # no temporary directory left behind
+
+
+LOAD_AS_VLLM_DOES = """
+import json, sys
+from transformers import PretrainedConfig
+layer = json.load(open(sys.argv[1]))["transformer_layer_config"]
+config = PretrainedConfig()
+for key, value in layer.items():  # vLLM's SpeculatorsConfig sets each layer setting on a transformers config
+    if key != "model_type":
+        setattr(config, key, value)
+print(config.dtype)
+"""
+
+
+def test_loading_the_export_config_prints_no_transformers_warning(run_dir: Path, tmp_path: Path) -> None:
+    """The dtype is written as `dtype` (transformers >= 4.56): `torch_dtype` made every load of the export
+    print transformers' deprecation warning (vLLM sets each layer setting on a transformers config)."""
+    path = export.export_run(run_dir, tmp_path / "draft", checkpoint="latest")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["dtype"] == cfg["transformer_layer_config"]["dtype"] == "bfloat16"
+    assert "torch_dtype" not in cfg and "torch_dtype" not in cfg["transformer_layer_config"]
+    cmd = [sys.executable, "-c", LOAD_AS_VLLM_DOES, str(path / "config.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() in ("bfloat16", "torch.bfloat16"), proc.stderr
+    assert "deprecated" not in proc.stderr, proc.stderr
 
 
 def test_weights_keys_shapes_dtypes(run_dir: Path, tmp_path: Path) -> None:

@@ -268,3 +268,17 @@ def test_kill9_at_random_moments_then_resume_is_bit_identical(setup, env, tmp_pa
     assert final.returncode == 0, final.stderr
     assert_same_cache(setup["ref"], out)
     assert verify_cache(open_cache(out)) == []
+
+
+def test_without_a_terminal_progress_comes_as_plain_lines(setup, env, tmp_path):
+    """stderr a pipe (SLURM, nohup, `| tee`): no progress bar, a plain line per batch at most every 10 s and at
+    the end, so a log shows the extraction going (TQDM_DISABLE=1, as the other tests here set, turns both off)."""
+    plain = {k: v for k, v in env.items() if k != "TQDM_DISABLE"}
+    proc = extract(setup["model"], setup["data"], tmp_path / "cache", plain)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if " samples, " in line]
+    total = len(open_cache(tmp_path / "cache").samples) + len(open_cache(tmp_path / "cache").rejects)
+    assert lines and lines[-1].startswith(f"{layout.store_name(0, 1)}: {total}/{total} samples, "), (
+        proc.stderr
+    )
+    assert "\r" not in proc.stderr and "%|" not in proc.stderr  # no bar redrawn into the log

@@ -7,6 +7,7 @@ outputs depend on batch composition, so a resume that re-formed different batche
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -264,6 +265,26 @@ def test_no_usable_samples_is_an_error_and_leaves_nothing(tiny_model, tmp_path, 
     assert (sorted(out.iterdir()) == []) if existed else not out.exists()
     _data(data, 3)  # the data fixed in place: the same command now succeeds
     assert stage.run(_cfg(tiny_model, data, out)).samples == 3
+
+
+@pytest.mark.parametrize("existed", [False, True])
+def test_a_truncated_model_file_leaves_no_stamped_output(tiny_model, tmp_path, patch_backend, existed):
+    """model.safetensors cut short (a download that stopped): one BadInput naming it, and the output folder as it
+    was before the call (no cache.json, extract.yaml or temporary target folder left in it)."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    blob = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(blob[: len(blob) // 2])
+    data, out = _data(tmp_path / "d.jsonl"), tmp_path / "c"
+    if existed:
+        out.mkdir()
+    patch_backend()
+    with pytest.raises(BadInput, match="model.safetensors"):
+        stage.run(_cfg(model, data, out))
+    assert (sorted(out.iterdir()) == []) if existed else not out.exists()
+    shutil.copy(tiny_model / "model.safetensors", model / "model.safetensors")  # the download completed
+    assert stage.run(_cfg(model, data, out)).samples == 24
+    assert sorted(p.name for p in out.iterdir()) == ["cache.json", "extract.yaml", "stores", "target"]
 
 
 def test_empty_data_and_max_length_1(tiny_model, tmp_path, patch_backend):

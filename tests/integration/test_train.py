@@ -242,6 +242,19 @@ def test_corrupt_samples_are_skipped_and_reported(tiny_cache: Path, tmp_path: Pa
     assert recs[-1]["skipped_corrupt"] > 0
 
 
+def test_a_run_shorter_than_the_default_warmup_still_reaches_the_peak_lr(
+    tiny_cache: Path, tmp_path: Path, capsys
+) -> None:
+    """--steps 6 with the default --warmup (50): the warm-up is cut to a tenth of the run (1 step), with a note."""
+    i = SMALL.index("--warmup")
+    argv = [*SMALL[:i], *SMALL[i + 2 :], "--log-every", "1", "--no-export", "--eval-samples", "0"]
+    out = tmp_path / "run"
+    assert main(["train", "--cache", str(tiny_cache), "--output", str(out), *argv]) == 0
+    assert "warmup 50 is not below the run's 6 steps" in capsys.readouterr().err
+    lrs = [r["lr"] for r in metrics.read_metrics(out) if r["kind"] == "train"]
+    assert len(lrs) == 6 and lrs[0] == pytest.approx(2e-3) and lrs[-1] < lrs[0]
+
+
 def test_start_prints_draft_vocabulary_coverage(tiny_cache: Path, tmp_path: Path, capsys) -> None:
     """docs/recipes.md: the coverage of the draft vocabulary is printed at the start of training (issue 15, 16)."""
     import numpy as np

@@ -85,33 +85,46 @@ def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(run / "checkpoints" / f"step-{step:08d}" / "model.safetensors"))
 
 
+LOG_EVERY = ("--log-every", "50")  # the stop lands inside the log window (50, 100]
+TIMINGS = (
+    "tokens_per_s",
+    "data_wait",
+    "step_time",
+)  # the only figures of a record that differ from run to run
+
+
 def test_ctrl_c_saves_the_step_and_resume_finishes_exactly(tiny_cache: Path, tmp_path: Path) -> None:
     reference = tmp_path / "reference"
     done = subprocess.run(
-        _cmd(tiny_cache, reference), env=_env(), capture_output=True, text=True, timeout=300
+        _cmd(tiny_cache, reference, *LOG_EVERY), env=_env(), capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
 
     out = tmp_path / "run"
-    proc = _start(_cmd(tiny_cache, out))
-    _wait_for(proc, lambda: _last_step(out) >= 10)
+    proc = _start(_cmd(tiny_cache, out, *LOG_EVERY))
+    _wait_for(proc, lambda: _last_step(out) >= 50)
     _, stderr = _ctrl_c(proc)
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert proc.returncode == 130, stderr[-2000:]
     assert "Traceback" not in stderr and sum(line.startswith("error:") for line in lines) == 1
     assert lines[-1].startswith("error: interrupted at step "), lines[-1]
     stopped = int(lines[-1].split("interrupted at step ")[1].split()[0])
-    assert (
-        10 <= stopped < STEPS and f"checkpoint step-{stopped} saved" in lines[-1] and "--resume" in lines[-1]
-    )
+    assert 50 < stopped < 100 and f"checkpoint step-{stopped} saved" in lines[-1] and "--resume" in lines[-1]
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{stopped:08d}"
     assert not list((out / "checkpoints").glob("*.tmp"))
 
     again = subprocess.run(
-        _cmd(tiny_cache, out, "--resume"), env=_env(), capture_output=True, text=True, timeout=300
+        _cmd(tiny_cache, out, "--resume", *LOG_EVERY), env=_env(), capture_output=True, text=True, timeout=300
     )
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resumed {out} at step {stopped} of {STEPS}" in again.stderr
+
+    # metrics.jsonl reads as the uninterrupted run's, the record of the interrupted window (step 100) included
+    def figures(run: Path) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in TIMINGS} for r in metrics.read_metrics(run)]
+
+    assert [r["step"] for r in figures(out) if r["kind"] == "train"] == [50, 100, 120]
+    assert figures(out) == figures(reference)
     ref, got = _weights(reference, STEPS), _weights(out, STEPS)
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
 

@@ -64,6 +64,11 @@ def test_generate_with_vllm(tiny_stop_model: Path, tiny_chat_data: Path, tmp_pat
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "with vllm" in proc.stdout  # backend auto = vllm where it is installed
+        # vLLM's own output (its WARNING lines, the traceback of its chat-template warm-up) goes to the log
+        terminal = proc.stdout + proc.stderr
+        assert "WARNING" not in terminal and "Traceback" not in terminal, terminal[-3000:]
+        assert "vLLM's own messages go to " in proc.stderr  # (a temporary file: the output is new)
+        assert "conversations" in proc.stderr  # our progress line per chunk (stderr is a pipe here)
         outs.append(out)
     a, b = outs
     meta = json.loads((a / "generate.json").read_text())

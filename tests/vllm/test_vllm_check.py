@@ -9,7 +9,12 @@ our exporter (tests/vllm/drafts.py) serves the fast checks of bad inputs.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -158,3 +163,23 @@ def test_prompt_sources(tiny_model: Path, tiny_chat_data: Path, tmp_path: Path) 
             assert ids[-len(header) :] == header
     first = load_prompts(str(plain), str(tiny_model), 1)[0]
     assert tok.decode(first).count("Hello! How are you today?") == 1
+
+
+def test_ctrl_c_says_nothing_is_kept(random_draft: Path, tiny_model: Path, vllm_env: dict[str, str]) -> None:
+    """vllm-check writes nothing until it ends: a Ctrl-C must not claim "committed work is kept; ... resume"."""
+    exe = str(Path(sys.executable).parent / "peagle-pipeline")
+    argv = [exe, "vllm-check", str(random_draft), "--target", str(tiny_model), "--dtype", "fp32"]
+    proc = subprocess.Popen(argv, env=vllm_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline() if proc.stdout else ""  # our progress line, before the engine starts
+        assert first.startswith("plain target "), (first, proc.wait(timeout=300), proc.stderr.read()[-3000:])
+        time.sleep(2.0)  # inside vLLM's engine start
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert lines[-1].startswith("error: interrupted: vllm-check keeps no partial work"), lines[-1]
+    assert "committed" not in err and "resume" not in err

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peagle_pipeline.stages.optim import RowSparseAdamW, build_optimizer, clip_grad_norm, lr_at
+from peagle_pipeline.stages.optim import (
+    RowSparseAdamW,
+    build_optimizer,
+    clip_grad_norm,
+    effective_warmup,
+    lr_at,
+)
 
 
 def test_warmup_then_cosine() -> None:
@@ -141,3 +147,10 @@ def test_clip_grad_norm_equals_torchs_with_a_sparse_gradient() -> None:
     assert a1 == pytest.approx(0.5, rel=1e-5) and a2 == pytest.approx(0.5, rel=1e-5)
     for x, y in zip(g1, g2, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_a_warmup_not_below_the_run_is_cut_to_a_tenth_so_the_peak_is_reached() -> None:
+    assert [effective_warmup(50, t) for t in (51, 50, 20, 3, 1)] == [50, 5, 2, 1, 1]
+    assert effective_warmup(0, 5) == 0
+    got = [lr_at(s, 1.0, 50, 20, "cosine") for s in range(20)]
+    assert got[:2] == [0.5, 1.0] and max(got) == 1.0 and got[-1] < got[2]
