@@ -38,6 +38,24 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def load_causal_lm(model_dir: str, dtype: torch.dtype) -> Any:
+    """The target as a transformers causal LM in `dtype`; without a terminal, no "Loading weights" bar.
+
+    Raises:
+        BadInput: the model cannot be loaded (one line naming the cause).
+    """
+    from transformers import AutoModelForCausalLM
+
+    if not sys.stderr.isatty():  # the bar, redrawn into a log, is only noise there
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    except (OSError, ValueError) as err:
+        raise BadInput(f"cannot load target model {model_dir}: {str(err).splitlines()[0]}") from None
+
+
 class HFBackend:
     """The target model in transformers, returning `SampleOutputs` in the cache's conventions.
 
@@ -50,7 +68,6 @@ class HFBackend:
     """
 
     def __init__(self, cfg: BackendSettings, layer_ids: list[int]) -> None:
-        from transformers import AutoModelForCausalLM
 
         self.info, self.layer_ids = check_target(cfg.model, cfg.topk, layer_ids)
         L = self.info.num_hidden_layers
@@ -60,16 +77,7 @@ class HFBackend:
         self.pass_attention_mask = False  # see forward(); True gives the classic padded-mask forward
         self.device = resolve_device(cfg.device)
         self.dtype = torch.bfloat16 if cfg.compute_dtype == "bf16" else torch.float32
-        if (
-            not sys.stderr.isatty()
-        ):  # transformers' "Loading weights" bar, redrawn into a log, is only noise there
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()
-        try:
-            model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype)
-        except (OSError, ValueError) as err:
-            raise BadInput(f"cannot load target model {cfg.model}: {str(err).splitlines()[0]}") from None
+        model = load_causal_lm(cfg.model, self.dtype)
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers' typed `to`
         self.base = getattr(model, model.base_model_prefix)
         layers = getattr(self.base, "layers", None)

@@ -26,7 +26,6 @@ from peagle_pipeline.backends.generation import (
 from peagle_pipeline.backends.hf import resolve_device
 from peagle_pipeline.backends.hf_decode import DecodeLimits, decode_all
 from peagle_pipeline.backends.hf_slots import decode_attention
-from peagle_pipeline.errors import BadInput
 
 __all__ = ["HFGenerator", "generation_device", "auto_batch_size"]
 
@@ -88,15 +87,14 @@ class HFGenerator:
     """
 
     def __init__(self, settings: GeneratorSettings) -> None:
-        from transformers import AttentionInterface, AutoModelForCausalLM, GenerationConfig
+        from transformers import AttentionInterface, GenerationConfig
+
+        from peagle_pipeline.backends.hf import load_causal_lm
 
         self.device = generation_device(settings.device)
         self.batch_size = settings.batch_size
         dtype = torch.bfloat16 if settings.dtype == "bf16" else torch.float32
-        try:
-            model = AutoModelForCausalLM.from_pretrained(settings.model, dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise BadInput(f"cannot load target model {settings.model}: {str(err).splitlines()[0]}") from None
+        model = load_causal_lm(settings.model, dtype)
         model.generation_config = (
             GenerationConfig()
         )  # no checkpoint defaults (top_k, temperature, ...) leak in
