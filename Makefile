@@ -106,14 +106,14 @@ fmt: setup
 demo: setup setup-vllm demo-assets
 	$(PY) scripts/demo.py --dir $(DEMO_DIR)
 
-# The on-policy ablation measured in vLLM (scripts/quality.py -> docs/quality.md); QUALITY_SCALE=0.2 for a smoke run.
+# The on-policy ablation measured in vLLM (experiments/quality.py -> docs/quality.md); QUALITY_SCALE=0.2 for a smoke run.
 # auto: full size on a CPU with bf16 units, 0.65 of the data and steps on one without (sized for 90 minutes there).
 # QUALITY_DIR / QUALITY_DOC: where the run works and where its report goes (e.g. a second run beside the first).
 QUALITY_SCALE ?= auto
 QUALITY_DIR ?= .quality
 QUALITY_DOC ?= docs/quality.md
 quality: setup setup-vllm demo-assets
-	$(PY) scripts/quality.py --dir $(QUALITY_DIR) --doc $(QUALITY_DOC) --scale $(QUALITY_SCALE)
+	$(PY) experiments/quality.py --dir $(QUALITY_DIR) --doc $(QUALITY_DOC) --scale $(QUALITY_SCALE)
 
 bench: setup setup-bench setup-vllm demo-assets
 	$(PY) bench/run_all.py --out bench/results

@@ -1,4 +1,4 @@
-"""scripts/draft_on_cache.py on a real tiny run and real caches: its estimate is the trainer's own held-out estimate
+"""experiments/draft_on_cache.py on a real tiny run and real caches: its estimate is the trainer's own held-out estimate
 on the same samples, its copy split adds up, and a user mistake is one line."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from peagle_pipeline.config import TrainConfig, resolve
 from peagle_pipeline.stages.distributed import Dist
 from peagle_pipeline.stages.trainer import Trainer
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "draft_on_cache.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "draft_on_cache.py"
 SHORT = [
     *("--depths", "3", "--tokens-per-step", "256", "--steps", "3", "--eval-every", "3", "--save-every", "3"),
     *("--eval-samples", "6", "--precision", "fp32", "--num-workers", "0", "--draft-vocab-size", "300"),

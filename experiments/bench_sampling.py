@@ -1,7 +1,7 @@
 """What top-p costs vLLM's CPU sampler: a bare `LLM.generate` of ShareGPT first turns (docs/generate.md).
 
-    .venv-vllm/bin/python bench/bench_sampling.py N_PROMPTS TEMPERATURE KV_CACHE_GIB [MAX_NUM_SEQS]
-    TOPP=1.0 .venv-vllm/bin/python bench/bench_sampling.py 111 0.7 2
+    .venv-vllm/bin/python experiments/bench_sampling.py N_PROMPTS TEMPERATURE KV_CACHE_GIB [MAX_NUM_SEQS]
+    TOPP=1.0 .venv-vllm/bin/python experiments/bench_sampling.py 111 0.7 2
 
 Reads the first N records of .quality/data/train_sources.jsonl (written by `make quality`), keeps first user turns of
 at most 512 tokens, generates at most 160 tokens per prompt (per-request seeds, stop on <|im_end|>) and prints the

@@ -2,7 +2,7 @@
 # Issue 37's GPU profile in one go (about 4 minutes), on a GPU machine whose python3 has CUDA torch (docs/gpu.md):
 #   0. the zarr stack (and speculators, when carried) from .whl/ with --no-deps: the machine's torch stays; this
 #      checkout runs from its sources (PYTHONPATH), no wheel of ours is built or installed;
-#   1. bench/gpu_profile.py: torch.profiler traces and host-sync counts of our P-EAGLE step and speculators'
+#   1. experiments/gpu_profile.py: torch.profiler traces and host-sync counts of our P-EAGLE step and speculators'
 #      (2,048 tokens, bf16) and of HF extraction vs the bare forward (random SmolLM2-sized target);
 #   2. bench/bench_extract.py --size 8b: extraction vs bare forward tokens/s on a random Llama-3.1-8B-sized target
 #      (4 of its layers, so that it builds in seconds);
@@ -10,8 +10,8 @@
 #      the data-wait share of the step time on the GPU.
 # Raw output: $OUT/gpu-<card>-<date>/ (default OUT=bench/results): profile.json, trace_*.json.gz, top_*.txt,
 # extract_8b.json, data_wait.json, *.log. Each step has its own time limit; a failed step does not stop the others.
-#     OUT=/tmp/out bash scripts/gpu_profile.sh
-# With this workplace's device tool: run(command="OUT=$OUT bash scripts/gpu_profile.sh", carry=[".whl"]).
+#     OUT=/tmp/out bash experiments/gpu_profile.sh
+# With this workplace's device tool: run(command="OUT=$OUT bash experiments/gpu_profile.sh", carry=[".whl"]).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -34,7 +34,7 @@ fi
 "$PY" -c "import zarr" || { echo "zarr does not import: run scripts/gpu_wheels.sh here and carry .whl"; status=1; }
 
 step "1. profiles (our step, speculators' step, extraction vs bare forward)"
-timeout 100 "$PY" bench/gpu_profile.py --out "$RES" --tokens 2048 --precision bf16 2>&1 | tee "$RES/profile.log"
+timeout 100 "$PY" experiments/gpu_profile.py --out "$RES" --tokens 2048 --precision bf16 2>&1 | tee "$RES/profile.log"
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 
 step "2. extraction vs bare forward, 8B-sized target (4 layers)"
