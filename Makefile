@@ -55,7 +55,7 @@ $(VLLM_VENV)/.prompt-sets: $(VLLM_STAMP) Makefile
 	$(VLLM_VENV)/bin/pip install -q --no-deps $(PROMPT_SETS)
 	touch $@
 
-# Benchmark-only env: speculators==0.9.0 is a comparator (bench/bench_speculators.py), never a dependency.
+# Benchmark-only env: speculators==0.9.0 is a comparator (bench.bench_speculators), never a dependency.
 # Its metadata hard-requires torchvision and torchaudio, which its P-EAGLE model never imports and which would replace
 # or break the local CPU torch: it is installed with --no-deps, plus the requirements its import chain does need.
 setup-bench: $(BENCH_STAMP)
@@ -95,12 +95,12 @@ test-gpu: setup
 
 # ruff on everything; mypy type-checks the package (settings in pyproject.toml's [tool.mypy]).
 lint: setup
-	$(VENV)/bin/ruff check peagle_pipeline tests bench scripts
-	$(VENV)/bin/ruff format --check peagle_pipeline tests bench scripts
+	$(VENV)/bin/ruff check peagle_pipeline tests bench scripts experiments
+	$(VENV)/bin/ruff format --check peagle_pipeline tests bench scripts experiments
 	$(VENV)/bin/mypy
 
 fmt: setup
-	$(VENV)/bin/ruff format peagle_pipeline tests bench scripts
+	$(VENV)/bin/ruff format peagle_pipeline tests bench scripts experiments
 
 # On-policy data is generated with vLLM and the draft is measured in vLLM, so the demo needs .venv-vllm too.
 demo: setup setup-vllm demo-assets
@@ -116,7 +116,7 @@ quality: setup setup-vllm demo-assets
 	$(PY) experiments/quality.py --dir $(QUALITY_DIR) --doc $(QUALITY_DOC) --scale $(QUALITY_SCALE)
 
 bench: setup setup-bench setup-vllm demo-assets
-	$(PY) bench/run_all.py --out bench/results
+	$(PY) -m bench.run_all --out bench/results
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache build *.egg-info

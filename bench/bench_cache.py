@@ -13,7 +13,7 @@ is cloned on both sides (safetensors maps files lazily; without touching the byt
 torch thread as in a DataLoader worker, and the formats take turns within each round. Prints a Markdown table; writes
 JSON to --out.
 
-    python bench/bench_cache.py --out bench/results/cache.json [--model DIR --data FILE --samples 24]
+    python -m bench.bench_cache --out bench/results/cache.json [--model DIR --data FILE --samples 24]
 """
 
 from __future__ import annotations
@@ -23,22 +23,17 @@ import json
 import os
 import random
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench_io import write_result  # noqa: E402
-
-from peagle_pipeline.cache import layout  # noqa: E402
-from peagle_pipeline.cache.layout import CacheMeta  # noqa: E402
-from peagle_pipeline.cache.reader import open_cache  # noqa: E402
-from peagle_pipeline.cache.writer import CacheWriter, SampleData, SampleRecord  # noqa: E402
-from peagle_pipeline.config import ExtractConfig  # noqa: E402
-from peagle_pipeline.stages import extract as stage  # noqa: E402
+from bench.common import DEMO_DATA, DEMO_MODEL, write_result
+from peagle_pipeline.cache import layout
+from peagle_pipeline.cache.layout import CacheMeta
+from peagle_pipeline.cache.reader import open_cache
+from peagle_pipeline.cache.writer import CacheWriter, SampleData, SampleRecord
+from peagle_pipeline.config import ExtractConfig
+from peagle_pipeline.stages import extract as stage
 
 
 def dir_bytes(path: Path) -> int:
@@ -137,8 +132,8 @@ def extract_source(src_dir: Path, model: str, data: str, samples: int, max_lengt
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(ROOT / ".demo/models/SmolLM2-135M-Instruct"))
-    ap.add_argument("--data", default=str(ROOT / ".demo/data/sharegpt.jsonl"))
+    ap.add_argument("--model", default=str(DEMO_MODEL))
+    ap.add_argument("--data", default=str(DEMO_DATA))
     ap.add_argument("--samples", type=int, default=24, help="conversations to extract")
     ap.add_argument("--max-length", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=5, help="random-order read passes (best is kept)")

@@ -9,8 +9,8 @@ Without --cache it extracts a small SmolLM2 cache first (kept under --workdir, r
 With --s3-mbit N the cache is uploaded to a real S3 server on localhost (moto, bench/s3_local.py) and training
 reads it by its s3:// URL through a proxy limited to N Mbit/s with --s3-latency-ms per read (issue 13's row).
 
-    python bench/bench_data_wait.py --out bench/results/data_wait.json [--cache DIR] [--quick]
-    python bench/bench_data_wait.py --out bench/results/data_wait_s3.json --s3-mbit 200 [--quick]
+    python -m bench.bench_data_wait --out bench/results/data_wait.json [--cache DIR] [--quick]
+    python -m bench.bench_data_wait --out bench/results/data_wait_s3.json --s3-mbit 200 [--quick]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import DEMO_DATA, DEMO_MODEL, ROOT
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> None:
@@ -94,8 +94,8 @@ def main() -> None:
     ap.add_argument(
         "--cache", default=None, help="existing cache (default: extract a small one under --workdir)"
     )
-    ap.add_argument("--model", default=str(ROOT / ".demo/models/SmolLM2-135M-Instruct"))
-    ap.add_argument("--data", default=str(ROOT / ".demo/data/sharegpt.jsonl"))
+    ap.add_argument("--model", default=str(DEMO_MODEL))
+    ap.add_argument("--data", default=str(DEMO_DATA))
     ap.add_argument("--workdir", default=str(ROOT / ".demo/bench"), help="where the extracted cache is kept")
     ap.add_argument("--samples", type=int, default=48, help="conversations to extract without --cache")
     ap.add_argument("--max-length", type=int, default=1024)
@@ -121,15 +121,13 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         source, env = str(cache), None
         if args.s3_mbit:
-            sys.path.insert(0, str(ROOT / "bench"))
-            from s3_local import LocalS3
+            from bench.s3_local import LocalS3
 
             s3 = stack.enter_context(LocalS3(args.s3_mbit, args.s3_latency_ms))
             s3.upload(cache, "bench/cache")
             source, env = "s3://bench/cache", s3.env
         try:
             train(args, source, run, env)
-            sys.path.insert(0, str(ROOT))
             from peagle_pipeline.stages.metrics import read_metrics
 
             res = summarise(read_metrics(run))

@@ -8,30 +8,24 @@ HF extraction forward and for one training step (issue 12; SPEC section 7).
 Batches and steps alternate which dtype runs first, to cancel drift on a shared machine. Goal: the chosen dtype is
 at least as fast as the other (ratio chosen / other >= 1.0) for both. Prints a Markdown table; writes JSON to --out.
 
-    python bench/bench_dtype.py --out bench/results/dtype.json [--samples 16 --max-length 512 --tokens 2048]
+    python -m bench.bench_dtype --out bench/results/dtype.json [--samples 16 --max-length 512 --tokens 2048]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench_io import write_result  # noqa: E402
-from bench_step import build_setup  # noqa: E402
-
-from peagle_pipeline.config import ExtractConfig  # noqa: E402
-from peagle_pipeline.core.loss import kl_topk  # noqa: E402
-from peagle_pipeline.core.partition import forward_segment, plan_segments  # noqa: E402
-from peagle_pipeline.runtime import cpu_bf16_flags, describe_compute_dtype, resolve_compute_dtype  # noqa: E402
-from peagle_pipeline.stages import extract as stage  # noqa: E402
+from bench.bench_step import build_setup
+from bench.common import DEMO_DATA, DEMO_MODEL, write_result
+from peagle_pipeline.config import ExtractConfig
+from peagle_pipeline.core.loss import kl_topk
+from peagle_pipeline.core.partition import forward_segment, plan_segments
+from peagle_pipeline.runtime import cpu_bf16_flags, describe_compute_dtype, resolve_compute_dtype
+from peagle_pipeline.stages import extract as stage
 
 DTYPES = ("bf16", "fp32")
 
@@ -124,8 +118,8 @@ def bench_training(args: argparse.Namespace) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--model", default=str(ROOT / ".demo/models/SmolLM2-135M-Instruct"))
-    ap.add_argument("--data", default=str(ROOT / ".demo/data/sharegpt.jsonl"))
+    ap.add_argument("--model", default=str(DEMO_MODEL))
+    ap.add_argument("--data", default=str(DEMO_DATA))
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--batch-tokens", type=int, default=4096)

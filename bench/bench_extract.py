@@ -14,8 +14,8 @@ V 128256; `--layers` of them) with this repository's tiny test tokenizer and gen
 runs on the GPU machines); the default is the demo SmolLM2 model and ShareGPT data.
 Prints a Markdown table; writes JSON to --out.
 
-    python bench/bench_extract.py --out bench/results/extract.json [--model DIR --data FILE --samples 24]
-    python bench/bench_extract.py --size 8b --layers 8 --device cuda --samples 64 --max-length 2048 \
+    python -m bench.bench_extract --out bench/results/extract.json [--model DIR --data FILE --samples 24]
+    python -m bench.bench_extract --size 8b --layers 8 --device cuda --samples 64 --max-length 2048 \
         --batch-tokens 16384 --out OUT.json
 """
 
@@ -23,22 +23,16 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from bench_io import write_result  # noqa: E402
-
-from peagle_pipeline.cache import layout  # noqa: E402
-from peagle_pipeline.cache.writer import CacheWriter  # noqa: E402
-from peagle_pipeline.config import ExtractConfig  # noqa: E402
-from peagle_pipeline.stages import extract as stage  # noqa: E402
+from bench.common import DEMO_DATA, DEMO_MODEL, write_result
+from peagle_pipeline.cache import layout
+from peagle_pipeline.cache.writer import CacheWriter
+from peagle_pipeline.config import ExtractConfig
+from peagle_pipeline.stages import extract as stage
 
 LLAMA_8B = {
     "hidden_size": 4096,
@@ -57,8 +51,9 @@ def random_8b_target(out_dir: Path, layers: int, device: str) -> Path:
     """A randomly initialised Llama-3.1-8B-sized target (bf16, `layers` decoder layers) with the tiny test
     tokenizer (ids < 400 of its 128256); initialised on `device` (an 8B init on a CPU takes minutes)."""
     import torch
-    from tiny import build_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench.tiny import build_tokenizer
 
     tok = build_tokenizer(out_dir)
     config = LlamaConfig(
@@ -79,8 +74,8 @@ def random_8b_target(out_dir: Path, layers: int, device: str) -> Path:
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(ROOT / ".demo/models/SmolLM2-135M-Instruct"))
-    ap.add_argument("--data", default=str(ROOT / ".demo/data/sharegpt.jsonl"))
+    ap.add_argument("--model", default=str(DEMO_MODEL))
+    ap.add_argument("--data", default=str(DEMO_DATA))
     ap.add_argument("--size", choices=["demo", "8b"], default="demo", help="8b: a random 8B-sized target")
     ap.add_argument(
         "--layers",
@@ -107,7 +102,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-extract-"))
     try:
         if args.size == "8b":
-            from tiny import write_conversations
+            from bench.tiny import write_conversations
 
             args.model = str(random_8b_target(work / "target", args.layers, args.device))
             args.data = str(write_conversations(work / "conv.jsonl", args.samples, max_reply_words=2000))

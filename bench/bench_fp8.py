@@ -9,7 +9,7 @@ aux states [T, 3H] and the last hidden state [T, H], bf16), plus the same files 
 worst row's relative L2, and the share of values off by more than 2**-4 relative + half a subnormal step).
 Prints a Markdown table; writes JSON to --out.
 
-    python bench/bench_fp8.py --out bench/results/fp8.json [--model DIR --data FILE --samples 16]
+    python -m bench.bench_fp8 --out bench/results/fp8.json [--model DIR --data FILE --samples 16]
 """
 
 from __future__ import annotations
@@ -17,22 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_cache import dir_bytes, extract_source, write_per_sample  # noqa: E402
-
-from peagle_pipeline.cache import layout  # noqa: E402
-from peagle_pipeline.cache.layout import CacheMeta  # noqa: E402
-from peagle_pipeline.cache.reader import open_cache  # noqa: E402
-from peagle_pipeline.cache.verify import verify_cache  # noqa: E402
-from peagle_pipeline.cache.writer import CacheWriter, SampleData, SampleRecord  # noqa: E402
-from peagle_pipeline.core import fp8  # noqa: E402
+from bench.bench_cache import dir_bytes, extract_source, write_per_sample
+from bench.common import DEMO_DATA, DEMO_MODEL
+from peagle_pipeline.cache import layout
+from peagle_pipeline.cache.layout import CacheMeta
+from peagle_pipeline.cache.reader import open_cache
+from peagle_pipeline.cache.verify import verify_cache
+from peagle_pipeline.cache.writer import CacheWriter, SampleData, SampleRecord
+from peagle_pipeline.core import fp8
 
 
 def rewrite(src, out: Path, hidden_dtype: str) -> Path:
@@ -92,8 +87,8 @@ def errors(src, lossy) -> dict[str, object]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(ROOT / ".demo/models/SmolLM2-135M-Instruct"))
-    ap.add_argument("--data", default=str(ROOT / ".demo/data/sharegpt.jsonl"))
+    ap.add_argument("--model", default=str(DEMO_MODEL))
+    ap.add_argument("--data", default=str(DEMO_DATA))
     ap.add_argument("--samples", type=int, default=16, help="conversations to extract")
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--quick", action="store_true", help="smoke-test sizes (4 conversations, 256 tokens)")

@@ -8,12 +8,12 @@ machine); each run starts its own engine and only the generation is timed (the g
 without the engine start-up). Throughput = generated tokens / seconds. With --also-hf the HF backend of the stage
 is measured on the same prompts too (not part of the ratio).
 
-    .venv-vllm/bin/python bench/bench_generate.py --out bench/results/generate.json [--prompts 64 --max-new-tokens 256]
+    .venv-vllm/bin/python -m bench.bench_generate --out bench/results/generate.json [--prompts 64 --max-new-tokens 256]
 
 --backend hf (no vLLM needed; `bench/generate_hf.py`): the stage with the HF backend against plain `model.generate`
 of the same prompts, on --device (cpu, cuda), in one run:
 
-    python bench/bench_generate.py --backend hf --device cuda --prompts 4096 --plain-batch 1024 --out gen-hf.json
+    python -m bench.bench_generate --backend hf --device cuda --prompts 4096 --plain-batch 1024 --out gen-hf.json
 """
 
 from __future__ import annotations
@@ -21,18 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench_io import write_result  # noqa: E402
-
-from peagle_pipeline.config import GenerateConfig  # noqa: E402
-from peagle_pipeline.stages import generate as stage  # noqa: E402
+from bench.common import DEMO_DATA, DEMO_MODEL, write_result
+from peagle_pipeline.config import GenerateConfig
+from peagle_pipeline.stages import generate as stage
 
 
 def first_turn_prompts(cfg: GenerateConfig, n: int) -> tuple[list[tuple[int, list[int]]], int, list[int]]:
@@ -107,8 +102,8 @@ def stage_run(cfg: GenerateConfig) -> tuple[stage.GenerateSummary, dict[int, lis
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(ROOT / ".demo/models/SmolLM2-135M-Instruct"))
-    ap.add_argument("--data", default=str(ROOT / ".demo/data/sharegpt.jsonl"))
+    ap.add_argument("--model", default=str(DEMO_MODEL))
+    ap.add_argument("--data", default=str(DEMO_DATA))
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
@@ -145,7 +140,7 @@ def main() -> None:
         probe = GenerateConfig(**base, output=str(work / "probe"))
         prompts, rows, stops = first_turn_prompts(probe, args.prompts)
         if args.backend == "hf":
-            from generate_hf import run_hf
+            from bench.generate_hf import run_hf
 
             write_result(args.out, run_hf(args, base, prompts, rows, stops, work))
             return

@@ -8,7 +8,7 @@
 Our step vs speculators' P-EAGLE step on the same GPU is bench_speculators.py --device cuda (needs the wheel).
 Correctness (flex = dense, DDP, CUDA extraction = CPU fp32 cache) is tests/gpu's job, not this script's.
 
-    python bench/bench_gpu.py --out gpu.json [--quick]
+    python -m bench.bench_gpu --out gpu.json [--quick]
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,11 +24,8 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench_dtype import train_step  # noqa: E402
-from bench_step import SMOLLM2, build_setup  # noqa: E402
+from bench.bench_dtype import train_step
+from bench.bench_step import SMOLLM2, build_setup
 
 
 def _sync(dev: torch.device) -> None:

@@ -28,8 +28,7 @@ def _status_kib(field: str) -> int:
 def child(args: argparse.Namespace) -> None:
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_step import build_setup, optimised_step
+    from bench.bench_step import build_setup, optimised_step
 
     torch.set_num_threads(args.threads)
     setup = build_setup(args.tokens * args.samples, args.samples, args.depths)
@@ -100,7 +99,8 @@ def main() -> None:
     for n in (1, 4):
         cmd = [
             sys.executable,
-            __file__,
+            "-m",
+            "bench.bench_partition_memory",
             "--child",
             "--segments",
             str(n),

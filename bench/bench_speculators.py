@@ -21,8 +21,8 @@ may differ from ours (reported as `same_cod_elements`).
 `--size 8b` gives both sides a Llama-3.1-8B-sized draft instead (H 4096, 32 / 8 heads, head_dim 128, V 128256,
 Vd 32000, random weights; aux ids [2, 16, 29]); `--vocab-size` shrinks V for a CPU smoke run of that path.
 
-    .venv-bench/bin/python bench/bench_speculators.py --out bench/results/speculators.json [--quick]
-    python bench/bench_speculators.py --device cuda --size 8b --precision bf16 --tokens 8192 --out OUT.json
+    .venv-bench/bin/python -m bench.bench_speculators --out bench/results/speculators.json [--quick]
+    python -m bench.bench_speculators --device cuda --size 8b --precision bf16 --tokens 8192 --out OUT.json
 """
 
 from __future__ import annotations
@@ -31,25 +31,17 @@ import argparse
 import contextlib
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
-
-from reference.reference_step import tiny_draft  # noqa: E402
-
-from peagle_pipeline.core.cod import CODConfig, build_layout  # noqa: E402
-from peagle_pipeline.core.loss import kl_exact, kl_topk  # noqa: E402
-from peagle_pipeline.core.partition import forward_segment, plan_segments  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "bench"))
-from bench_step import SMOLLM2  # noqa: E402  (one SmolLM2-sized draft config for both step benchmarks)
+from bench.bench_step import SMOLLM2  # one SmolLM2-sized draft config for both step benchmarks
+from bench.reference_step import tiny_draft
+from peagle_pipeline.core.cod import CODConfig, build_layout
+from peagle_pipeline.core.loss import kl_exact, kl_topk
+from peagle_pipeline.core.partition import forward_segment, plan_segments
 
 # A Llama-3.1-8B-sized draft layer and vocabulary (the rope is the plain one: its scaling is irrelevant here).
 LLAMA_8B = {

@@ -1,8 +1,8 @@
-"""Training-step throughput: the optimised core step vs the direct reference step (tests/reference), same batch.
+"""Training-step throughput: the optimised core step vs the direct reference step (bench.reference_step), same batch.
 
 CPU, a SmolLM2-sized draft (H 576, 9 heads / 3 KV heads, head_dim 64, V 49152, Vd 32000, 1 layer), random
 weights and targets, one packed row of ~2k tokens. Prints a Markdown table and writes JSON to --out.
-Usage: python bench/bench_step.py --out bench/results/step.json [--tokens 2048] [--threads 2]
+Usage: python -m bench.bench_step --out bench/results/step.json [--tokens 2048] [--threads 2]
 """
 
 from __future__ import annotations
@@ -10,21 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
-
-from reference.reference_step import reference_step, tiny_draft  # noqa: E402
-
-from peagle_pipeline.core.cod import CODConfig, build_layout  # noqa: E402
-from peagle_pipeline.core.loss import kl_topk  # noqa: E402
-from peagle_pipeline.core.partition import forward_segment, plan_segments  # noqa: E402
+from bench.reference_step import reference_step, tiny_draft
+from peagle_pipeline.core.cod import CODConfig, build_layout
+from peagle_pipeline.core.loss import kl_topk
+from peagle_pipeline.core.partition import forward_segment, plan_segments
 
 SMOLLM2 = {
     "model_type": "llama",

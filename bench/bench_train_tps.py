@@ -1,7 +1,7 @@
 """Tokens/s of the trainer's own step (`Trainer.train_step`: COD layout, mask, forward, loss, backward, clip and
 the optimizer) on a real cache, with a run's settings.
 
-    python bench/bench_train_tps.py -c .demo/run/train.yaml [--steps 20] [--warmup 5] [--out FILE.json]
+    python -m bench.bench_train_tps -c .demo/run/train.yaml [--steps 20] [--warmup 5] [--out FILE.json]
 
 The settings come from a pipeline file (a run's `train.yaml`, or any file `train -c` reads); the run directory is
 a temporary one (nothing is written beside the run). Batches are read before the clock starts, so the figure is
@@ -21,13 +21,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from peagle_pipeline.config import TrainConfig, resolve  # noqa: E402
-from peagle_pipeline.errors import PeagleError  # noqa: E402
-from peagle_pipeline.stages.distributed import Dist  # noqa: E402
-from peagle_pipeline.stages.trainer import Trainer  # noqa: E402
+from peagle_pipeline.config import TrainConfig, resolve
+from peagle_pipeline.errors import PeagleError
+from peagle_pipeline.stages.distributed import Dist
+from peagle_pipeline.stages.trainer import Trainer
 
 
 def measure(config: Path, steps: int, warmup: int) -> dict:

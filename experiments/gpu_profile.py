@@ -32,9 +32,8 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests"))
+if str(ROOT) not in sys.path:  # run as a script from experiments/: `bench` and the package from the root
+    sys.path.insert(0, str(ROOT))
 
 
 def sync(dev: torch.device) -> None:
@@ -87,9 +86,8 @@ def profile(name: str, fn: Callable[[], Any], dev: torch.device, out: Path, runs
 
 def training_steps(args: argparse.Namespace, dev: torch.device) -> dict[str, Callable[[], Any]]:
     """Our step (exact target, as speculators trains) and speculators' step, on the same draft and row."""
-    from bench_speculators import SIZES, build_speculators, make_batch, our_step
-    from reference.reference_step import tiny_draft
-
+    from bench.bench_speculators import SIZES, build_speculators, make_batch, our_step
+    from bench.reference_step import tiny_draft
     from peagle_pipeline.core.cod import CODConfig, build_layout
 
     config, aux_layers = SIZES[args.size]
@@ -147,8 +145,7 @@ def training_steps(args: argparse.Namespace, dev: torch.device) -> dict[str, Cal
 
 def extraction(args: argparse.Namespace, dev: torch.device, work: Path) -> dict[str, Callable[[], Any]]:
     """The extraction pipeline and the bare forward over the same random batches (random SmolLM2-sized target)."""
-    from bench_gpu import SMOLLM2, random_target
-
+    from bench.bench_gpu import SMOLLM2, random_target
     from peagle_pipeline.backends.hf import HFBackend
     from peagle_pipeline.cache.writer import SampleRecord
     from peagle_pipeline.config import ExtractConfig

@@ -4,9 +4,9 @@
 #      checkout runs from its sources (PYTHONPATH), no wheel of ours is built or installed;
 #   1. experiments/gpu_profile.py: torch.profiler traces and host-sync counts of our P-EAGLE step and speculators'
 #      (2,048 tokens, bf16) and of HF extraction vs the bare forward (random SmolLM2-sized target);
-#   2. bench/bench_extract.py --size 8b: extraction vs bare forward tokens/s on a random Llama-3.1-8B-sized target
+#   2. python -m bench.bench_extract --size 8b: extraction vs bare forward tokens/s on a random Llama-3.1-8B-sized target
 #      (4 of its layers, so that it builds in seconds);
-#   3. bench/bench_data_wait.py on a cache extracted here (random SmolLM2-sized target, tiny test tokenizer):
+#   3. python -m bench.bench_data_wait on a cache extracted here (random SmolLM2-sized target, tiny test tokenizer):
 #      the data-wait share of the step time on the GPU.
 # Raw output: $OUT/gpu-<card>-<date>/ (default OUT=bench/results): profile.json, trace_*.json.gz, top_*.txt,
 # extract_8b.json, data_wait.json, *.log. Each step has its own time limit; a failed step does not stop the others.
@@ -38,7 +38,7 @@ timeout 100 "$PY" experiments/gpu_profile.py --out "$RES" --tokens 2048 --precis
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 
 step "2. extraction vs bare forward, 8B-sized target (4 layers)"
-timeout 45 "$PY" bench/bench_extract.py --size 8b --layers 4 --device cuda --samples 24 --max-length 2048 \
+timeout 45 "$PY" -m bench.bench_extract --size 8b --layers 4 --device cuda --samples 24 --max-length 2048 \
   --batch-tokens 16384 --group 2 --out "$RES/extract_8b.json" 2>&1 | tee "$RES/extract_8b.log"
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 
@@ -49,17 +49,16 @@ timeout 85 bash -c '
   set -e
   "$0" - "$1" <<PYEOF
 import sys
-sys.path[:0] = ["bench", "tests"]
 from pathlib import Path
-from bench_gpu import random_target
-from tiny import build_tokenizer, write_conversations
+from bench.bench_gpu import random_target
+from bench.tiny import build_tokenizer, write_conversations
 work = Path(sys.argv[1])
 build_tokenizer(random_target(work / "target", layers=30))
 write_conversations(work / "conv.jsonl", 96, max_reply_words=600)
 PYEOF
   "$0" -m peagle_pipeline.cli extract --model "$1/target" --data "$1/conv.jsonl" --output "$1/cache" \
     --max-length 2048 --batch-tokens 16384 --device cuda
-  "$0" bench/bench_data_wait.py --cache "$1/cache" --steps 16 --log-every 4 --tokens-per-step 8192 \
+  "$0" -m bench.bench_data_wait --cache "$1/cache" --steps 16 --log-every 4 --tokens-per-step 8192 \
     --num-workers 2 --out "$2/data_wait.json"
 ' "$PY" "$work" "$RES" 2>&1 | tee "$RES/data_wait.log"
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1

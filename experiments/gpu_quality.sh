@@ -11,7 +11,7 @@
 # There, in the repository root (each verb returns; the pipeline runs in its own session between calls):
 #   bash experiments/gpu_quality.sh stage-a       copies .gpu/a and the wheels to $WORK and installs them
 #   bash experiments/gpu_quality.sh gen-bench     instead of `go`: carrying .gpu/b, the HF generate benchmark
-#                                             (bench/bench_generate.py --backend hf --device cuda) into $OUT
+#                                             (python -m bench.bench_generate --backend hf --device cuda) into $OUT
 #   bash experiments/gpu_quality.sh go SECONDS    first call: copies .gpu/b and starts the pipeline (log: $WORK/log);
 #                                             every call: waits until it ends or SECONDS pass, reports, and once it
 #                                             has ended puts the next export files in $OUT (15 MiB parts of
@@ -255,7 +255,7 @@ gen_bench() {  # there, after stage-a, carrying .gpu/b: the HF generate stage vs
   [[ -f $WORK/prompts.jsonl ]] || xz -dkf "$WORK/prompts.jsonl.xz"
   mkdir -p "$OUT"
   nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
-  "$PY" bench/bench_generate.py --backend hf --device cuda --model "$MODEL" --data "$WORK/prompts.jsonl" \
+  "$PY" -m bench.bench_generate --backend hf --device cuda --model "$MODEL" --data "$WORK/prompts.jsonl" \
     --prompts "${BENCH_PROMPTS:-8192}" --max-new-tokens "$MAX_NEW" --max-prompt-tokens 1024 --temperature "$TEMPERATURE" \
     --plain-batch "${PLAIN_BATCH:-1024}" --plain-cache "${PLAIN_CACHE:-dynamic}" ${GEN_BATCH:+--batch-size "$GEN_BATCH"} \
     $([[ -z ${PLAIN_TWICE:-} ]] && echo --plain-once) $([[ -z ${SKIP_GRAPHS:-} ]] && echo --cuda-graphs) --out "$OUT/generate-hf.json" >"$OUT/generate-hf.log" 2>&1

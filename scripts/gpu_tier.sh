@@ -4,7 +4,7 @@
 #      scripts/gpu_wheels.sh): it must install only what is missing and keep the machine's torch; the CLI must run;
 #   2. `pytest -m gpu tests/gpu` (flex mask = dense SDPA, bf16 + DDP of one process, CUDA extraction = CPU fp32
 #      cache, partition memory at 8k/16k/32k);
-#   3. the figures: bench/bench_gpu.py, and bench/bench_speculators.py --device cuda when speculators imports.
+#   3. the figures: `python -m bench.bench_gpu`, and `-m bench.bench_speculators --device cuda` when speculators imports.
 # Everything lands in $OUT (default gpu-tier-out/): install.json, pip-report.json, pytest.log, junit.xml,
 # gpu.json, speculators_gpu.json, bench.log. Exit status: non-zero when any step failed (all steps still run).
 #     OUT=/tmp/out bash scripts/gpu_tier.sh [--quick]
@@ -64,9 +64,9 @@ step "2. pytest -m gpu tests/gpu"
 step "3. figures"
 (
   s=0
-  "$PY" bench/bench_gpu.py --out "$OUT/gpu.json" ${QUICK:+--quick} || s=1
+  "$PY" -m bench.bench_gpu --out "$OUT/gpu.json" ${QUICK:+--quick} || s=1
   if "$PY" -c "import speculators" 2>/dev/null; then
-    "$PY" bench/bench_speculators.py --device cuda --tokens "$([[ -n "$QUICK" ]] && echo 1024 || echo 8192)" \
+    "$PY" -m bench.bench_speculators --device cuda --tokens "$([[ -n "$QUICK" ]] && echo 1024 || echo 8192)" \
       --repeat 3 --out "$OUT/speculators_gpu.json" || s=1
   else
     echo "speculators not installed (scripts/gpu_wheels.sh --speculators): no our-step-vs-speculators figure"

@@ -8,77 +8,22 @@ Built from scratch in a second; no hub, no mocks. Used by conftest fixtures and 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
-CHAT_TEMPLATES = {
-    # ChatML (SmolLM2, Qwen): role header, content, <|im_end|>.
-    "chatml": (
-        "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-    ),
-    # Llama-3 style: bos once, header tokens, trimmed content, <|eot_id|>.
-    "llama3": (
-        "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
-        " + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-    ),
-    # ChatML that injects a default system prompt when the conversation has none.
-    "chatml_system": (
-        "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n' }}{% endif %}"
-        "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-    ),
-}
+from bench.tiny import (  # noqa: F401 (the tokenizer and conversations are shared with bench/)
+    CHAT_TEMPLATES,
+    CHAT_WORDS,
+    CORPUS,
+    SPECIAL_TOKENS,
+    build_tokenizer,
+    write_conversations,
+)
 
 # Qwen3's real chat template (Qwen/Qwen3-8B tokenizer_config.json; see tests/fixtures/chat_templates/README.md).
 QWEN3_TEMPLATE_FILE = Path(__file__).resolve().parent / "fixtures" / "chat_templates" / "qwen3.jinja"
 # Qwen3's added tokens: the three special ones, then the ordinary added ones its template writes.
 QWEN3_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN3_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
-
-SPECIAL_TOKENS = [
-    "<pad>",
-    "<|begin_of_text|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|start_header_id|>",
-    "<|end_header_id|>",
-    "<|eot_id|>",
-]
-
-CORPUS = [
-    "Hello! How are you today? I am fine, thank you very much.",
-    "The quick brown fox jumps over the lazy dog. 0123456789",
-    "You are a helpful AI assistant. Answer the question below.",
-    "Speculative decoding drafts several tokens and the target model verifies them in parallel.",
-    "def add(a, b):\n    return a + b\n",
-    "system user assistant tool: What is the capital of France? Paris is the capital of France.",
-]
-
-
-def build_tokenizer(out_dir: str | Path, template: str = "chatml", vocab_size: int = 400):
-    """Train a byte-level BPE tokenizer on a tiny corpus and save it with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
-    eos = "<|eot_id|>" if template == "llama3" else "<|im_end|>"
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token=eos, pad_token="<pad>"
-    )
-    fast.chat_template = CHAT_TEMPLATES[template]
-    fast.save_pretrained(str(out_dir))
-    return fast
 
 
 def build_qwen3_tokenizer(out_dir: str | Path, vocab_size: int = 400):
@@ -206,32 +151,3 @@ def add_stop_bias(model_dir: str | Path, logit: float = 5.0, token: str | None =
         model.lm_head.weight[eot] = (logit * mu / mu.dot(mu)).to(model.lm_head.weight.dtype)
     model.save_pretrained(str(model_dir))
     return Path(model_dir)
-
-
-CHAT_WORDS = (
-    "hello world the quick brown fox jumps over lazy dog speculative decoding drafts tokens target model "
-    "verifies parallel capital france paris answer question helpful assistant"
-).split()
-
-
-def write_conversations(
-    path: Path, n: int, seed: int = 0, words: list[str] = CHAT_WORDS, max_reply_words: int = 30
-) -> Path:
-    """n OpenAI-style conversations (1-3 turns each: 3-12 random words asked, 5..max_reply_words answered) as
-    JSONL; the same file for the same arguments."""
-    rng = random.Random(seed)
-    with open(path, "w", encoding="utf-8") as f:
-        for _ in range(n):
-            messages = []
-            for _ in range(rng.randint(1, 3)):
-                messages.append(
-                    {"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(3, 12)))}
-                )
-                messages.append(
-                    {
-                        "role": "assistant",
-                        "content": " ".join(rng.choices(words, k=rng.randint(5, max_reply_words))),
-                    }
-                )
-            f.write(json.dumps({"messages": messages}) + "\n")
-    return path

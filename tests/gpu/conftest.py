@@ -3,13 +3,10 @@ with the reason, where CUDA is not available (the project's own machines have no
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # bench_step / bench_dtype / bench_gpu
 
 HERE = Path(__file__).resolve().parent
 

@@ -7,9 +7,9 @@ import copy
 
 import pytest
 import torch
-from bench_dtype import train_step
-from bench_gpu import cuda_setup
 
+from bench.bench_dtype import train_step
+from bench.bench_gpu import cuda_setup
 from peagle_pipeline.core import mask as mask_mod
 from peagle_pipeline.core.loss import kl_topk
 from peagle_pipeline.core.model import layout_inputs

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from bench_gpu import partition_memory
+
+from bench.bench_gpu import partition_memory
 
 
 @pytest.mark.slow

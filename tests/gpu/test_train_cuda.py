@@ -9,9 +9,9 @@ import socket
 
 import pytest
 import torch
-from bench_dtype import train_step
-from bench_gpu import cuda_setup
 
+from bench.bench_dtype import train_step
+from bench.bench_gpu import cuda_setup
 from peagle_pipeline.runtime import resolve_compute_dtype
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference.reference_step import reference_mask, reference_step, tiny_batch, tiny_draft
 
+from bench.reference_step import reference_mask, reference_step, tiny_batch, tiny_draft
 from peagle_pipeline.core.cod import CODConfig, build_layout
 from peagle_pipeline.core.loss import kl_topk
 from peagle_pipeline.core.mask import dense_mask

@@ -3,7 +3,6 @@ exist, including none and the demo's evaluation report. No benchmark script runs
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,24 +12,21 @@ from types import ModuleType
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-RUN_ALL = REPO / "bench" / "run_all.py"
 
 
 @pytest.fixture
 def run_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """bench/run_all.py imported as a module, its demo directory pointed at an empty tmp dir."""
-    spec = importlib.util.spec_from_file_location("bench_run_all", RUN_ALL)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
+    """bench.run_all, its demo directory pointed at an empty tmp dir."""
+    from bench import run_all as mod
+
     monkeypatch.setattr(mod, "DEMO", tmp_path / "demo")
     return mod
 
 
 def test_unknown_benchmark_is_one_line_error_listing_all(tmp_path: Path) -> None:
     r = subprocess.run(
-        [sys.executable, str(RUN_ALL), "--out", str(tmp_path), "--only", "nosuch"],
+        [sys.executable, "-m", "bench.run_all", "--out", str(tmp_path), "--only", "nosuch"],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,

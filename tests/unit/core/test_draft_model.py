@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference.reference_step import tiny_batch, tiny_draft, tiny_target_config
 
+from bench.reference_step import tiny_batch, tiny_draft, tiny_target_config
 from peagle_pipeline.core.cod import CODConfig, build_layout
 from peagle_pipeline.core.mask import dense_mask
 from peagle_pipeline.core.model import DraftConfig, PEagleDraft, RopeSpec, rope_inv_freq

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference.reference_step import tiny_batch, tiny_draft
 
+from bench.reference_step import tiny_batch, tiny_draft
 from peagle_pipeline.core.cod import CODConfig, build_layout
 from peagle_pipeline.core.loss import kl_topk
 from peagle_pipeline.core.partition import forward_segment, plan_segments, segment_ids

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference.reference_step import tiny_draft, tiny_target_config
 
+from bench.reference_step import tiny_draft, tiny_target_config
 from peagle_pipeline.core.target_init import init_from_target_layer, target_init_layer
 from peagle_pipeline.errors import BadInput
 

@@ -83,7 +83,7 @@ def test_the_state_dict_loads_into_plain_adamw_and_back() -> None:
 
 
 def test_build_optimizer_makes_the_draft_embedding_row_sparse() -> None:
-    from reference.reference_step import tiny_draft
+    from bench.reference_step import tiny_draft
 
     model, _, _ = tiny_draft()
     opt = build_optimizer(model, lr=1e-3, weight_decay=0.0)
