@@ -36,6 +36,8 @@ OFF_RANKS=${OFF_RANKS:-1}  # off-policy extraction ranks (beside the generation 
 EPOCHS=${EPOCHS:-4}
 TOKENS_PER_STEP=${TOKENS_PER_STEP:-16384}
 LR=${LR:-2e-3}
+DRAFT_LAYERS=${DRAFT_LAYERS:-1}  # the ablation of issue 36: 1 / 2 / 4 (the paper: 4 layers +26 % AL at its data scale)
+DEPTHS=${DEPTHS:-4}  # trained K; the export serves min(4, DEPTHS) (`export --speculative-tokens`); the paper trains at 8
 DRAFT_VOCAB=${DRAFT_VOCAB:-16384}
 LOSS_POSITIONS=${LOSS_POSITIONS:-all}  # all: prompt tokens carry loss too (+0.04 AL on the CPU quality run, docs/quality.md)
 DEVICE=${DEVICE:-cuda}
@@ -151,7 +153,7 @@ pipeline() {  # the whole run, in order, each stage bounded in time; each stage 
     if ((off_failed == 0)); then EXTRA=(--extra-cache "$WORK/cache-off") && say "off-policy cache joins training"; fi
   fi
   say "train: $EPOCHS epochs of $TOKENS_PER_STEP-token steps, stopped at ${TRAIN_END}s"
-  "${CLI[@]}" train --cache "$WORK/cache" "${EXTRA[@]}" --output "$WORK/run" --device "$DEVICE" --draft-layers 1 --depths 4 \
+  "${CLI[@]}" train --cache "$WORK/cache" "${EXTRA[@]}" --output "$WORK/run" --device "$DEVICE" --draft-layers "$DRAFT_LAYERS" --depths "$DEPTHS" \
     --draft-vocab-size "$DRAFT_VOCAB" --tokens-per-step "$TOKENS_PER_STEP" --epochs "$EPOCHS" --lr "$LR" \
     --loss-positions "$LOSS_POSITIONS" --warmup 50 --schedule cosine --eval-samples 256 --eval-every 100 --save-every 100 --log-every 10 \
     --num-workers 8 >"$WORK/train.log" 2>&1 &
