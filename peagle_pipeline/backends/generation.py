@@ -12,6 +12,8 @@ import importlib.metadata
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from peagle_pipeline.core.settings import GPU_MEMORY_UTILIZATION, TENSOR_PARALLEL_SIZE
+
 __all__ = [
     "SamplingSettings",
     "GeneratedReply",
@@ -52,8 +54,8 @@ class GeneratorSettings:
     device: str = "auto"
     max_model_len: int = 2048
     batch_size: int = 16
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = TENSOR_PARALLEL_SIZE
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
 
 
 class GenerationBackend(Protocol):

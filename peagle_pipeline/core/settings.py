@@ -7,12 +7,19 @@ from dataclasses import dataclass
 
 from peagle_pipeline.errors import BadConfig
 
-__all__ = ["CODConfig", "SERVING_DEPTHS"]
+__all__ = ["CODConfig", "SERVING_DEPTHS", "TENSOR_PARALLEL_SIZE", "GPU_MEMORY_UTILIZATION"]
 
 # K that vLLM drafts with by default: the export's `speculative_tokens`, at most the K the draft was trained with
 # (`CODConfig.depths`). P-EAGLE trains deeper than it serves: trained at K = 8 and served at K = 5, a draft beats
 # one trained at K = 5 by 3-4 % (the paper); the deeper positions are cheap to train (COD keeps few of them).
 SERVING_DEPTHS = 4
+
+# The vLLM engine defaults of every command that starts an engine (generate, extract, evaluate, vllm-check) and of
+# the backends' own settings: defined once here, where both config.py and backends/ may import them.
+TENSOR_PARALLEL_SIZE = 1
+"""GPUs one vLLM engine is split over (tensor parallelism)."""
+GPU_MEMORY_UTILIZATION = 0.9
+"""Fraction of each GPU's memory a vLLM engine may take."""
 
 
 @dataclass(frozen=True, slots=True)

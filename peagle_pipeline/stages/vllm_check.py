@@ -14,11 +14,12 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from peagle_pipeline.backends.base import TargetInfo
 from peagle_pipeline.backends.pieces import read_target_info, text_config
 from peagle_pipeline.backends.vllm import EngineSettings, require_vllm
+from peagle_pipeline.config import VllmCheckConfig
 from peagle_pipeline.errors import BadInput, SpeculativeMismatch
 from peagle_pipeline.runtime import atomic_write_json
 from peagle_pipeline.stages.acceptance import (
@@ -115,35 +116,18 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def run(
-    draft_dir: str,
-    target: str,
-    *,
-    prompts: str | None = None,
-    num_prompts: int = 8,
-    max_tokens: int = 64,
-    depths: int | None = None,
-    report: str | None = None,
-    dtype: Literal["bf16", "fp32"] = "bf16",
-    tensor_parallel_size: int = 1,
-    gpu_memory_utilization: float = 0.9,
-    allow_other_target: bool = False,
-    echo: Callable[[str], None] | None = None,
-) -> CheckReport:
+def run(draft: str, target: str, *, echo: Callable[[str], None] | None = None, **options: Any) -> CheckReport:
     """Check an exported draft in vLLM: greedy equality with plain decoding, and vLLM's measured acceptance.
 
     Args:
-        draft_dir: P-EAGLE export (config.json + model.safetensors).
+        draft: P-EAGLE export (config.json + model.safetensors).
         target: target model directory (the verifier).
-        prompts: prompt source (see `load_prompts`); None = built-in prompts.
-        num_prompts: prompts to generate for.
-        max_tokens: tokens generated per prompt.
-        depths: num_speculative_tokens (default: the draft's K).
-        report: write the JSON report here (also when the outputs differ).
-        dtype: model dtype in vLLM.
-        tensor_parallel_size, gpu_memory_utilization: vLLM engine options.
-        allow_other_target: run a draft trained on another target (see `check_served_target`) with a warning.
         echo: where the summary table goes (the CLI passes its printer); default: the log.
+        options: the other `VllmCheckConfig` settings (their defaults and meaning are there): prompts (see
+            `load_prompts`; None = built-in prompts), num_prompts, max_tokens, depths (default: the draft's K),
+            report (the JSON report, also written when the outputs differ), dtype, tensor_parallel_size,
+            gpu_memory_utilization, allow_other_target (a draft trained on another target, see
+            `check_served_target`, runs with a warning).
 
     Returns:
         The CheckReport.
@@ -153,18 +137,20 @@ def run(
             `check_served_target`), bad options, vLLM refused to start.
         SpeculativeMismatch: speculative greedy output differs from plain greedy output.
     """
-    K, info = _check_request(draft_dir, target, depths, max_tokens, dtype)
-    note = check_served_target(draft_dir, target, allow_other_target)  # before any engine starts
+    cfg = VllmCheckConfig(draft=draft, target=target, **options)
+    draft_dir, dtype, max_tokens, report = cfg.draft, cfg.dtype, cfg.max_tokens, cfg.report
+    K, info = _check_request(draft_dir, target, cfg.depths, max_tokens, dtype)
+    note = check_served_target(draft_dir, target, cfg.allow_other_target)  # before any engine starts
     if note:
         (echo or log.warning)(note)
-    ids = load_prompts(prompts, target, num_prompts, run_dir=export_run_dir(draft_dir))
+    ids = load_prompts(cfg.prompts, target, cfg.num_prompts, run_dir=export_run_dir(draft_dir))
     max_pos = int(text_config(info.config).get("max_position_embeddings") or 4096)
     settings = EngineSettings(
         model=target,
         dtype=dtype,
         max_model_len=min(max_pos, max(map(len, ids)) + max_tokens + K + 1),
-        tensor_parallel_size=tensor_parallel_size,
-        gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
     )
     with engine(settings, None) as (llm, _):
         plain = run_prompts(llm, ids, max_tokens=max_tokens)
