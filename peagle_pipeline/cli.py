@@ -394,9 +394,10 @@ def vllm_check(
     allow_other_target: Annotated[bool | None, _opt(VllmCheckConfig, "allow_other_target")] = None,
 ) -> None:
     """Load target + draft in vLLM (parallel drafting), check greedy equality, report vLLM's acceptance."""
+    given = _given(locals())
     from peagle_pipeline.stages import vllm_check as stage
 
-    stage.run(echo=typer.echo, **_given(locals()))
+    stage.run(echo=typer.echo, **given)
 
 
 _STOPPED = ": committed work is kept; re-run the same command to resume"
