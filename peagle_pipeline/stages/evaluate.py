@@ -33,7 +33,7 @@ from peagle_pipeline.stages.acceptance import (
     run_prompts,
     speculative_config,
 )
-from peagle_pipeline.stages.prompts import PromptSet, load_prompt_set, load_tokenizer
+from peagle_pipeline.stages.prompts import PromptSet, load_prompt_set
 
 __all__ = [
     "EvalOptions",
@@ -353,7 +353,7 @@ def run(opts: EvalOptions, echo: Callable[[str], None] | None = None) -> dict[st
             (`check_served_target`), a bad prompt
             set, vLLM not installed or refusing to start.
     """
-    from peagle_pipeline.backends.pieces import read_target_info, text_config
+    from peagle_pipeline.backends.pieces import load_tokenizer, read_target_info, text_config
     from peagle_pipeline.backends.vllm import EngineSettings, require_vllm
     from peagle_pipeline.stages.eval_report import format_table, plot_acceptance
     from peagle_pipeline.stages.export import check_served_target
