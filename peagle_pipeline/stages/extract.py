@@ -23,10 +23,12 @@ from typing import Any, Literal, NamedTuple, NoReturn
 import numpy as np
 
 from peagle_pipeline.backends.base import (
+    DEFAULT_LAYER_RULE,
     BackendSettings,
     SampleOutputs,
     TargetBackend,
     default_layer_ids,
+    spelled_default_layer_ids,
     submit,
 )
 from peagle_pipeline.backends.registry import get_backend
@@ -445,12 +447,12 @@ def collapsed_layers_note(cfg: ExtractConfig, num_hidden_layers: int) -> str | N
     """On small targets the default ids [2, L//2, L-3] coincide (L=6: [2, 3, 3]); the draft then gets fewer aux
     hidden states than the usual 3. Not an error (tiny test models rely on it), but the user should know."""
     L = num_hidden_layers
-    spelled = [2, L // 2, L - 3]
+    spelled = spelled_default_layer_ids(L)
     ids = default_layer_ids(L)
     if cfg.layers or len(ids) == len(spelled):
         return None
     return (
-        f"the default aux layers [2, L//2, L-3] of this {L}-layer target are {spelled}: the draft gets "
+        f"the default aux layers {DEFAULT_LAYER_RULE} of this {L}-layer target are {spelled}: the draft gets "
         f"{len(ids)} aux hidden states instead of 3; pass --layers to choose 3 distinct ids"
     )
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.config import TrainConfig, to_dict
+from peagle_pipeline.core.settings import setting_differences
 from peagle_pipeline.errors import BadInput, OutputExists, ResumeMismatch
 from peagle_pipeline.runtime import atomic_write_json, atomic_write_text
 
@@ -136,9 +137,9 @@ def prepare_output(cfg: TrainConfig, world: int, micro_steps: int) -> bool:
     saved.update(world_size=facts.get("world_size", world), micro_steps=facts.get("micro_steps", micro_steps))
     now.update(world_size=world, micro_steps=micro_steps)
     free = RESUME_FREE | EXTENDABLE | {"cache"}
-    diff = sorted(k for k in set(saved) | set(now) if k not in free and saved.get(k) != now.get(k))
+    diff = setting_differences(saved, now, ignore=free, ordered=True)
     if diff:
-        detail = ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in diff)
+        detail = ", ".join(f"{k} ({a!r} -> {b!r})" for k, a, b in diff)
         raise ResumeMismatch(f"cannot resume {out}: settings differ from its {TRAIN_YAML}: {detail}")
     _check_same_cache(out, str(saved.get("cache", "")), cfg.cache, facts)
     return True
