@@ -34,6 +34,7 @@ from peagle_pipeline.stages.acceptance import (
     speculative_config,
 )
 from peagle_pipeline.stages.prompts import PromptSet, load_prompt_set
+from peagle_pipeline.stages.run_layout import EXPORT_DIR
 
 __all__ = [
     "EvalOptions",
@@ -92,7 +93,7 @@ def find_run(export_dir: str | Path) -> Path | None:
     """The training run an export came from: named by its `.peagle-export.json` (`run` or `run_dir`, relative to
     the export), else the export's parent when the export sits in a run (`train` writes RUN/export); else None."""
     from peagle_pipeline.stages.export import read_marker
-    from peagle_pipeline.stages.rundir import TRAIN_YAML
+    from peagle_pipeline.stages.run_layout import TRAIN_YAML
 
     export = Path(export_dir)
     facts = read_marker(export)
@@ -171,7 +172,7 @@ def resolve_draft(path: str, depths: int | None) -> Draft:
     vocab = (config.get("transformer_layer_config") or {}).get("vocab_size")
     run_dir = find_run(path)
     p = Path(path)
-    name = f"{p.resolve().parent.name}/{p.name}" if p.name == "export" else p.name
+    name = f"{p.resolve().parent.name}/{p.name}" if p.name == EXPORT_DIR else p.name
     return Draft(
         name=name,
         path=str(path),

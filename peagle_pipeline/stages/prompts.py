@@ -244,7 +244,7 @@ def read_train_settings(run_dir: str | Path) -> dict[str, Any]:
     """
     import yaml
 
-    from peagle_pipeline.stages.rundir import TRAIN_YAML
+    from peagle_pipeline.stages.run_layout import TRAIN_YAML
 
     try:
         train = (yaml.safe_load((Path(run_dir) / TRAIN_YAML).read_text(encoding="utf-8")) or {})["train"]

@@ -24,6 +24,14 @@ from peagle_pipeline.config import TrainConfig, to_dict
 from peagle_pipeline.core.settings import setting_differences
 from peagle_pipeline.errors import BadInput, OutputExists, ResumeMismatch
 from peagle_pipeline.runtime import atomic_write_json, atomic_write_text
+from peagle_pipeline.stages.run_layout import (
+    CHECKPOINTS_DIR,
+    EXPORT_DIR,
+    LOCK_FILE,
+    METRICS_FILE,
+    RUN_JSON,
+    TRAIN_YAML,
+)
 
 __all__ = [
     "TRAIN_YAML",
@@ -39,12 +47,6 @@ __all__ = [
     "write_run_files",
 ]
 
-TRAIN_YAML = "train.yaml"
-RUN_JSON = "run.json"
-EXPORT_DIR = "export"
-LOCK_FILE = "train.lock"
-METRICS_FILE = "metrics.jsonl"  # (metrics.METRICS_FILE; spelled here to keep this module free of the sinks)
-CHECKPOINTS_DIR = "checkpoints"
 # Settings a resume may change: they do not alter the weights trained so far (where the run lives, how often it
 # logs, evaluates and saves, how many checkpoints it keeps, the device, the reader processes).
 RESUME_FREE = frozenset(
