@@ -34,7 +34,6 @@ __all__ = [
     "TargetStageConfig",
     "EvaluateConfig",
     "VllmCheckConfig",
-    "default_of",
     "resolve",
     "load_section",
     "to_dict",
@@ -667,12 +666,6 @@ def field_choices(cls: type, name: str) -> tuple[Any, ...]:
 def is_required(cls: type, name: str) -> bool:
     """True for a field the user must give (flag or pipeline file); its check is `_require` in `__post_init__`."""
     return bool({f.name: f for f in dataclasses.fields(cls)}[name].metadata.get("required", False))
-
-
-def default_of(cls: type, name: str) -> Any:
-    """The default of field `name` of config class `cls` (a fresh copy for list defaults)."""
-    f = {f.name: f for f in dataclasses.fields(cls)}[name]
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
 
 
 def describe_fields(cls: type) -> list[tuple[str, str, Any]]:
