@@ -21,10 +21,13 @@ from typer.core import TyperCommand
 
 from peagle_pipeline import preemption
 from peagle_pipeline.config import (
+    SECTIONS,
     SERVING_DEPTHS,
+    EvaluateConfig,
     ExtractConfig,
     GenerateConfig,
     TrainConfig,
+    VllmCheckConfig,
     describe_fields,
     field_choices,
     is_required,
@@ -64,8 +67,8 @@ app = _App(
 
 def _default_note(cls: type, name: str, default: Any) -> str:
     """ " [default: ...]" for the help line of field `name` ("" when there is nothing to show)."""
-    if is_required(cls, name):
-        return " [required: flag or pipeline file]"
+    if is_required(cls, name):  # typer itself marks a required flag of a command without a pipeline file
+        return " [required: flag or pipeline file]" if cls in SECTIONS else ""
     if default in ("", [], None):
         return ""
     if isinstance(default, bool):
@@ -94,13 +97,17 @@ def _T(name: str) -> str:
 
 def _opt(cls: type, name: str) -> Any:
     """The typer option of config field `name`: `--name` (`--name/--no-name` for bools), help with the default,
-    the allowed values as metavar for `Literal` fields. The parameter itself defaults to None ("not given")."""
+    the allowed values as metavar for `Literal` fields (or the field's `metavar`). The parameter itself defaults
+    to None ("not given"). A field marked `argument` is a positional argument instead."""
     flag = "--" + name.replace("_", "-")
-    field_type = {f.name: f.type for f in dataclasses.fields(cls)}[name]
-    decls = [f"{flag}/--no-{flag[2:]}"] if str(field_type).startswith("bool") else [flag]
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
     choices = field_choices(cls, name)
     help_text = _field_help(cls)[name]
-    return typer.Option(*decls, help=help_text, metavar="[" + "|".join(choices) + "]" if choices else None)
+    metavar = f.metadata.get("metavar") or ("[" + "|".join(choices) + "]" if choices else None)
+    if f.metadata.get("argument"):
+        return typer.Argument(help=help_text, metavar=metavar)
+    decls = [f"{flag}/--no-{flag[2:]}"] if str(f.type).startswith("bool") else [flag]
+    return typer.Option(*decls, help=help_text, metavar=metavar)
 
 
 def _version(value: bool) -> None:
@@ -130,6 +137,12 @@ ConfigOpt = Annotated[
 def _overrides(local: dict[str, Any]) -> dict[str, Any]:
     """The flags the user actually gave (typer passes None for the rest)."""
     return {k: v for k, v in local.items() if k != "config" and v is not None}
+
+
+def _given(local: dict[str, Any]) -> dict[str, Any]:
+    """The arguments and flags given to a command without a pipeline file (an unrepeated list option may come as
+    an empty list): the config's defaults fill the rest."""
+    return {k: v for k, v in _overrides(local).items() if v != []}
 
 
 @app.command()
@@ -343,122 +356,48 @@ def plot(run_dir: Annotated[str, typer.Argument(metavar="RUN", help="Training ru
 
 @app.command()
 def evaluate(
-    drafts: Annotated[list[str], typer.Argument(help="Exported draft directories, measured side by side.")],
-    target: Annotated[
-        str | None, typer.Option(help="Target model directory (default: the verifier the draft names).")
-    ] = None,
-    prompts: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="Prompt set, repeatable: mt-bench (80 first turns), humaneval (164 problems), heldout:RUN_DIR "
-            "(the run's held-out split), or a file (JSONL of {'prompt': ...} or chat data). Default: mt-bench."
-        ),
-    ] = None,
-    num_prompts: Annotated[int, typer.Option(help="Prompts per set (the first ones).")] = 80,
-    max_tokens: Annotated[int, typer.Option(help="Most new tokens generated per prompt.")] = 256,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature (0 = greedy).")] = 0.0,
-    depths: Annotated[
-        int | None, typer.Option(help="K = num_speculative_tokens (default: each draft's own K).")
-    ] = None,
-    concurrency: Annotated[
-        list[int] | None,
-        typer.Option(help="Requests in flight for the tokens/s figures, repeatable. Default: 1."),
-    ] = None,
-    acceptance_concurrency: Annotated[
-        int,
-        typer.Option(
-            help="Requests in flight in the run AL is read from (1 = one prompt at a time, as peers report; "
-            "more is faster on many prompts, with the same AL up to numerics)."
-        ),
-    ] = 1,
-    output: Annotated[
-        str | None, typer.Option(help="Directory for report.json and acceptance.png (default: print only).")
-    ] = None,
-    dtype: Annotated[
-        str,
-        typer.Option(
-            help="Model dtype in vLLM: [auto|bf16|fp32]; auto = bf16 on a GPU or a CPU with bf16 units, else fp32."
-        ),
-    ] = "auto",
-    seed: Annotated[int, typer.Option(help="Sampling seed of prompt i is seed + i (T > 0).")] = 0,
-    tensor_parallel_size: Annotated[int, typer.Option(help="vLLM tensor parallel size.")] = 1,
-    allow_other_target: Annotated[
-        bool,
-        typer.Option(
-            "--allow-other-target",
-            help="Run a draft on a target whose config.json or tokenizer differ from the one it was trained on.",
-        ),
-    ] = False,
+    drafts: Annotated[list[str], _opt(EvaluateConfig, "drafts")],
+    target: Annotated[str | None, _opt(EvaluateConfig, "target")] = None,
+    prompts: Annotated[list[str] | None, _opt(EvaluateConfig, "prompts")] = None,
+    num_prompts: Annotated[int | None, _opt(EvaluateConfig, "num_prompts")] = None,
+    max_tokens: Annotated[int | None, _opt(EvaluateConfig, "max_tokens")] = None,
+    temperature: Annotated[float | None, _opt(EvaluateConfig, "temperature")] = None,
+    depths: Annotated[int | None, _opt(EvaluateConfig, "depths")] = None,
+    concurrency: Annotated[list[int] | None, _opt(EvaluateConfig, "concurrency")] = None,
+    acceptance_concurrency: Annotated[int | None, _opt(EvaluateConfig, "acceptance_concurrency")] = None,
+    output: Annotated[str | None, _opt(EvaluateConfig, "output")] = None,
+    dtype: Annotated[str | None, _opt(EvaluateConfig, "dtype")] = None,
+    seed: Annotated[int | None, _opt(EvaluateConfig, "seed")] = None,
+    tensor_parallel_size: Annotated[int | None, _opt(EvaluateConfig, "tensor_parallel_size")] = None,
+    gpu_memory_utilization: Annotated[float | None, _opt(EvaluateConfig, "gpu_memory_utilization")] = None,
+    allow_other_target: Annotated[bool | None, _opt(EvaluateConfig, "allow_other_target")] = None,
 ) -> None:
     """Measure drafts in vLLM: acceptance length, per-position acceptance, tokens/s and speedup per prompt set."""
+    cfg = EvaluateConfig(**_given(locals()))
     from peagle_pipeline.stages import evaluate as stage
 
-    opts = stage.EvalOptions(
-        drafts=drafts,
-        target=target,
-        prompts=prompts or ["mt-bench"],
-        num_prompts=num_prompts,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        depths=depths,
-        concurrency=concurrency or [1],
-        acceptance_concurrency=acceptance_concurrency,
-        output=output,
-        dtype=dtype,  # type: ignore[arg-type]  # checked by EvalOptions
-        seed=seed,
-        tensor_parallel_size=tensor_parallel_size,
-        allow_other_target=allow_other_target,
-    )
-    stage.run(opts, echo=typer.echo)
+    stage.run(cfg, echo=typer.echo)
 
 
 @app.command("vllm-check")
 def vllm_check(
-    draft_dir: Annotated[str, typer.Argument(metavar="DRAFT", help="Exported draft directory.")],
-    target: Annotated[str, typer.Option(metavar="MODEL", help="Target model directory.")],
-    prompts: Annotated[
-        str | None,
-        typer.Option(
-            help="Prompt file (JSONL with 'prompt' or chat data), mt-bench, humaneval, heldout:RUN_DIR, or a cache dir "
-            "(its held-out split with the default seed)."
-        ),
-    ] = None,
-    num_prompts: Annotated[int, typer.Option(help="Prompts to generate for.")] = 8,
-    max_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 64,
-    depths: Annotated[
-        int | None, typer.Option(help="num_speculative_tokens (default: the draft's K).")
-    ] = None,
-    report: Annotated[
-        str | None, typer.Option(help="Write the JSON report (acceptance, mismatches) here.")
-    ] = None,
-    tensor_parallel_size: Annotated[int, typer.Option(help="vLLM tensor parallel size.")] = 1,
-    dtype: Annotated[
-        str, typer.Option(help="Model dtype in vLLM: bf16 or fp32 (fp32 for exact greedy equality).")
-    ] = "bf16",
-    allow_other_target: Annotated[
-        bool,
-        typer.Option(
-            "--allow-other-target",
-            help="Run a draft on a target whose config.json or tokenizer differ from the one it was trained on.",
-        ),
-    ] = False,
+    draft: Annotated[str, _opt(VllmCheckConfig, "draft")],
+    target: Annotated[str, _opt(VllmCheckConfig, "target")],
+    prompts: Annotated[str | None, _opt(VllmCheckConfig, "prompts")] = None,
+    num_prompts: Annotated[int | None, _opt(VllmCheckConfig, "num_prompts")] = None,
+    max_tokens: Annotated[int | None, _opt(VllmCheckConfig, "max_tokens")] = None,
+    depths: Annotated[int | None, _opt(VllmCheckConfig, "depths")] = None,
+    report: Annotated[str | None, _opt(VllmCheckConfig, "report")] = None,
+    tensor_parallel_size: Annotated[int | None, _opt(VllmCheckConfig, "tensor_parallel_size")] = None,
+    gpu_memory_utilization: Annotated[float | None, _opt(VllmCheckConfig, "gpu_memory_utilization")] = None,
+    dtype: Annotated[str | None, _opt(VllmCheckConfig, "dtype")] = None,
+    allow_other_target: Annotated[bool | None, _opt(VllmCheckConfig, "allow_other_target")] = None,
 ) -> None:
     """Load target + draft in vLLM (parallel drafting), check greedy equality, report vLLM's acceptance."""
+    given = _given(locals())
     from peagle_pipeline.stages import vllm_check as stage
 
-    stage.run(
-        draft_dir,
-        target,
-        prompts=prompts,
-        num_prompts=num_prompts,
-        max_tokens=max_tokens,
-        depths=depths,
-        report=report,
-        dtype=dtype,  # type: ignore[arg-type]  # checked by the stage
-        tensor_parallel_size=tensor_parallel_size,
-        allow_other_target=allow_other_target,
-        echo=typer.echo,
-    )
+    stage.run(echo=typer.echo, **given)
 
 
 _STOPPED = ": committed work is kept; re-run the same command to resume"

@@ -19,13 +19,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from peagle_pipeline.core.settings import SERVING_DEPTHS, CODConfig
-from peagle_pipeline.errors import BadConfig
+from peagle_pipeline.core.settings import (
+    GPU_MEMORY_UTILIZATION,
+    SERVING_DEPTHS,
+    TENSOR_PARALLEL_SIZE,
+    CODConfig,
+)
+from peagle_pipeline.errors import BadConfig, BadInput
 
 __all__ = [
     "GenerateConfig",
     "ExtractConfig",
     "TrainConfig",
+    "TargetStageConfig",
+    "EvaluateConfig",
+    "VllmCheckConfig",
     "resolve",
     "load_section",
     "to_dict",
@@ -46,24 +54,75 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+def _tensor_parallel_field() -> Any:
+    """`tensor_parallel_size` of every command that starts a vLLM engine (its value: core/settings.py)."""
+    return _f(TENSOR_PARALLEL_SIZE, "vLLM tensor parallel size.")
+
+
+def _gpu_memory_field() -> Any:
+    """`gpu_memory_utilization` of every command that starts a vLLM engine (its value: core/settings.py);
+    checked by `_check_gpu_memory`."""
+    return _f(GPU_MEMORY_UTILIZATION, "vLLM GPU memory fraction.")
+
+
+def _reword(base: type, name: str, help: str) -> Any:
+    """Field `name` of `base` with this command's own help text (same default, same metadata otherwise)."""
+    f = {f.name: f for f in dataclasses.fields(base)}[name]
+    kw = {k: v for k, v in f.metadata.items() if k != "help"}
+    if f.default_factory is not dataclasses.MISSING:
+        return field(default_factory=f.default_factory, metadata={**kw, "help": help})
+    return field(default=f.default, metadata={**kw, "help": help})
+
+
+def _check_gpu_memory(cfg: Any) -> None:
+    if not 0.0 < cfg.gpu_memory_utilization <= 1.0:
+        raise BadConfig(f"gpu_memory_utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
-class GenerateConfig:
-    """Settings of `peagle-pipeline generate` (pipeline-file section `generate:`)."""
+class TargetStageConfig:
+    """The settings `generate` and `extract` share (both run the target over chat data, rank by rank).
+
+    Each command's own fields follow in its subclass; a shared field whose help differs there is reworded with
+    `_reword` (its default stays here). `backend` is each command's own: generate defaults to auto (vLLM when
+    installed), extract to hf.
+    """
 
     model: str = _f(
         "", "Target model: a local HF model directory (config.json + safetensors + tokenizer).", required=True
     )
-    data: list[str] = _f(
-        [],
-        "Chat data whose assistant replies are regenerated (every format extract reads). Repeatable.",
-        required=True,
-    )
+    data: list[str] = _f([], "Chat data. Repeatable.", required=True)
     split: str | None = _f(
         None,
         "The split of a Hugging Face DatasetDict (save_to_disk) to read; default train. Only DatasetDict data has splits.",
     )
-    output: str = _f(
-        "", "Output directory of on-policy rows to create or resume (extract reads it).", required=True
+    output: str = _f("", "Output directory to create or resume.", required=True)
+    max_samples: int | None = _f(
+        None, "Use only the first N conversations of the data (before rank splitting)."
+    )
+    rank: int | None = _f(None, "This writer's rank; default from RANK / SLURM_PROCID, else 0.")
+    world_size: int | None = _f(None, "Number of writers; default from WORLD_SIZE / SLURM_NTASKS, else 1.")
+    device: str = _f("auto", "Device for the hf backend: auto, cpu, cuda, cuda:N.")
+    compute_dtype: Literal["auto", "bf16", "fp32"] = _f(
+        "auto", "Model dtype: auto = bf16 on CUDA or a CPU with bf16 units (AMX/AVX512-BF16), else fp32."
+    )
+    tensor_parallel_size: int = _tensor_parallel_field()
+    gpu_memory_utilization: float = _gpu_memory_field()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GenerateConfig(TargetStageConfig):
+    """Settings of `peagle-pipeline generate` (pipeline-file section `generate:`)."""
+
+    data: list[str] = _reword(
+        TargetStageConfig,
+        "data",
+        "Chat data whose assistant replies are regenerated (every format extract reads). Repeatable.",
+    )
+    output: str = _reword(
+        TargetStageConfig,
+        "output",
+        "Output directory of on-policy rows to create or resume (extract reads it).",
     )
     backend: Literal["auto", "vllm", "hf"] = _f(
         "auto", "Generation runtime: vllm, hf (transformers), or auto = vllm when installed, else hf."
@@ -89,9 +148,6 @@ class GenerateConfig:
         1, "Independent conversations generated per source conversation (more than 1 needs temperature > 0)."
     )
     seed: int = _f(0, "Sampling seed; each (row, sample, turn) draws from its own seed derived from it.")
-    max_samples: int | None = _f(
-        None, "Use only the first N conversations of the data (before rank splitting)."
-    )
     chunk_size: int = _f(
         64, "Source conversations per committed chunk (generated together; the unit of resume)."
     )
@@ -99,14 +155,6 @@ class GenerateConfig:
         None,
         "hf backend: replies decoded together (default: as many as the free GPU memory holds, 16 on a CPU; vLLM schedules its own).",
     )
-    rank: int | None = _f(None, "This writer's rank; default from RANK / SLURM_PROCID, else 0.")
-    world_size: int | None = _f(None, "Number of writers; default from WORLD_SIZE / SLURM_NTASKS, else 1.")
-    device: str = _f("auto", "Device for the hf backend: auto, cpu, cuda, cuda:N.")
-    compute_dtype: Literal["auto", "bf16", "fp32"] = _f(
-        "auto", "Model dtype: auto = bf16 on CUDA or a CPU with bf16 units (AMX/AVX512-BF16), else fp32."
-    )
-    tensor_parallel_size: int = _f(1, "vLLM tensor parallel size.")
-    gpu_memory_utilization: float = _f(0.9, "vLLM GPU memory fraction.")
 
     def __post_init__(self) -> None:
         _require(self.model, "model", "--model")
@@ -137,27 +185,19 @@ class GenerateConfig:
             )
         if not 0.0 < self.top_p <= 1.0:
             raise BadConfig(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise BadConfig(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check_gpu_memory(self)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ExtractConfig:
+class ExtractConfig(TargetStageConfig):
     """Settings of `peagle-pipeline extract` (pipeline-file section `extract:`)."""
 
-    model: str = _f(
-        "", "Target model: a local HF model directory (config.json + safetensors + tokenizer).", required=True
-    )
-    data: list[str] = _f(
-        [],
+    data: list[str] = _reword(
+        TargetStageConfig,
+        "data",
         "Dataset files or HF datasets saved to disk (ShareGPT or OpenAI messages; JSON, JSONL, Parquet). Repeatable.",
-        required=True,
     )
-    split: str | None = _f(
-        None,
-        "The split of a Hugging Face DatasetDict (save_to_disk) to read; default train. Only DatasetDict data has splits.",
-    )
-    output: str = _f("", "Cache directory to create or resume.", required=True)
+    output: str = _reword(TargetStageConfig, "output", "Cache directory to create or resume.")
     backend: Literal["hf", "vllm"] = _f("hf", "Target runtime: hf (transformers) or vllm.")
     layers: list[int] | None = _f(
         None, "Aux hidden-state layer ids in vLLM convention (0 = embeddings); default 2, L//2, L-3."
@@ -172,9 +212,6 @@ class ExtractConfig:
         2048, "Maximum tokens per sample; longer samples are truncated or skipped (see overlong)."
     )
     overlong: Literal["truncate", "skip"] = _f("truncate", "What to do with samples longer than max_length.")
-    max_samples: int | None = _f(
-        None, "Use only the first N conversations of the data (before rank splitting)."
-    )
     batch_tokens: int = _f(8192, "Padded tokens per forward batch.")
     length_window: int | None = _f(
         None,
@@ -184,8 +221,9 @@ class ExtractConfig:
         "bf16",
         "Stored hidden-state dtype (the forward's is compute_dtype). fp8: lossy, about half the bytes of bf16 (e4m3 with an fp32 scale per token and layer, read back as bf16; see docs/cache-format.md).",
     )
-    compute_dtype: Literal["auto", "bf16", "fp32"] = _f(
-        "auto",
+    compute_dtype: Literal["auto", "bf16", "fp32"] = _reword(
+        TargetStageConfig,
+        "compute_dtype",
         "Target forward dtype. auto: fp32 when dtype is fp32, else bf16 on CUDA and on CPUs with bf16 units (AMX / AVX512-BF16), fp32 on other CPUs (faster there); a resumed cache keeps the dtype it was started with.",
     )
     assistant_turns: Literal["all", "last"] = _f(
@@ -203,12 +241,7 @@ class ExtractConfig:
     chunk_tokens: int = _f(
         128, "Tokens per inner Zarr chunk (the unit of a random read and of the crc32c check)."
     )
-    rank: int | None = _f(None, "This writer's rank; default from RANK / SLURM_PROCID, else 0.")
-    world_size: int | None = _f(None, "Number of writers; default from WORLD_SIZE / SLURM_NTASKS, else 1.")
-    device: str = _f("auto", "Device for the hf backend: auto, cpu, cuda, cuda:N.")
     topk_chunk: int = _f(1024, "Tokens per chunk of the log-softmax/top-k computation (bounds memory).")
-    tensor_parallel_size: int = _f(1, "vLLM tensor parallel size.")
-    gpu_memory_utilization: float = _f(0.9, "vLLM GPU memory fraction.")
     max_num_batched_tokens: int | None = _f(None, "vLLM scheduler token budget per step.")
 
     def __post_init__(self) -> None:
@@ -242,8 +275,7 @@ class ExtractConfig:
         if twice is not None:
             raise BadConfig(f"layers names layer {twice} twice ({self.layers}); give each layer id once")
         _refuse_duplicate_paths(self.data)
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise BadConfig(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check_gpu_memory(self)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -380,6 +412,98 @@ class TrainConfig:
             ratio_min=self.down_sample_ratio_min,
             max_anchors=self.max_anchors,
         )
+
+
+_ALLOW_OTHER_TARGET = (
+    "Run a draft on a target whose config.json or tokenizer differ from the one it was trained on (a warning "
+    "instead of a refusal)."
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvaluateConfig:
+    """Settings of `peagle-pipeline evaluate` (flags only; no pipeline-file section). Every figure in the report
+    carries them. Its checks raise `BadInput` naming the flag."""
+
+    drafts: list[str] = _f([], "Exported draft directories, measured side by side.", argument=True)
+    target: str | None = _f(None, "Target model directory (default: the verifier the draft names).")
+    prompts: list[str] = _f(
+        ["mt-bench"],
+        "Prompt set, repeatable: mt-bench (80 first turns), humaneval (164 problems), heldout:RUN_DIR (the run's "
+        "held-out split), or a file (JSONL of {'prompt': ...} or chat data).",
+    )
+    num_prompts: int = _f(80, "Prompts per set (the first ones).")
+    max_tokens: int = _f(256, "Most new tokens generated per prompt.")
+    temperature: float = _f(0.0, "Sampling temperature (0 = greedy).")
+    depths: int | None = _f(None, "K = num_speculative_tokens (default: each draft's own K).")
+    concurrency: list[int] = _f([1], "Requests in flight for the tokens/s figures, repeatable.")
+    acceptance_concurrency: int = _f(
+        1,
+        "Requests in flight in the run AL is read from (1 = one prompt at a time, as peers report; more is faster "
+        "on many prompts, with the same AL up to numerics).",
+    )
+    output: str | None = _f(None, "Directory for report.json and acceptance.png (default: print only).")
+    dtype: Literal["auto", "bf16", "fp32"] = _f(
+        "auto", "Model dtype in vLLM; auto = bf16 on a GPU or a CPU with bf16 units, else fp32."
+    )
+    seed: int = _f(0, "Sampling seed of prompt i is seed + i (T > 0).")
+    tensor_parallel_size: int = _tensor_parallel_field()
+    gpu_memory_utilization: float = _gpu_memory_field()
+    allow_other_target: bool = _f(False, _ALLOW_OTHER_TARGET)
+
+    def __post_init__(self) -> None:
+        if not self.drafts:
+            raise BadInput("give at least one exported draft directory")
+        if not self.prompts:
+            raise BadInput(
+                "give at least one prompt set (--prompts mt-bench, humaneval, heldout:RUN_DIR or a file)"
+            )
+        for name in ("num_prompts", "max_tokens", "tensor_parallel_size"):
+            if getattr(self, name) <= 0:
+                raise BadInput(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.depths is not None and self.depths <= 0:
+            raise BadInput(f"--depths must be positive, got {self.depths}")
+        if not self.concurrency or min(self.concurrency) <= 0:
+            raise BadInput(f"--concurrency must be positive, got {self.concurrency}")
+        if self.acceptance_concurrency <= 0:
+            raise BadInput(f"--acceptance-concurrency must be positive, got {self.acceptance_concurrency}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise BadInput(f"--temperature must be >= 0, got {self.temperature}")
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            raise BadInput(f"--dtype must be auto, bf16 or fp32, got {self.dtype!r}")
+        _check_gpu_memory(self)
+
+    @property
+    def levels(self) -> list[int]:
+        """Every concurrency measured: the tokens/s levels and the one AL is read from."""
+        return sorted(set(self.concurrency) | {self.acceptance_concurrency})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VllmCheckConfig:
+    """Settings of `peagle-pipeline vllm-check` (flags only). The stage checks them (after checking that vLLM
+    imports), so a missing vLLM is reported first."""
+
+    draft: str = _f("", "Exported draft directory.", required=True, argument=True, metavar="DRAFT")
+    target: str = _f("", "Target model directory.", required=True, metavar="MODEL")
+    prompts: str | None = _f(
+        None,
+        "Prompt file (JSONL with 'prompt' or chat data), mt-bench, humaneval, heldout:RUN_DIR, or a cache dir "
+        "(its held-out split with the default seed).",
+    )
+    num_prompts: int = _f(8, "Prompts to generate for.")
+    max_tokens: int = _f(64, "Tokens generated per prompt.")
+    depths: int | None = _f(None, "num_speculative_tokens (default: the draft's K).")
+    report: str | None = _f(None, "Write the JSON report (acceptance, mismatches) here.")
+    tensor_parallel_size: int = _tensor_parallel_field()
+    gpu_memory_utilization: float = _gpu_memory_field()
+    dtype: Literal["bf16", "fp32"] = _f(
+        "bf16", "Model dtype in vLLM: bf16 or fp32 (fp32 for exact greedy equality)."
+    )
+    allow_other_target: bool = _f(False, _ALLOW_OTHER_TARGET)
+
+    def __post_init__(self) -> None:
+        _check_gpu_memory(self)
 
 
 def _require(value: Any, name: str, flag: str) -> None:

@@ -22,6 +22,8 @@ __all__ = [
     "SampleOutputs",
     "TargetBackend",
     "default_layer_ids",
+    "spelled_default_layer_ids",
+    "DEFAULT_LAYER_RULE",
     "validate_layer_ids",
     "submit",
 ]
@@ -104,10 +106,19 @@ def submit(backend: TargetBackend, batch: list[list[int]]) -> Callable[[], list[
     return lambda: outputs
 
 
-def default_layer_ids(num_hidden_layers: int) -> list[int]:
-    """SPEC default aux ids: [2, L//2, L-3] (deduplicated, ascending)."""
+# The SPEC's default aux layer rule, as written (the one home of [2, L//2, L-3]).
+DEFAULT_LAYER_RULE = "[2, L//2, L-3]"
+
+
+def spelled_default_layer_ids(num_hidden_layers: int) -> list[int]:
+    """The default aux ids as the rule spells them, [2, L//2, L-3]: on a small target they may coincide."""
     L = num_hidden_layers
-    return sorted({2, L // 2, L - 3})
+    return [2, L // 2, L - 3]
+
+
+def default_layer_ids(num_hidden_layers: int) -> list[int]:
+    """SPEC default aux ids: `spelled_default_layer_ids` deduplicated, ascending."""
+    return sorted(set(spelled_default_layer_ids(num_hidden_layers)))
 
 
 def validate_layer_ids(layer_ids: list[int], num_hidden_layers: int) -> list[int]:

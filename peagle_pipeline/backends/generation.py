@@ -12,6 +12,8 @@ import importlib.metadata
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from peagle_pipeline.core.settings import GPU_MEMORY_UTILIZATION, TENSOR_PARALLEL_SIZE
+
 __all__ = [
     "SamplingSettings",
     "GeneratedReply",
@@ -53,8 +55,8 @@ class GeneratorSettings:
     max_model_len: int = 2048
     batch_size: int | None = None  # hf: requests decoded together (None: from free GPU memory, 16 on a CPU)
     decode_loop: bool = True  # hf: our continuous-batching loop (False: model.generate in batches)
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = TENSOR_PARALLEL_SIZE
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
 
 
 class GenerationBackend(Protocol):

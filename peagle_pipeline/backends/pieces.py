@@ -26,6 +26,7 @@ __all__ = [
     "tokenizer_sha256",
     "chat_template_sha256",
     "read_chat_template",
+    "load_tokenizer",
     "find_piece_names",
     "load_target_pieces_from_model",
     "find_layer_names",
@@ -167,6 +168,21 @@ def read_chat_template(model_path: str | os.PathLike[str]) -> str | None:
             if value:
                 return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
     return None
+
+
+def load_tokenizer(model_path: str | os.PathLike[str]) -> Any:
+    """The tokenizer (and chat template) of the model directory, as transformers loads it.
+
+    Raises:
+        BadInput: it cannot be loaded (one line: the first line of transformers' reason).
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_path))
+    except Exception as err:  # transformers/tokenizers raise many types for a broken tokenizer
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise BadInput(f"cannot load the tokenizer of {model_path}: {why}") from None
 
 
 def chat_template_sha256(model_path: str | os.PathLike[str]) -> str:

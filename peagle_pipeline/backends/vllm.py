@@ -27,6 +27,7 @@ import torch
 from peagle_pipeline.backends.base import BackendSettings, SampleOutputs
 from peagle_pipeline.backends.pieces import check_target, text_config
 from peagle_pipeline.backends.vllm_log import announce, quiet
+from peagle_pipeline.core.settings import GPU_MEMORY_UTILIZATION, TENSOR_PARALLEL_SIZE
 from peagle_pipeline.errors import BackendMismatch, BadInput
 
 if TYPE_CHECKING:
@@ -104,8 +105,8 @@ class EngineSettings:
     model: str
     dtype: Literal["bf16", "fp32"] = "bf16"
     max_model_len: int | None = None
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = TENSOR_PARALLEL_SIZE
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
     max_num_batched_tokens: int | None = None
 
 

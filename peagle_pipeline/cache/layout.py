@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from peagle_pipeline.core import fp8
+from peagle_pipeline.core.settings import setting_differences
 
 __all__ = [
     "FORMAT_VERSION",
@@ -160,8 +161,8 @@ class CacheMeta:
 
     def differences(self, other: CacheMeta) -> list[str]:
         """Names of the settings that differ (empty when compatible)."""
-        a, b = self.to_dict(), other.to_dict()
-        return [k for k in a if k != "extra" and a[k] != b.get(k)]
+        found = setting_differences(self.to_dict(), other.to_dict(), ignore={"extra"})
+        return [name for name, _, _ in found]
 
     def target_differences(self, other: CacheMeta) -> list[str]:
         """Names of the settings that make `other` hold another target's states (empty when a draft trained on one

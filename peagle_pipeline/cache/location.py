@@ -23,6 +23,9 @@ from peagle_pipeline.runtime import atomic_write_text, claim_output_dir, create_
 __all__ = [
     "prepare_cache",
     "check_meta",
+    "read_recorded_meta",
+    "compute_dtype_in",
+    "length_window_in",
     "recorded_compute_dtype",
     "recorded_length_window",
     "remove_new_cache",
@@ -113,7 +116,7 @@ def _explain(old: CacheMeta, new: CacheMeta, names: list[str]) -> str:
     return "; ".join(f"{n}: {a[n]!r} in the cache, {b[n]!r} now" for n in names)
 
 
-def _recorded_meta(root: str | os.PathLike[str]) -> dict[str, Any] | None:
+def read_recorded_meta(root: str | os.PathLike[str]) -> dict[str, Any] | None:
     """root/cache.json as a dict, None when absent, damaged or not an object (`prepare_cache` then says why)."""
     try:
         found: Any = json.loads((Path(root) / layout.CACHE_META).read_text(encoding="utf-8"))
@@ -123,17 +126,25 @@ def _recorded_meta(root: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 def recorded_compute_dtype(root: str | os.PathLike[str]) -> str | None:
-    """The logical compute dtype ("bfloat16"/"float32") in root/cache.json, if readable (old caches: their
-    hidden dtype); None when absent or damaged (`prepare_cache` then says what is wrong)."""
-    found = _recorded_meta(root)
+    """The logical compute dtype ("bfloat16"/"float32") in root/cache.json (see `compute_dtype_in`)."""
+    return compute_dtype_in(read_recorded_meta(root))
+
+
+def recorded_length_window(root: str | os.PathLike[str]) -> int | None:
+    """The storage order's length window in root/cache.json (see `length_window_in`)."""
+    return length_window_in(read_recorded_meta(root))
+
+
+def compute_dtype_in(found: dict[str, Any] | None) -> str | None:
+    """The logical compute dtype ("bfloat16"/"float32") of a read cache.json (old caches: their hidden dtype);
+    None for no readable cache.json (`prepare_cache` then says what is wrong). Pure."""
     logical = None if found is None else found.get("compute_dtype") or found.get("hidden_dtype")
     return logical if isinstance(logical, str) else None
 
 
-def recorded_length_window(root: str | os.PathLike[str]) -> int | None:
-    """The storage order's length window in root/cache.json: 1 for a cache written before the field existed (row
-    order); None when there is no readable cache.json (`prepare_cache` then says what is wrong)."""
-    found = _recorded_meta(root)
+def length_window_in(found: dict[str, Any] | None) -> int | None:
+    """The storage order's length window of a read cache.json: 1 for a cache written before the field existed
+    (row order); None for no readable cache.json (`prepare_cache` then says what is wrong). Pure."""
     window = None if found is None else found.get("length_window", 1)
     return window if isinstance(window, int) and window > 0 else None
 

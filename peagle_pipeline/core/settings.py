@@ -3,16 +3,31 @@ defaults and checks from here (each defined once). Pure: no I/O, no torch."""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from peagle_pipeline.errors import BadConfig
 
-__all__ = ["CODConfig", "SERVING_DEPTHS"]
+__all__ = [
+    "CODConfig",
+    "SERVING_DEPTHS",
+    "TENSOR_PARALLEL_SIZE",
+    "GPU_MEMORY_UTILIZATION",
+    "setting_differences",
+]
 
 # K that vLLM drafts with by default: the export's `speculative_tokens`, at most the K the draft was trained with
 # (`CODConfig.depths`). P-EAGLE trains deeper than it serves: trained at K = 8 and served at K = 5, a draft beats
 # one trained at K = 5 by 3-4 % (the paper); the deeper positions are cheap to train (COD keeps few of them).
 SERVING_DEPTHS = 4
+
+# The vLLM engine defaults of every command that starts an engine (generate, extract, evaluate, vllm-check) and of
+# the backends' own settings: defined once here, where both config.py and backends/ may import them.
+TENSOR_PARALLEL_SIZE = 1
+"""GPUs one vLLM engine is split over (tensor parallelism)."""
+GPU_MEMORY_UTILIZATION = 0.9
+"""Fraction of each GPU's memory a vLLM engine may take."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,3 +54,31 @@ class CODConfig:
             )
         if self.max_anchors is not None and self.max_anchors < 1:
             raise BadConfig(f"max_anchors must be positive, got {self.max_anchors}")
+
+
+def setting_differences(
+    saved: Mapping[str, Any],
+    now: Mapping[str, Any],
+    *,
+    ignore: Collection[str] = (),
+    ordered: bool = False,
+    nested: bool = False,
+) -> list[tuple[str, Any, Any]]:
+    """The saved-vs-current settings comparison of every resume: (name, saved value, current value) of each
+    setting that differs (one missing on a side reads None there), names in `ignore` left out.
+
+    Order: `saved`'s names, then names only `now` has; `ordered` sorts the names (at every level). `nested`
+    compares two dict values name by name, reported as `outer.inner`.
+    """
+    names = [*saved, *(k for k in now if k not in saved)]
+    out: list[tuple[str, Any, Any]] = []
+    for name in sorted(names) if ordered else names:
+        if name in ignore:
+            continue
+        a, b = saved.get(name), now.get(name)
+        if nested and isinstance(a, dict) and isinstance(b, dict):
+            inner = setting_differences(a, b, ordered=ordered, nested=True)
+            out += [(f"{name}.{k}", x, y) for k, x, y in inner]
+        elif a != b:
+            out.append((name, a, b))
+    return out

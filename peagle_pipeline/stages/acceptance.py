@@ -312,7 +312,7 @@ def speculative_config(draft_dir: str | Path, depths: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ hardware
 
 
-def describe_hardware(tensor_parallel_size: int = 1) -> str:
+def describe_hardware(tensor_parallel_size: int) -> str:
     """The device the engine runs on: GPU name (x count), else the CPU model and the cores this process may use."""
     with contextlib.suppress(Exception):
         import torch

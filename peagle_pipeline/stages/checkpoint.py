@@ -40,6 +40,7 @@ from peagle_pipeline.runtime import (
     pause_for_crash_test,
     raise_if_no_space,
 )
+from peagle_pipeline.stages.run_layout import CHECKPOINTS_DIR
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -56,7 +57,6 @@ __all__ = [
     "save_torch",
 ]
 
-CHECKPOINTS_DIR = "checkpoints"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "state.pt"

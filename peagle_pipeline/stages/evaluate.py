@@ -16,11 +16,12 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from peagle_pipeline.backends import vllm_log
+from peagle_pipeline.config import EvaluateConfig
 from peagle_pipeline.errors import BadInput
 from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.stages.acceptance import (
@@ -34,7 +35,8 @@ from peagle_pipeline.stages.acceptance import (
     run_prompts,
     speculative_config,
 )
-from peagle_pipeline.stages.prompts import MT_BENCH, PromptSet, load_prompt_set, load_tokenizer
+from peagle_pipeline.stages.prompts import PromptSet, load_prompt_set
+from peagle_pipeline.stages.run_layout import EXPORT_DIR
 
 __all__ = [
     "EvalOptions",
@@ -58,51 +60,8 @@ CHART_FILE = "acceptance.png"
 MAX_MISMATCHES = 5  # mismatching prompts listed per row in the report
 
 
-@dataclass(frozen=True, kw_only=True)
-class EvalOptions:
-    """What `evaluate` measures and how; every figure in the report carries these settings."""
-
-    drafts: list[str]
-    target: str | None = None
-    prompts: list[str] = field(default_factory=lambda: [MT_BENCH])
-    num_prompts: int = 80
-    max_tokens: int = 256
-    temperature: float = 0.0
-    depths: int | None = None
-    concurrency: list[int] = field(default_factory=lambda: [1])
-    acceptance_concurrency: int = 1
-    output: str | None = None
-    dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.9
-    allow_other_target: bool = False  # run drafts trained on another target (a warning instead of a refusal)
-
-    def __post_init__(self) -> None:
-        if not self.drafts:
-            raise BadInput("give at least one exported draft directory")
-        if not self.prompts:
-            raise BadInput(
-                "give at least one prompt set (--prompts mt-bench, humaneval, heldout:RUN_DIR or a file)"
-            )
-        for name in ("num_prompts", "max_tokens", "tensor_parallel_size"):
-            if getattr(self, name) <= 0:
-                raise BadInput(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.depths is not None and self.depths <= 0:
-            raise BadInput(f"--depths must be positive, got {self.depths}")
-        if not self.concurrency or min(self.concurrency) <= 0:
-            raise BadInput(f"--concurrency must be positive, got {self.concurrency}")
-        if self.acceptance_concurrency <= 0:
-            raise BadInput(f"--acceptance-concurrency must be positive, got {self.acceptance_concurrency}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise BadInput(f"--temperature must be >= 0, got {self.temperature}")
-        if self.dtype not in ("auto", "bf16", "fp32"):
-            raise BadInput(f"--dtype must be auto, bf16 or fp32, got {self.dtype!r}")
-
-    @property
-    def levels(self) -> list[int]:
-        """Every concurrency measured: the tokens/s levels and the one AL is read from."""
-        return sorted(set(self.concurrency) | {self.acceptance_concurrency})
+# The settings of `evaluate` (defaults, help and checks) are config.EvaluateConfig; EvalOptions is its name here.
+EvalOptions = EvaluateConfig
 
 
 @dataclass
@@ -136,7 +95,7 @@ def find_run(export_dir: str | Path) -> Path | None:
     """The training run an export came from: named by its `.peagle-export.json` (`run` or `run_dir`, relative to
     the export), else the export's parent when the export sits in a run (`train` writes RUN/export); else None."""
     from peagle_pipeline.stages.export import read_marker
-    from peagle_pipeline.stages.rundir import TRAIN_YAML
+    from peagle_pipeline.stages.run_layout import TRAIN_YAML
 
     export = Path(export_dir)
     facts = read_marker(export)
@@ -215,7 +174,7 @@ def resolve_draft(path: str, depths: int | None) -> Draft:
     vocab = (config.get("transformer_layer_config") or {}).get("vocab_size")
     run_dir = find_run(path)
     p = Path(path)
-    name = f"{p.resolve().parent.name}/{p.name}" if p.name == "export" else p.name
+    name = f"{p.resolve().parent.name}/{p.name}" if p.name == EXPORT_DIR else p.name
     return Draft(
         name=name,
         path=str(path),
@@ -413,7 +372,7 @@ def run(opts: EvalOptions, echo: Callable[[str], None] | None = None) -> dict[st
 
 
 def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any]:
-    from peagle_pipeline.backends.pieces import read_target_info, text_config
+    from peagle_pipeline.backends.pieces import load_tokenizer, read_target_info, text_config
     from peagle_pipeline.backends.vllm import EngineSettings, require_vllm
     from peagle_pipeline.stages.eval_report import format_table, plot_acceptance
     from peagle_pipeline.stages.export import check_served_target

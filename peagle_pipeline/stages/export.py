@@ -223,7 +223,7 @@ def run_identity(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
     The start time survives moving or copying the run folder; the path names it for people.
     """
-    from peagle_pipeline.stages.rundir import RUN_JSON
+    from peagle_pipeline.stages.run_layout import RUN_JSON
 
     try:
         starts = json.loads((Path(run_dir) / RUN_JSON).read_text()).get("starts") or [{}]
@@ -459,7 +459,7 @@ def export_run(
         OutputExists: see `check_export_target`.
     """
     from peagle_pipeline.stages.checkpoint import CheckpointManager
-    from peagle_pipeline.stages.rundir import EXPORT_DIR
+    from peagle_pipeline.stages.run_layout import EXPORT_DIR
 
     if Path(output).exists() and not Path(output).is_dir():
         raise BadInput(f"--output {output} is a file: give a directory for the export")

@@ -19,25 +19,28 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NamedTuple, NoReturn
 
 import numpy as np
 
 from peagle_pipeline.backends import vllm_log
 from peagle_pipeline.backends.base import (
+    DEFAULT_LAYER_RULE,
     BackendSettings,
     SampleOutputs,
     TargetBackend,
     default_layer_ids,
+    spelled_default_layer_ids,
     submit,
 )
 from peagle_pipeline.backends.registry import get_backend
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.layout import CacheMeta
 from peagle_pipeline.cache.location import (
+    compute_dtype_in,
+    length_window_in,
     prepare_cache,
-    recorded_compute_dtype,
-    recorded_length_window,
+    read_recorded_meta,
     remove_new_cache,
 )
 from peagle_pipeline.cache.remote import RemoteCache, is_remote
@@ -65,7 +68,8 @@ __all__ = [
     "build_meta",
     "prepare_output",
     "target_source",
-    "choose_compute_dtype",
+    "settle_auto",
+    "Settled",
     "backend_settings",
     "target_device",
     "forward_dtype",
@@ -338,29 +342,42 @@ def backend_settings(cfg: ExtractConfig) -> BackendSettings:
     )
 
 
-def choose_compute_dtype(cfg: ExtractConfig, device: str) -> tuple[Literal["bf16", "fp32"], str]:
-    """The forward dtype ("bf16"/"fp32") for this run and the line that says why.
+class Settled(NamedTuple):
+    """The settings of one extract run with their "auto" values settled (`settle_auto`)."""
 
-    Under `compute_dtype: auto`, a cache that already exists keeps the dtype it was started with (one cache never
-    mixes bf16 and fp32 forwards, whichever machine resumes it or writes another rank); otherwise
+    cfg: ExtractConfig
+    """As recorded (extract.yaml, cache.json): length_window settled; compute_dtype as given."""
+    run_cfg: ExtractConfig
+    """What the backend runs: `cfg` with compute_dtype settled too (the dtype cache.json records)."""
+    why: str
+    """The line that says which compute dtype and why."""
+
+
+_COMPUTED: dict[str, Literal["bf16", "fp32"]] = {"bfloat16": "bf16", "float32": "fp32"}
+
+
+def settle_auto(cfg: ExtractConfig, recorded: dict[str, Any] | None, device: str) -> Settled:
+    """Settle the "auto" values of `cfg` from the cache being resumed (`recorded`: its cache.json as read once,
+    None for a new cache) and the device the target runs on. Reads nothing itself.
+
+    Under `compute_dtype: auto` a cache that already exists keeps the forward dtype it was started with (one cache
+    never mixes bf16 and fp32 forwards, whichever machine resumes it or writes another rank); otherwise
     `forward_dtype` decides from the stored dtype and the hardware. An explicit setting is used as given (and
-    refused by `prepare_output` if the cache recorded another).
+    refused by `prepare_output` if the cache recorded another). An unset length_window keeps the resumed cache's
+    storage order, else takes DEFAULT_LENGTH_WINDOW.
     """
     chosen = forward_dtype(cfg, device)
-    if cfg.compute_dtype == "auto":
-        kept = _recorded_compute_dtype(Path(cfg.output))
-        if kept is not None:
-            line = describe_compute_dtype("auto", device, kept)
-            return kept, line[: line.index(" (")] + " (auto: kept from the cache being resumed)"
-    if cfg.compute_dtype == "auto" and cfg.dtype == "fp32":
-        return chosen, f"compute dtype fp32 on {device} (auto: dtype is fp32)"
-    return chosen, describe_compute_dtype(cfg.compute_dtype, device, chosen)
-
-
-def _recorded_compute_dtype(root: Path) -> Literal["bf16", "fp32"] | None:
-    """The compute dtype ("bf16"/"fp32") recorded in the cache at root, if readable."""
-    computed: dict[str, Literal["bf16", "fp32"]] = {"bfloat16": "bf16", "float32": "fp32"}
-    return computed.get(recorded_compute_dtype(root) or "")
+    kept = _COMPUTED.get(compute_dtype_in(recorded) or "") if cfg.compute_dtype == "auto" else None
+    if kept is not None:
+        line = describe_compute_dtype("auto", device, kept)
+        compute, why = kept, line[: line.index(" (")] + " (auto: kept from the cache being resumed)"
+    elif cfg.compute_dtype == "auto" and cfg.dtype == "fp32":
+        compute, why = chosen, f"compute dtype fp32 on {device} (auto: dtype is fp32)"
+    else:
+        compute, why = chosen, describe_compute_dtype(cfg.compute_dtype, device, chosen)
+    window = cfg.length_window or length_window_in(recorded) or DEFAULT_LENGTH_WINDOW
+    settled = dataclasses.replace(cfg, length_window=window)
+    return Settled(settled, dataclasses.replace(settled, compute_dtype=compute), why)
 
 
 def target_source(model: str, init_layer: int | None = None) -> TargetSource:
@@ -434,12 +451,12 @@ def collapsed_layers_note(cfg: ExtractConfig, num_hidden_layers: int) -> str | N
     """On small targets the default ids [2, L//2, L-3] coincide (L=6: [2, 3, 3]); the draft then gets fewer aux
     hidden states than the usual 3. Not an error (tiny test models rely on it), but the user should know."""
     L = num_hidden_layers
-    spelled = [2, L // 2, L - 3]
+    spelled = spelled_default_layer_ids(L)
     ids = default_layer_ids(L)
     if cfg.layers or len(ids) == len(spelled):
         return None
     return (
-        f"the default aux layers [2, L//2, L-3] of this {L}-layer target are {spelled}: the draft gets "
+        f"the default aux layers {DEFAULT_LAYER_RULE} of this {L}-layer target are {spelled}: the draft gets "
         f"{len(ids)} aux hidden states instead of 3; pass --layers to choose 3 distinct ids"
     )
 
@@ -450,37 +467,27 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     Raises:
         BadInput, BadConfig, OutputExists, IncompatibleCache, ResumeMismatch, Busy, OutOfSpace, Interrupted (Ctrl-C), Terminated (SIGTERM).
     """
-    from peagle_pipeline.backends.pieces import read_target_info
+    from peagle_pipeline.backends.pieces import load_tokenizer, read_target_info
 
     rank, world = writer_rank(cfg.rank, cfg.world_size)
     info = read_target_info(cfg.model)
     layer_ids = resolve_layers(cfg, info.num_hidden_layers)
     if cfg.topk > info.vocab_size:
         raise BadInput(f"topk {cfg.topk} exceeds the target vocabulary ({info.vocab_size})")
-    from transformers import AutoTokenizer
-
     from peagle_pipeline.data.chat import ChatRenderer
     from peagle_pipeline.data.formats import iter_rows, split_notes
 
     # Checked before the output exists: bad data paths or tokenizer must not leave a cache stamped with them.
     iter_rows(cfg.data, cfg.split)  # checks every path's existence and kind; reads nothing
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    except Exception as err:  # transformers/tokenizers raise many types for a broken tokenizer
-        why = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        raise BadInput(f"cannot load the tokenizer of {cfg.model}: {why}") from None
+    tokenizer = load_tokenizer(cfg.model)
     renderer = ChatRenderer(tokenizer, cfg.assistant_turns, cfg.leading_assistant)
     # An object store is written through a local staging directory holding what the writer needs of it.
     remote = RemoteCache(cfg.output) if is_remote(cfg.output) else None
     local = str(remote.staging) if remote is not None else cfg.output
     remote_had = remote.pull_root() if remote is not None else False
-    compute, why = choose_compute_dtype(dataclasses.replace(cfg, output=local), target_device(cfg))
-    if cfg.length_window is None:  # a resumed cache keeps its storage order; a new one takes the default
-        window = recorded_length_window(local) or DEFAULT_LENGTH_WINDOW
-        cfg = dataclasses.replace(cfg, length_window=window)
-    meta = build_meta(cfg, info, layer_ids, world, compute)
+    cfg, run_cfg, why = settle_auto(cfg, read_recorded_meta(local), target_device(cfg))
+    meta = build_meta(cfg, info, layer_ids, world, run_cfg.compute_dtype)  # type: ignore[arg-type]  # settled
     existed, created = Path(local).exists(), not (Path(local) / layout.CACHE_META).exists()
-    run_cfg = dataclasses.replace(cfg, compute_dtype=compute)  # the backend computes in what meta records
     # A new cache is stamped (cache.json: compute dtype, ...) only once its backend has started, so a failed start
     # (no CUDA, vLLM missing, ...) leaves nothing that would refuse or change the corrected command.
     if cfg.backend == "vllm":  # vLLM's own output: OUTPUT/vllm.log, a temporary file until the output exists

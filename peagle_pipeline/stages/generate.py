@@ -257,9 +257,7 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
     Raises:
         BadInput, BadConfig, OutputExists, IncompatibleCache, ResumeMismatch, Busy, OutOfSpace, Interrupted (Ctrl-C), Terminated (SIGTERM).
     """
-    from transformers import AutoTokenizer
-
-    from peagle_pipeline.backends.pieces import read_target_info, text_config
+    from peagle_pipeline.backends.pieces import load_tokenizer, read_target_info, text_config
     from peagle_pipeline.data.chat import ChatRenderer
     from peagle_pipeline.data.formats import iter_rows, split_notes
 
@@ -272,11 +270,7 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
             f"max_prompt_tokens + max_new_tokens ({max_model_len}) exceeds the target's context ({context})"
         )
     iter_rows(cfg.data, cfg.split)  # checks every path before the output exists; reads nothing
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    except Exception as err:  # transformers/tokenizers raise many types for a broken tokenizer
-        why = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        raise BadInput(f"cannot load the tokenizer of {cfg.model}: {why}") from None
+    tokenizer = load_tokenizer(cfg.model)
     renderer = ChatRenderer(tokenizer)
     stops = resolve_stop_ids(cfg.model, renderer)
     builder = DialogueBuilder(renderer, cfg.turns, stops, cfg.thinking)

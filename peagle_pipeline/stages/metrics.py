@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from peagle_pipeline.stages.run_layout import METRICS_FILE, PLOTS_DIR, TB_DIR
+
 __all__ = [
     "METRICS_FILE",
     "TB_DIR",
@@ -31,9 +33,6 @@ __all__ = [
     "plot",
 ]
 
-METRICS_FILE = "metrics.jsonl"
-TB_DIR = "tb"
-PLOTS_DIR = "plots"
 LINE_EVERY_S = 10.0  # plain progress lines (no terminal): at most one train line per this many seconds
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from peagle_pipeline.core.settings import setting_differences
 from peagle_pipeline.data.formats import WRITER_LOCK_PREFIX
 from peagle_pipeline.errors import IncompatibleCache, ResumeMismatch
 from peagle_pipeline.runtime import (
@@ -117,15 +118,9 @@ def remove_new_output(root: Path, rank: int, world_size: int, existed: bool) -> 
             root.rmdir()
 
 
-def _differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    out = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _differences(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}: {a!r} there, {b!r} now")
-    return out
+def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    found = setting_differences(old, new, ordered=True, nested=True)
+    return [f"{name}: {a!r} there, {b!r} now" for name, a, b in found]
 
 
 @dataclass

@@ -42,7 +42,6 @@ __all__ = [
     "RunSettings",
     "load_prompt_set",
     "load_prompts",
-    "load_tokenizer",
     "mt_bench_questions",
     "humaneval_file",
     "humaneval_questions",
@@ -159,17 +158,9 @@ def load_prompts(
     source: str | None, target: str, num_prompts: int, run_dir: str | Path | None = None
 ) -> list[list[int]]:
     """`load_prompt_set` with the tokenizer of the model directory `target`; the token ids only."""
+    from peagle_pipeline.backends.pieces import load_tokenizer
+
     return load_prompt_set(source, load_tokenizer(target), num_prompts, run_dir).prompts
-
-
-def load_tokenizer(target: str) -> Any:
-    """The tokenizer (and chat template) of the model directory `target`."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(target)
-    except (OSError, ValueError) as err:
-        raise BadInput(f"cannot load the tokenizer of {target}: {str(err).splitlines()[0][:160]}") from None
 
 
 # ---------------------------------------------------------------------------------------------- MT-Bench
@@ -253,7 +244,7 @@ def read_train_settings(run_dir: str | Path) -> dict[str, Any]:
     """
     import yaml
 
-    from peagle_pipeline.stages.rundir import TRAIN_YAML
+    from peagle_pipeline.stages.run_layout import TRAIN_YAML
 
     try:
         train = (yaml.safe_load((Path(run_dir) / TRAIN_YAML).read_text(encoding="utf-8")) or {})["train"]

@@ -21,8 +21,17 @@ from typing import Any
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.config import TrainConfig, to_dict
+from peagle_pipeline.core.settings import setting_differences
 from peagle_pipeline.errors import BadInput, OutputExists, ResumeMismatch
 from peagle_pipeline.runtime import atomic_write_json, atomic_write_text
+from peagle_pipeline.stages.run_layout import (
+    CHECKPOINTS_DIR,
+    EXPORT_DIR,
+    LOCK_FILE,
+    METRICS_FILE,
+    RUN_JSON,
+    TRAIN_YAML,
+)
 
 __all__ = [
     "TRAIN_YAML",
@@ -38,12 +47,6 @@ __all__ = [
     "write_run_files",
 ]
 
-TRAIN_YAML = "train.yaml"
-RUN_JSON = "run.json"
-EXPORT_DIR = "export"
-LOCK_FILE = "train.lock"
-METRICS_FILE = "metrics.jsonl"  # (metrics.METRICS_FILE; spelled here to keep this module free of the sinks)
-CHECKPOINTS_DIR = "checkpoints"
 # Settings a resume may change: they do not alter the weights trained so far (where the run lives, how often it
 # logs, evaluates and saves, how many checkpoints it keeps, the device, the reader processes, whether a corrupt
 # sample met from now on is skipped: the advice of the corrupt-sample error is `--resume --skip-corrupt`).
@@ -138,9 +141,9 @@ def prepare_output(cfg: TrainConfig, world: int, micro_steps: int) -> bool:
     saved.update(world_size=facts.get("world_size", world), micro_steps=facts.get("micro_steps", micro_steps))
     now.update(world_size=world, micro_steps=micro_steps)
     free = RESUME_FREE | EXTENDABLE | {"cache"}
-    diff = sorted(k for k in set(saved) | set(now) if k not in free and saved.get(k) != now.get(k))
+    diff = setting_differences(saved, now, ignore=free, ordered=True)
     if diff:
-        detail = ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in diff)
+        detail = ", ".join(f"{k} ({a!r} -> {b!r})" for k, a, b in diff)
         raise ResumeMismatch(f"cannot resume {out}: settings differ from its {TRAIN_YAML}: {detail}")
     _check_same_cache(out, str(saved.get("cache", "")), cfg.cache, facts)
     return True

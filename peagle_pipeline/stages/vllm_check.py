@@ -14,12 +14,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from peagle_pipeline.backends import vllm_log
 from peagle_pipeline.backends.base import TargetInfo
 from peagle_pipeline.backends.pieces import read_target_info, text_config
 from peagle_pipeline.backends.vllm import EngineSettings, require_vllm
+from peagle_pipeline.config import VllmCheckConfig
 from peagle_pipeline.errors import BadInput, SpeculativeMismatch
 from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import atomic_write_json
@@ -117,35 +118,18 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def run(
-    draft_dir: str,
-    target: str,
-    *,
-    prompts: str | None = None,
-    num_prompts: int = 8,
-    max_tokens: int = 64,
-    depths: int | None = None,
-    report: str | None = None,
-    dtype: Literal["bf16", "fp32"] = "bf16",
-    tensor_parallel_size: int = 1,
-    gpu_memory_utilization: float = 0.9,
-    allow_other_target: bool = False,
-    echo: Callable[[str], None] | None = None,
-) -> CheckReport:
+def run(draft: str, target: str, *, echo: Callable[[str], None] | None = None, **options: Any) -> CheckReport:
     """Check an exported draft in vLLM: greedy equality with plain decoding, and vLLM's measured acceptance.
 
     Args:
-        draft_dir: P-EAGLE export (config.json + model.safetensors).
+        draft: P-EAGLE export (config.json + model.safetensors).
         target: target model directory (the verifier).
-        prompts: prompt source (see `load_prompts`); None = built-in prompts.
-        num_prompts: prompts to generate for.
-        max_tokens: tokens generated per prompt.
-        depths: num_speculative_tokens (default: the draft's K).
-        report: write the JSON report here (also when the outputs differ).
-        dtype: model dtype in vLLM.
-        tensor_parallel_size, gpu_memory_utilization: vLLM engine options.
-        allow_other_target: run a draft trained on another target (see `check_served_target`) with a warning.
         echo: where the summary table goes (the CLI passes its printer); default: the log.
+        options: the other `VllmCheckConfig` settings (their defaults and meaning are there): prompts (see
+            `load_prompts`; None = built-in prompts), num_prompts, max_tokens, depths (default: the draft's K),
+            report (the JSON report, also written when the outputs differ), dtype, tensor_parallel_size,
+            gpu_memory_utilization, allow_other_target (a draft trained on another target, see
+            `check_served_target`, runs with a warning).
 
     Returns:
         The CheckReport.
@@ -156,50 +140,39 @@ def run(
         SpeculativeMismatch: speculative greedy output differs from plain greedy output.
         Interrupted, Terminated: Ctrl-C or SIGTERM (nothing is kept: the message says so).
     """
+    cfg = VllmCheckConfig(draft=draft, target=target, **options)
     say = echo or log.info
-    beside = Path(report).parent if report else None  # vLLM's own output: beside the report, else a temp file
+    beside = (
+        Path(cfg.report).parent if cfg.report else None
+    )  # vLLM's own output: beside the report, else a temp file
     vllm_log.route_to(beside if beside is not None and beside.is_dir() else None)
     try:
-        result = _check(draft_dir, target, prompts, num_prompts, max_tokens, depths, dtype, say,
-                        tensor_parallel_size, gpu_memory_utilization, allow_other_target,
-                        echo or log.warning)  # fmt: skip
+        result = _check(cfg, say, echo or log.warning)
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: nothing was written, nothing is kept
         raise stop_error(stop, STOPPED) from None
     say(result.table())
-    _publish(result, report)
+    _publish(result, cfg.report)
     return result
 
 
 STOPPED = ": vllm-check keeps no partial work (its report is written at the end); re-run the same command"
 
 
-def _check(
-    draft_dir: str,
-    target: str,
-    prompts: str | None,
-    num_prompts: int,
-    max_tokens: int,
-    depths: int | None,
-    dtype: Literal["bf16", "fp32"],
-    say: Callable[[str], None],
-    tensor_parallel_size: int,
-    gpu_memory_utilization: float,
-    allow_other_target: bool,
-    warn: Callable[[str], None],
-) -> CheckReport:
+def _check(cfg: VllmCheckConfig, say: Callable[[str], None], warn: Callable[[str], None]) -> CheckReport:
     """Both engine runs and their comparison (see `run`); `warn` gets the note of a draft of another target."""
-    K, info = _check_request(draft_dir, target, depths, max_tokens, dtype)
-    note = check_served_target(draft_dir, target, allow_other_target)  # before any engine starts
+    draft_dir, target, dtype, max_tokens = cfg.draft, cfg.target, cfg.dtype, cfg.max_tokens
+    K, info = _check_request(draft_dir, target, cfg.depths, max_tokens, dtype)
+    note = check_served_target(draft_dir, target, cfg.allow_other_target)  # before any engine starts
     if note:
         warn(note)
-    ids = load_prompts(prompts, target, num_prompts, run_dir=export_run_dir(draft_dir))
+    ids = load_prompts(cfg.prompts, target, cfg.num_prompts, run_dir=export_run_dir(draft_dir))
     max_pos = int(text_config(info.config).get("max_position_embeddings") or 4096)
     settings = EngineSettings(
         model=target,
         dtype=dtype,
         max_model_len=min(max_pos, max(map(len, ids)) + max_tokens + K + 1),
-        tensor_parallel_size=tensor_parallel_size,
-        gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
     )
     say(f"plain target {target}: {len(ids)} prompts x {max_tokens} tokens")
     with engine(settings, None) as (llm, started):

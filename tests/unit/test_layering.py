@@ -24,7 +24,8 @@ ALLOWED = {
     "data": {"errors"},
     "preemption": {"errors"},  # SIGTERM/SIGINT handling, shared by the stages and the cache writer's commit
     "config": {"errors", "core.settings"},  # the COD defaults and checks, defined once (torch-free)
-    "backends": {"errors", "runtime", "cache.layout"},  # the cache contract's file names
+    # the cache contract's file names; the vLLM engine defaults (core.settings, torch-free, shared with config)
+    "backends": {"errors", "runtime", "cache.layout", "core.settings"},
     "cache": {"core", "runtime", "errors", "preemption"},
     "stages": {"__init__", "cache", "backends", "data", "core", "runtime", "config", "errors", "preemption"},
     "cli": {"__init__", "config", "errors", "stages", "cache", "runtime", "preemption"},

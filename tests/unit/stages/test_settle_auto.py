@@ -1,0 +1,45 @@
+"""Issue 38 item 5: extract settles its "auto" values from one read of cache.json in one pure function, and the
+saved-vs-current settings comparison of every resume is one function."""
+
+from __future__ import annotations
+
+from peagle_pipeline.config import ExtractConfig
+from peagle_pipeline.core.settings import setting_differences
+from peagle_pipeline.stages.extract import DEFAULT_LENGTH_WINDOW, settle_auto
+
+
+def _cfg(**kw) -> ExtractConfig:
+    return ExtractConfig(model="m", data=["d.jsonl"], output="out", **kw)
+
+
+def test_a_new_cache_takes_the_defaults():
+    cfg, run_cfg, why = settle_auto(_cfg(dtype="fp32"), None, "cpu")
+    assert cfg.length_window == DEFAULT_LENGTH_WINDOW and cfg.compute_dtype == "auto"  # as recorded
+    assert run_cfg.compute_dtype == "fp32" and run_cfg.length_window == DEFAULT_LENGTH_WINDOW
+    assert why == "compute dtype fp32 on cpu (auto: dtype is fp32)"
+
+
+def test_a_resumed_cache_keeps_what_it_recorded():
+    recorded = {"compute_dtype": "bfloat16", "length_window": 7}
+    cfg, run_cfg, why = settle_auto(_cfg(dtype="fp32"), recorded, "cpu")
+    assert (cfg.length_window, cfg.compute_dtype, run_cfg.compute_dtype) == (7, "auto", "bf16")
+    assert why.endswith("(auto: kept from the cache being resumed)")
+    # a cache from before the field: row order; explicit settings are used as given
+    cfg, run_cfg, _ = settle_auto(
+        _cfg(compute_dtype="fp32", length_window=3), {"hidden_dtype": "bfloat16"}, "cpu"
+    )
+    assert (cfg.length_window, run_cfg.compute_dtype) == (3, "fp32")
+    assert settle_auto(_cfg(), {"hidden_dtype": "bfloat16"}, "cpu").cfg.length_window == 1
+
+
+def test_setting_differences_names_each_setting_once_in_a_stable_order():
+    saved, now = {"b": 1, "a": {"x": 1, "y": 2}, "c": 3}, {"a": {"x": 1, "y": 5}, "b": 2, "d": 4, "c": 3}
+    assert setting_differences(saved, now) == [
+        ("b", 1, 2),
+        ("a", {"x": 1, "y": 2}, {"x": 1, "y": 5}),
+        ("d", None, 4),
+    ]
+    assert setting_differences(saved, now, ordered=True, nested=True, ignore={"d"}) == [
+        ("a.y", 2, 5),
+        ("b", 1, 2),
+    ]
