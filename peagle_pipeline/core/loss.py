@@ -69,6 +69,22 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
+# Elements per block of `_log_softmax` (8 MiB in fp32). A chunk's [chunk, Vd] logits are the largest buffers of a
+# training step and do not shrink with sequence partitioning (one chunk of 2048 elements over 32,000 draft tokens is
+# 250 MiB in fp32): log-softmax block by block writes over them instead of allocating a second [chunk, Vd] buffer.
+SOFTMAX_BLOCK = 1 << 21
+
+
+def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 log-softmax over the last dim of logits [c, Vd], in blocks of rows: in place for fp32 logits, else into
+    one fp32 buffer (the values are those of `torch.log_softmax(logits.float(), -1)`: each row on its own)."""
+    out = logits if logits.dtype == torch.float32 else torch.empty_like(logits, dtype=torch.float32)
+    rows = max(1, SOFTMAX_BLOCK // max(1, logits.shape[-1]))
+    for lo in range(0, logits.shape[0], rows):
+        out[lo : lo + rows] = torch.log_softmax(logits[lo : lo + rows].float(), dim=-1)
+    return out
+
+
 class _ChunkedKL(torch.autograd.Function):
     """loss = sum_i w_i KL(p_i || softmax(h_i W^T)); the gradient is formed chunk by chunk in forward."""
 
@@ -96,7 +112,7 @@ class _ChunkedKL(torch.autograd.Function):
             for lo in range(0, N, chunk):
                 hi = min(N, lo + chunk)
                 h = hidden[lo:hi].detach().to(dtype)
-                logq = torch.log_softmax((h @ W.T).float(), dim=-1)  # [c, Vd]
+                logq = _log_softmax(h @ W.T)  # [c, Vd] fp32
                 draft_top[lo:hi] = logq.argmax(-1)
                 wc = w[lo:hi]  # [c] 0/1
                 if kind == "topk":
@@ -105,7 +121,7 @@ class _ChunkedKL(torch.autograd.Function):
                 else:
                     t = tgt[0][lo:hi].float()
                     t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + tgt[2]) * tgt[1].float()
-                    logp = torch.log_softmax((t.to(dtype) @ W.T).float(), dim=-1)  # [c, Vd]
+                    logp = _log_softmax(t.to(dtype) @ W.T)  # [c, Vd] fp32
                     target_top[lo:hi] = logp.argmax(-1)
                     kl = (logp.exp() * (logp - logq)).sum(-1)
                 loss += (kl * wc).sum()

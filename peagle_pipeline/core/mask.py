@@ -155,16 +155,15 @@ def attend(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if not isinstance(mask, torch.Tensor):
         return _flex(q, k, v, mask, scale)
-    if k.shape[1] != q.shape[1]:  # expand kv heads: keeps SDPA on its fused CPU kernel (enable_gqa does not)
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
     if mask.shape[0] <= QUERY_BLOCK:
-        return _sdpa(q, k, v, mask, scale)
+        return _sdpa(q, *_expand(q, k, v), mask, scale)
     # fp32 inside: each block's key and value gradients are summed over the blocks, which in bf16 would round at
     # every block (a single SDPA call accumulates in fp32). On the CPU measured the fp32 kernel was the faster one.
+    # Each block expands the kv heads and casts to fp32 only the keys it reads: an fp32 copy of every key and value
+    # at Hq heads, kept for backward, was the largest part of a segment's peak that grew with its context (Hq / Hkv
+    # times the keys and values themselves; 38 MiB at 8.7k elements for SmolLM2, docs/training.md).
     dtype = q.dtype
-    q, k, v = q.float(), k.float(), v.float()
+    q = q.float()
     starts = range(0, mask.shape[0], QUERY_BLOCK)
     seen = [mask[s : s + QUERY_BLOCK].any(dim=0) for s in starts]  # BoolTensor[Nk] per block: keys it may see
     gathered = sum(int(x.sum()) for x in seen) * 2  # key and value rows the blocks gather
@@ -174,7 +173,7 @@ def attend(
         rows = mask[start : start + QUERY_BLOCK]  # BoolTensor[b, Nk]
         qb = q[:, :, start : start + QUERY_BLOCK]
         if bool(keys_seen.all()):
-            blocks.append(_sdpa(qb, k, v, rows, scale))
+            blocks.append(_sdpa(qb, *_expand(qb, k, v), rows, scale))
         elif not bool(keys_seen.any()):  # padding only
             blocks.append(torch.zeros_like(qb))
         elif recompute:  # keep no gathered copy for backward: backward gathers again
@@ -185,11 +184,20 @@ def attend(
     return torch.cat(blocks, dim=2).to(dtype)
 
 
+def _expand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [1, Hkv, n, D] at q's heads and dtype (repeated kv heads keep SDPA on its fused CPU kernel, which
+    enable_gqa does not)."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return k.to(q.dtype), v.to(q.dtype)
+
+
 def _gathered_sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """`_sdpa` of a block of queries over only the keys `keys` (LongTensor[n]) that its rows may see."""
-    return _sdpa(q, k.index_select(2, keys), v.index_select(2, keys), rows[:, keys], scale)
+    return _sdpa(q, *_expand(q, k.index_select(2, keys), v.index_select(2, keys)), rows[:, keys], scale)
 
 
 def _sdpa(

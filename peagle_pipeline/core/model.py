@@ -224,6 +224,12 @@ class DraftConfig:
         }
 
 
+# Elements per checkpointed piece of layer 0's context keys and values (`PEagleDraft._context_kv`): bounds the
+# embeddings, fc output and norms (about 14 KB an element for SmolLM2 in fp32) that forward and the recomputation
+# in backward materialise at once.
+KV_CHUNK = 2048
+
+
 class RMSNorm(nn.Module):
     """RMS norm computed in fp32, weight applied in the input dtype (as transformers' LlamaRMSNorm)."""
 
@@ -459,14 +465,12 @@ class PEagleDraft(nn.Module):
             [N, H] (or [Nq, H]) after the final norm.
         """
         ids = torch.where(is_mask, torch.full_like(input_ids, self.cfg.mask_token_id), input_ids)
-        if not torch.is_autocast_enabled(aux_hidden.device.type):
-            aux_hidden = aux_hidden.to(self.mask_hidden.dtype)  # under autocast the matmul casts by itself
         cos, sin = self.rope(position)
         last = len(self.layers) - 1
         if out_index is not None and last == 0:
             # Only the owned queries go through the layer; the keys/values of all N elements are checkpointed
             # from the raw inputs, so the many context rows keep just k and v alive (not embeddings, aux, norms).
-            kv = self._checkpoint(self._kv_from_inputs, ids, aux_hidden, is_mask, aux_index, cos, sin)
+            kv = self._context_kv(ids, aux_hidden, is_mask, aux_index, cos, sin)
             embeds, stream = self._layer0_inputs(ids, aux_hidden, is_mask, aux_index, out_index)
             stream = self._run_layer(0, stream, embeds, cos[out_index], sin[out_index], out_mask, kv)
             return self.norm(stream)
@@ -496,13 +500,15 @@ class PEagleDraft(nn.Module):
             ids, is_mask = ids[rows], is_mask[rows]
             aux = aux[rows] if aux_index is None else aux[aux_index[rows]]  # fc on the wanted rows only
             aux_index = None
+        if not torch.is_autocast_enabled(aux.device.type):  # under autocast the matmul casts by itself
+            aux = aux.to(mask_row.dtype)  # after the gather: only the rows used (inside the checkpoints)
         if aux_index is None:
             stream = self.fc(torch.where(is_mask[:, None], mask_row.to(aux.dtype), aux))
         else:
             stream = torch.where(is_mask[:, None], self.fc(mask_row), self.fc(aux)[aux_index])  # fc on R rows
         return self.embed_tokens(ids), stream
 
-    def _kv_from_inputs(
+    def _context_kv(
         self,
         ids: torch.Tensor,
         aux: torch.Tensor,
@@ -511,8 +517,34 @@ class PEagleDraft(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        embeds, stream = self._layer0_inputs(ids, aux, is_mask, aux_index, None)
-        return self.layers[0].kv(stream, embeds, cos, sin)  # type: ignore[operator]  # a DecoderLayer
+        """Keys and values [N, Hkv, D] of layer 0 for all N elements, each `KV_CHUNK` rows checkpointed on their
+        own: forward and the recomputation in backward hold one chunk's embeddings, fc output, norms and
+        projections at a time, not those of the whole context (which is every depth-0 element left of a
+        segment's end: the same size in a row's last segment as in a single pass)."""
+        N = ids.shape[0]
+        parts = [
+            self._checkpoint(self._kv_rows, ids, aux, is_mask, aux_index, cos, sin, lo, min(N, lo + KV_CHUNK))
+            for lo in range(0, N, KV_CHUNK)
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
+
+    def _kv_rows(
+        self,
+        ids: torch.Tensor,
+        aux: torch.Tensor,
+        is_mask: torch.Tensor,
+        aux_index: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        lo: int,
+        hi: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer 0's keys and values [hi - lo, Hkv, D] of elements lo..hi-1."""
+        rows = torch.arange(lo, hi, device=ids.device)
+        embeds, stream = self._layer0_inputs(ids, aux, is_mask, aux_index, rows)
+        return self.layers[0].kv(stream, embeds, cos[lo:hi], sin[lo:hi])  # type: ignore[operator]
 
     def _checkpoint(self, fn: Any, *args: Any) -> Any:
         if torch.is_grad_enabled():

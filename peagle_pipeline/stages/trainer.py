@@ -242,16 +242,17 @@ class Trainer:
         real = sub.depth == 0
         # 0, 1, 2, ... at the depth-0 elements, 0 elsewhere (a cumulative sum: no count read back from the device)
         aux_index = torch.where(real, real.long().cumsum(0) - 1, 0)
-        aux = p.batch.aux_hidden[sub.target[real]]
-        if self.precision == "fp32":
-            aux = aux.float()
+        aux = p.batch.aux_hidden[sub.target[real]]  # in the cache's dtype: the draft casts the rows it uses
+        # a 1-layer draft with a query subset runs no full-square attention: no [n, n] mask (dense on the CPU, 73 MiB
+        # in the last of 4 segments of a row of 2 x 4096-token samples)
+        full = None if q is not None and self.model.cfg.num_layers == 1 else self._mask(sub)
         with torch.autocast(**self.autocast):
             hidden = module(
                 p.batch.input_ids[sub.target],
                 aux,
                 ~real,
                 sub.position,
-                self._mask(sub),
+                full,
                 aux_index=aux_index,
                 out_index=q,
                 out_mask=None if q is None else self._mask(sub, q),
