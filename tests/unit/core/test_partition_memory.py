@@ -33,7 +33,7 @@ def reset():
 # One 16k-token sample, no deeper COD elements; the segment owns the last `own` positions (argv[1]) and reads the
 # 16k before them as key/value context (as the last of many segments does). H 256, 4 query heads over 1 kv head, 3 aux states.
 _CONTEXT = """
-from reference.reference_step import tiny_draft, tiny_target_config
+from bench.reference_step import tiny_draft, tiny_target_config
 from peagle_pipeline.core.cod import CODLayout
 from peagle_pipeline.core.partition import Segment, forward_segment
 L, own = 16384, int(sys.argv[1])
