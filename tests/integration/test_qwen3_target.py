@@ -149,7 +149,9 @@ def test_generate_all_turns_on_a_qwen3_target(tiny_qwen3: Path, tmp_path: Path) 
     rows = [json.loads(line) for line in (out / rows_file(0, 1)).read_text().splitlines()]
     rejects = (out / rejects_file(0, 1)).read_text()
     assert "rewrites" not in rejects and "prefix-stable" not in rejects
-    assert sum(len(r["finish"]) > 1 for r in rows) >= 2  # multi-turn on-policy rows exist (2 of 10 at this seed)
+    assert (
+        sum(len(r["finish"]) > 1 for r in rows) >= 2
+    )  # multi-turn on-policy rows exist (2 of 10 at this seed)
     tok = AutoTokenizer.from_pretrained(model)
     for row in rows:
         if row["finish"][-1] != "stop":
