@@ -8,7 +8,9 @@ The readers of files and directories are in `formats.py`.
 
 from __future__ import annotations
 
+import collections
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -91,6 +93,17 @@ class Reject:
 
 Row = Conversation | TokenizedConversation | Reject
 """One source row as read: usable as text, usable as token ids, or rejected with a reason."""
+
+
+def most_common_reasons(reasons: Iterable[str], shown: int = 3) -> str:
+    """The most frequent reject reasons, for an error line.
+
+    >>> most_common_reasons(["too long", "empty reply", "too long"])
+    "2 x 'too long', 1 x 'empty reply'"
+    """
+    counts = collections.Counter(reasons).most_common()
+    top = ", ".join(f"{n} x {reason!r}" for reason, n in counts[:shown])
+    return top + (f" and {len(counts) - shown} more reason(s)" if len(counts) > shown else "")
 
 
 def to_conversation(record: Any, source: str, row: int) -> Conversation | TokenizedConversation | Reject:

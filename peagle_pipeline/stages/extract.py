@@ -584,13 +584,13 @@ def raise_if_unwritable(err: OSError, output: str) -> NoReturn:
 
 def _no_samples(cfg: ExtractConfig, writer: CacheWriter) -> str:
     """The error for a store without a single usable sample, naming the most frequent reject reasons."""
+    from peagle_pipeline.data.records import most_common_reasons
+
     data = ", ".join(cfg.data)
     if not writer.num_rejects:
         return f"no usable samples: {data} holds no rows; nothing was written"
-    counts = collections.Counter(r["reason"] for r in writer.rejects).most_common()
-    top = ", ".join(f"{n} x {reason!r}" for reason, n in counts[:3])
-    more = f" and {len(counts) - 3} more reason(s)" if len(counts) > 3 else ""
-    return f"no usable samples in {data}: all {writer.num_rejects} rows were rejected ({top}{more}); nothing was written"
+    top = most_common_reasons(r["reason"] for r in writer.rejects)
+    return f"no usable samples in {data}: all {writer.num_rejects} rows were rejected ({top}); nothing was written"
 
 
 def _loop(

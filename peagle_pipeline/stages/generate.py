@@ -9,7 +9,6 @@ committed chunks and regenerates the next one exactly, because every request's s
 
 from __future__ import annotations
 
-import collections
 import itertools
 import json
 import logging
@@ -355,11 +354,11 @@ class _NoRows(Exception):
 
 def _no_rows(cfg: GenerateConfig, writer: OnPolicyWriter) -> str:
     """The error for a run that kept no row, naming the most frequent reject reasons (as extract's)."""
+    from peagle_pipeline.data.records import most_common_reasons
+
     data = ", ".join(cfg.data)
-    counts = collections.Counter(writer.state["reject_reasons"]).most_common()
-    top = ", ".join(f"{n} x {reason!r}" for reason, n in counts[:3])
-    more = f" and {len(counts) - 3} more reason(s)" if len(counts) > 3 else ""
-    return f"nothing generated from {data}: every row was rejected ({top}{more}); nothing was kept"
+    top = most_common_reasons(writer.state["reject_reasons"])
+    return f"nothing generated from {data}: every row was rejected ({top}); nothing was kept"
 
 
 def _start_new(
