@@ -130,12 +130,15 @@ class PackedBatch:
 
     def pin_memory(self) -> PackedBatch:
         """The row in page-locked memory (the DataLoader's pin thread calls this when `pin_memory` is set)."""
-        return dataclasses.replace(self, **{k: t.pin_memory() for k, t in self._tensors().items()})
+        pinned: dict[str, Any] = {k: t.pin_memory() for k, t in self._tensors().items()}
+        return dataclasses.replace(self, **pinned)
 
     def to_device(self, device: torch.device) -> PackedBatch:
         """The row's states on `device` (copied without blocking from pinned memory); `weight`, which the COD
         layout reads on the host, stays where it is."""
-        moved = {k: t.to(device, non_blocking=True) for k, t in self._tensors().items() if k != "weight"}
+        moved: dict[str, Any] = {
+            k: t.to(device, non_blocking=True) for k, t in self._tensors().items() if k != "weight"
+        }
         return dataclasses.replace(self, **moved)
 
     def _tensors(self) -> dict[str, torch.Tensor]:
