@@ -33,7 +33,7 @@ from peagle_pipeline.cache.layout import CacheMeta
 from peagle_pipeline.cache.reader import open_cache
 from peagle_pipeline.cache.writer import CacheWriter, SampleData, SampleRecord
 from peagle_pipeline.config import ExtractConfig
-from peagle_pipeline.stages import extract as stage
+from peagle_pipeline.stages.extract import stage
 
 
 def dir_bytes(path: Path) -> int:

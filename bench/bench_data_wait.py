@@ -128,7 +128,7 @@ def main() -> None:
             source, env = "s3://bench/cache", s3.env
         try:
             train(args, source, run, env)
-            from peagle_pipeline.stages.metrics import read_metrics
+            from peagle_pipeline.stages.train.metrics import read_metrics
 
             res = summarise(read_metrics(run))
         finally:

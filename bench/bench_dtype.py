@@ -25,7 +25,7 @@ from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.core.loss import kl_topk
 from peagle_pipeline.core.partition import forward_segment, plan_segments
 from peagle_pipeline.runtime import cpu_bf16_flags, describe_compute_dtype, resolve_compute_dtype
-from peagle_pipeline.stages import extract as stage
+from peagle_pipeline.stages.extract import stage
 
 DTYPES = ("bf16", "fp32")
 
@@ -49,7 +49,7 @@ def bench_extraction(args: argparse.Namespace) -> dict[str, float]:
     """Tokens/s of forward + storage conversion per compute dtype, over the same batches."""
     from peagle_pipeline.backends.hf import HFBackend
     from peagle_pipeline.backends.pieces import read_target_info
-    from peagle_pipeline.stages.extract import backend_settings
+    from peagle_pipeline.stages.extract.stage import backend_settings
 
     base = dict(model=args.model, data=[args.data], output="unused", max_samples=args.samples)
     base.update(max_length=args.max_length, batch_tokens=args.batch_tokens, device="cpu")

@@ -32,7 +32,7 @@ from bench.common import DEMO_DATA, DEMO_MODEL, write_result
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.writer import CacheWriter
 from peagle_pipeline.config import ExtractConfig
-from peagle_pipeline.stages import extract as stage
+from peagle_pipeline.stages.extract import stage
 
 LLAMA_8B = {
     "hidden_size": 4096,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from bench.common import DEMO_DATA, DEMO_MODEL, write_result
 from peagle_pipeline.config import GenerateConfig
-from peagle_pipeline.stages import generate as stage
+from peagle_pipeline.stages.generate import stage
 
 
 def first_turn_prompts(cfg: GenerateConfig, n: int) -> tuple[list[tuple[int, list[int]]], int, list[int]]:

@@ -122,8 +122,8 @@ def extraction_throughput(
     from peagle_pipeline.backends.hf import HFBackend
     from peagle_pipeline.cache.writer import SampleRecord
     from peagle_pipeline.config import ExtractConfig
-    from peagle_pipeline.stages import extract as stage
-    from peagle_pipeline.stages.extract import backend_settings
+    from peagle_pipeline.stages.extract import stage
+    from peagle_pipeline.stages.extract.stage import backend_settings
 
     g = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,8 +23,8 @@ import torch
 
 from peagle_pipeline.config import TrainConfig, resolve
 from peagle_pipeline.errors import PeagleError
-from peagle_pipeline.stages.distributed import Dist
-from peagle_pipeline.stages.trainer import Trainer
+from peagle_pipeline.stages.train.distributed import Dist
+from peagle_pipeline.stages.train.trainer import Trainer
 
 
 def measure(config: Path, steps: int, warmup: int) -> dict:

@@ -25,7 +25,7 @@ from typing import Any
 from bench.common import DEMO_DATA, DEMO_MODEL, write_result
 from peagle_pipeline.cache.writer import CacheWriter
 from peagle_pipeline.config import ExtractConfig
-from peagle_pipeline.stages import extract as stage
+from peagle_pipeline.stages.extract import stage
 
 
 def parse() -> argparse.Namespace:

@@ -19,7 +19,7 @@ import torch
 
 from peagle_pipeline.backends.hf_generate import CUDA_GRAPHS_ENV
 from peagle_pipeline.config import GenerateConfig
-from peagle_pipeline.stages import generate as stage
+from peagle_pipeline.stages.generate import stage
 
 
 def plain_generate(

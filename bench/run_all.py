@@ -393,7 +393,7 @@ def figures(out: Path) -> list[dict[str, Any]]:
 
 def demo_figures() -> list[dict[str, Any]]:
     """Quality figures from the latest `make demo` (not re-run here)."""
-    from peagle_pipeline.stages.metrics import read_metrics
+    from peagle_pipeline.stages.train.metrics import read_metrics
 
     evals = [r for r in read_metrics(DEMO / "run") if r.get("kind") == "eval"]
     ev = evals[-1] if evals else None

@@ -35,9 +35,9 @@ from peagle_pipeline.config import TrainConfig, resolve  # noqa: E402
 from peagle_pipeline.core import partition  # noqa: E402
 from peagle_pipeline.core.copying import COPY_NONE, COPY_RIGHT, COPY_WRONG, copy_classes  # noqa: E402
 from peagle_pipeline.errors import PeagleError  # noqa: E402
-from peagle_pipeline.stages.distributed import Dist  # noqa: E402
-from peagle_pipeline.stages.loader import DataSplit, pack_rows, read_packed  # noqa: E402
-from peagle_pipeline.stages.trainer import Trainer  # noqa: E402
+from peagle_pipeline.stages.train.distributed import Dist  # noqa: E402
+from peagle_pipeline.stages.train.loader import DataSplit, pack_rows, read_packed  # noqa: E402
+from peagle_pipeline.stages.train.trainer import Trainer  # noqa: E402
 
 CLASSES = ("copy right", "copy wrong", "no copy guess")
 

@@ -149,7 +149,7 @@ def extraction(args: argparse.Namespace, dev: torch.device, work: Path) -> dict[
     from peagle_pipeline.backends.hf import HFBackend
     from peagle_pipeline.cache.writer import SampleRecord
     from peagle_pipeline.config import ExtractConfig
-    from peagle_pipeline.stages import extract as stage
+    from peagle_pipeline.stages.extract import stage
 
     target = random_target(work / "target", layers=args.target_layers)
     cfg = ExtractConfig(model=str(target), data=["-"], output="-", device=str(dev))

@@ -174,7 +174,7 @@ def generate(
 ) -> None:
     """Regenerate the assistant replies of chat data with the target (on-policy rows that extract reads)."""
     cfg = resolve(GenerateConfig, config, _overrides(locals()))
-    from peagle_pipeline.stages import generate as stage
+    from peagle_pipeline.stages.generate import stage
 
     summary = stage.run(cfg, echo=lambda line: typer.echo(line, err=True))
     typer.echo(summary.format())
@@ -213,7 +213,7 @@ def extract(
 ) -> None:
     """Run the target model once over chat data and write (or resume) a cache."""
     cfg = resolve(ExtractConfig, config, _overrides(locals()))
-    from peagle_pipeline.stages import extract as stage
+    from peagle_pipeline.stages.extract import stage
 
     summary = stage.run(cfg)
     if summary is not None:
@@ -272,7 +272,7 @@ def train(
 ) -> None:
     """Train a P-EAGLE draft from a cache (never loads the target model)."""
     cfg = resolve(TrainConfig, config, _overrides(locals()))
-    from peagle_pipeline.stages import train as stage
+    from peagle_pipeline.stages.train import stage
 
     stage.run(cfg)
 
@@ -337,7 +337,7 @@ def export(
     ] = None,
 ) -> None:
     """Export a trained draft in the speculators P-EAGLE format that vLLM loads."""
-    from peagle_pipeline.stages import export as stage
+    from peagle_pipeline.stages.export import stage
 
     path = stage.export_run(
         run_dir, output, checkpoint=checkpoint, force=force, speculative_tokens=speculative_tokens
@@ -348,7 +348,7 @@ def export(
 @app.command()
 def plot(run_dir: Annotated[str, typer.Argument(metavar="RUN", help="Training run directory.")]) -> None:
     """Write PNG curves (loss, per-depth agreement, acceptance length) from metrics.jsonl."""
-    from peagle_pipeline.stages import metrics
+    from peagle_pipeline.stages.train import metrics
 
     for path in metrics.plot(run_dir):
         typer.echo(f"wrote {path}")
@@ -374,7 +374,7 @@ def evaluate(
 ) -> None:
     """Measure drafts in vLLM: acceptance length, per-position acceptance, tokens/s and speedup per prompt set."""
     cfg = EvaluateConfig(**_given(locals()))
-    from peagle_pipeline.stages import evaluate as stage
+    from peagle_pipeline.stages.evaluate import stage
 
     stage.run(cfg, echo=typer.echo)
 
@@ -395,7 +395,7 @@ def vllm_check(
 ) -> None:
     """Load target + draft in vLLM (parallel drafting), check greedy equality, report vLLM's acceptance."""
     given = _given(locals())
-    from peagle_pipeline.stages import vllm_check as stage
+    from peagle_pipeline.stages.evaluate import vllm_check as stage
 
     stage.run(echo=typer.echo, **given)
 

@@ -160,7 +160,7 @@ def extract(cfg_path: Path, paths: dict[str, Path], state: dict[str, Any]) -> No
 def train_status(cfg_path: Path, paths: dict[str, Path]) -> tuple[str, int | None]:
     """('fresh' | 'resume' | 'complete', planned steps) of the run directory."""
     from peagle_pipeline.config import TrainConfig, resolve
-    from peagle_pipeline.stages.checkpoint import CHECKPOINTS_DIR
+    from peagle_pipeline.stages.train.checkpoint import CHECKPOINTS_DIR
 
     cfg = resolve(TrainConfig, cfg_path, {"cache": str(paths["cache"]), "output": str(paths["run"])})
     run = paths["run"]
@@ -247,7 +247,7 @@ def evaluate(paths: dict[str, Path], state: dict[str, Any], wanted: bool | None)
 # ------------------------------------------------------------------------------------------------ summary
 def final_eval(run: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None, float, float]:
     """(last eval record, last train record, summed step seconds, tokens trained) from the run's metrics.jsonl."""
-    from peagle_pipeline.stages.metrics import read_metrics
+    from peagle_pipeline.stages.train.metrics import read_metrics
 
     records = read_metrics(run)
     evals = [r for r in records if r.get("kind") == "eval"]

@@ -8,7 +8,7 @@ Commit protocol (crash-safe, resumable to the bit):
 With a `RemoteCache` (an object store; `root` is then its local staging directory) each commit is uploaded after
 step 3, the manifest last (`cache/remote.py`), and `open` fetches the store from the object store first.
 Anything the manifest does not name is garbage, overwritten by the next run. Never reads user data, never
-runs models; the runner (`stages/extract.py`) feeds it samples in storage order.
+runs models; the runner (`stages/extract/stage.py`) feeds it samples in storage order.
 
 Test hook: PEAGLE_TEST_COMMIT_SLEEP=<seconds> sleeps between writing a commit's shard data and its tables and
 manifest, so crash tests can kill -9 a writer inside that window. Unset (always, outside tests) it does nothing.

@@ -426,7 +426,9 @@ def _read_json_file(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-WRITER_LOCK_PREFIX = ".peagle-lock-"  # the lock file of a writer of on-policy rows (stages/onpolicy_files.py)
+WRITER_LOCK_PREFIX = (
+    ".peagle-lock-"  # the lock file of a writer of on-policy rows (stages/generate/onpolicy_files.py)
+)
 
 
 def dataset_fingerprint(paths: Iterable[str | os.PathLike[str]], split: str | None = None) -> str:

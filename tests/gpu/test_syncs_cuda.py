@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from peagle_pipeline.core import loss
-from peagle_pipeline.stages.loader import Cursor, PackedBatch, ahead_to_device
+from peagle_pipeline.stages.train.loader import Cursor, PackedBatch, ahead_to_device
 
 
 def test_depth_counts_make_no_host_sync():

@@ -17,8 +17,8 @@ from peagle_pipeline.cache.reader import open_cache
 from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.errors import ResumeMismatch
 from peagle_pipeline.runtime import CPU_BF16_ENV
-from peagle_pipeline.stages import extract as stage
-from peagle_pipeline.stages.extract import backend_settings, forward_dtype
+from peagle_pipeline.stages.extract import stage
+from peagle_pipeline.stages.extract.stage import backend_settings, forward_dtype
 
 
 def _data(path: Path, n: int = 2) -> Path:
@@ -121,7 +121,7 @@ def test_cache_from_before_compute_dtype_resumes(tiny_model, tmp_path, monkeypat
 @pytest.mark.slow
 def test_training_precision_auto_follows_the_cpu(tiny_cache, tmp_path, monkeypatch, caplog):
     from peagle_pipeline.cli import main
-    from peagle_pipeline.stages import metrics
+    from peagle_pipeline.stages.train import metrics
 
     argv = ["train", "--cache", str(tiny_cache), "--steps", "2", "--tokens-per-step", "256", "--depths", "2"]
     argv += ["--eval-samples", "4", "--log-every", "1", "--num-workers", "0", "--draft-vocab-size", "300"]
@@ -131,7 +131,7 @@ def test_training_precision_auto_follows_the_cpu(tiny_cache, tmp_path, monkeypat
         monkeypatch.setenv(CPU_BF16_ENV, units)
         run = tmp_path / f"run-{units}"
         caplog.clear()
-        with caplog.at_level("INFO", logger="peagle_pipeline.stages.train"):
+        with caplog.at_level("INFO", logger="peagle_pipeline.stages.train.stage"):
             assert main([*argv, "--output", str(run)]) == 0
         assert f"compute dtype {chosen} on cpu (auto: {CPU_BF16_ENV}={units})" in caplog.text
         losses[chosen] = [r["loss"] for r in metrics.read_metrics(run) if r.get("kind") == "train"]

@@ -22,7 +22,7 @@ from peagle_pipeline import cli
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
 from peagle_pipeline.cache.verify import verify_cache
-from peagle_pipeline.stages import metrics
+from peagle_pipeline.stages.train import metrics
 
 pytestmark = pytest.mark.slow
 

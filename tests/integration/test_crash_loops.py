@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
 from peagle_pipeline.cache.verify import verify_cache
-from peagle_pipeline.stages import metrics
+from peagle_pipeline.stages.train import metrics
 
 pytestmark = [pytest.mark.crashloop, pytest.mark.slow]
 

@@ -14,8 +14,8 @@ from cli_argv import run_peagle
 
 from peagle_pipeline.cli import main
 from peagle_pipeline.config import TrainConfig, resolve
-from peagle_pipeline.stages.distributed import Dist
-from peagle_pipeline.stages.trainer import Trainer
+from peagle_pipeline.stages.train.distributed import Dist
+from peagle_pipeline.stages.train.trainer import Trainer
 
 SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "draft_on_cache.py"
 SHORT = [

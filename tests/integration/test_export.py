@@ -20,8 +20,10 @@ from peagle_pipeline.config import SERVING_DEPTHS, TrainConfig, resolve
 from peagle_pipeline.core import cod
 from peagle_pipeline.core.mask import dense_mask
 from peagle_pipeline.errors import BadInput, OutputExists
-from peagle_pipeline.stages import draft, export, train, trainer
-from peagle_pipeline.stages.checkpoint import CheckpointManager
+from peagle_pipeline.stages.export import stage as export
+from peagle_pipeline.stages.train import draft, trainer
+from peagle_pipeline.stages.train import stage as train
+from peagle_pipeline.stages.train.checkpoint import CheckpointManager
 
 pytestmark = pytest.mark.slow
 
@@ -235,7 +237,7 @@ def test_non_finite_weights_are_never_exported_or_saved(
 ) -> None:
     """A diverged draft (the old `--lr inf` run exported NaN embed_tokens with exit 0) stops with exit 8."""
     from peagle_pipeline.errors import NumericalFault
-    from peagle_pipeline.stages.distributed import Dist
+    from peagle_pipeline.stages.train.distributed import Dist
 
     spec = export.DraftSpec.load(run_dir)
     state = CheckpointManager(run_dir, keep=1).load_latest(with_optimizer=False).model

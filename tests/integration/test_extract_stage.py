@@ -18,8 +18,8 @@ from peagle_pipeline.cache.reader import open_cache
 from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.data.records import Conversation, Message, Reject
 from peagle_pipeline.errors import BadInput, Interrupted
-from peagle_pipeline.stages import extract as stage
-from peagle_pipeline.stages.extract import (
+from peagle_pipeline.stages.extract import stage
+from peagle_pipeline.stages.extract.stage import (
     PlannedSample,
     RowReject,
     plan_batches,

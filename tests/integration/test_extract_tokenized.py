@@ -16,8 +16,8 @@ import pytest
 from peagle_pipeline.cache.reader import open_cache
 from peagle_pipeline.cache.verify import verify_cache
 from peagle_pipeline.config import ExtractConfig
-from peagle_pipeline.stages import extract as stage
-from peagle_pipeline.stages.draft import choose_mask_token
+from peagle_pipeline.stages.extract import stage
+from peagle_pipeline.stages.train.draft import choose_mask_token
 
 pytestmark = pytest.mark.slow
 

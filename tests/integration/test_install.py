@@ -105,7 +105,7 @@ def test_pip_install_keeps_the_environments_torch_and_the_cli_works(tmp_path):
         helped = _run(venv / "bin" / "peagle-pipeline", "--help", cwd=tmp_path)
         assert "extract" in helped.stdout and "train" in helped.stdout
         imports = _run(
-            py, "-c", "import peagle_pipeline.core.mask, peagle_pipeline.stages.train", cwd=tmp_path
+            py, "-c", "import peagle_pipeline.core.mask, peagle_pipeline.stages.train.stage", cwd=tmp_path
         )
         assert imports.returncode == 0
     finally:

@@ -20,8 +20,8 @@ from peagle_pipeline.config import ExtractConfig, GenerateConfig
 from peagle_pipeline.data.dialogue import REASON_TOO_LONG
 from peagle_pipeline.errors import BadInput
 from peagle_pipeline.runtime import resolve_compute_dtype
-from peagle_pipeline.stages import extract as extract_stage
-from peagle_pipeline.stages import generate as generate_stage
+from peagle_pipeline.stages.extract import stage as extract_stage
+from peagle_pipeline.stages.generate import stage as generate_stage
 
 FLAGS = ["--max-samples", "3", "--max-new-tokens", "8", "--compute-dtype", "auto"]
 

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from peagle_pipeline.cli import main
-from peagle_pipeline.stages import metrics
-from peagle_pipeline.stages.checkpoint import CheckpointManager
+from peagle_pipeline.stages.train import metrics
+from peagle_pipeline.stages.train.checkpoint import CheckpointManager
 
 pytestmark = pytest.mark.slow
 
@@ -329,7 +329,7 @@ def test_extra_cache_trains_beside_the_cache_with_its_held_out_set(
 
     from peagle_pipeline.cache.reader import open_cache
     from peagle_pipeline.config import TrainConfig
-    from peagle_pipeline.stages.train_data import training_data
+    from peagle_pipeline.stages.train.train_data import training_data
 
     cfg = TrainConfig(
         cache=str(tiny_cache), extra_cache=[str(other_tiny_cache)], output=str(tmp_path / "x"), eval_samples=6
@@ -392,8 +392,8 @@ def test_training_leaves_out_the_prompts_of_held_out_samples(
     the held-out figures stay unseen. Training on other conversations loses nothing."""
     from peagle_pipeline.cache.reader import open_cache
     from peagle_pipeline.config import TrainConfig
-    from peagle_pipeline.stages.loader import split_samples
-    from peagle_pipeline.stages.train_data import held_out_set, training_data, without_held_out_prompts
+    from peagle_pipeline.stages.train.loader import split_samples
+    from peagle_pipeline.stages.train.train_data import held_out_set, training_data, without_held_out_prompts
 
     cfg = TrainConfig(
         cache=str(tiny_cache_last_hidden),

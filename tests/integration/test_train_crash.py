@@ -15,7 +15,7 @@ import torch
 from cli_argv import small_train_flags, train_argv
 from safetensors.torch import load_file
 
-from peagle_pipeline.stages import metrics
+from peagle_pipeline.stages.train import metrics
 
 pytestmark = [pytest.mark.crash, pytest.mark.slow]
 

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from peagle_pipeline.config import TrainConfig, resolve
-from peagle_pipeline.stages import draft, metrics, train
+from peagle_pipeline.stages.train import draft, metrics
+from peagle_pipeline.stages.train import stage as train
 
 pytestmark = pytest.mark.slow
 

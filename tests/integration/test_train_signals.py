@@ -19,7 +19,7 @@ import torch
 from cli_argv import PEAGLE, small_train_flags
 from safetensors.torch import load_file
 
-from peagle_pipeline.stages import metrics
+from peagle_pipeline.stages.train import metrics
 
 pytestmark = [pytest.mark.crash, pytest.mark.slow]
 

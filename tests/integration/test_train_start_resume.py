@@ -15,8 +15,8 @@ import pytest
 from cli_argv import run_peagle, small_train_flags
 
 from peagle_pipeline.cli import main
-from peagle_pipeline.stages import metrics
-from peagle_pipeline.stages.optim import lr_at
+from peagle_pipeline.stages.train import metrics
+from peagle_pipeline.stages.train.optim import lr_at
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,9 @@ import torch
 
 from peagle_pipeline.config import TrainConfig, resolve
 from peagle_pipeline.core import loss
-from peagle_pipeline.stages.distributed import Dist
-from peagle_pipeline.stages.loader import Cursor
-from peagle_pipeline.stages.trainer import Trainer
+from peagle_pipeline.stages.train.distributed import Dist
+from peagle_pipeline.stages.train.loader import Cursor
+from peagle_pipeline.stages.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.data.chat import ChatRenderer
 from peagle_pipeline.data.formats import iter_rows
 from peagle_pipeline.data.records import Conversation
-from peagle_pipeline.stages.extract import backend_settings, target_source
+from peagle_pipeline.stages.extract.stage import backend_settings, target_source
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 MAX_TOKENS = 160  # keep CPU time small: two short real samples

@@ -29,8 +29,8 @@ def test_flags_become_overrides(monkeypatch):
     def fake_run(cfg):
         seen["cfg"] = cfg
 
-    import peagle_pipeline.stages.extract as extract_stage
-    import peagle_pipeline.stages.train as train_stage
+    import peagle_pipeline.stages.extract.stage as extract_stage
+    import peagle_pipeline.stages.train.stage as train_stage
 
     monkeypatch.setattr(extract_stage, "run", fake_run)
     assert (
@@ -63,7 +63,7 @@ def test_flags_become_overrides(monkeypatch):
 
 
 def test_generate_flags_become_overrides(monkeypatch, capsys):
-    import peagle_pipeline.stages.generate as generate_stage
+    import peagle_pipeline.stages.generate.stage as generate_stage
 
     seen = {}
 
@@ -143,7 +143,7 @@ def test_version(capsys):
 
 def test_ctrl_c_inside_a_command_is_exit_130_with_a_message(monkeypatch, capsys, tmp_path):
     """typer turns KeyboardInterrupt into a returned 130 under standalone_mode=False; main used to drop it (0)."""
-    import peagle_pipeline.stages.metrics as metrics
+    import peagle_pipeline.stages.train.metrics as metrics
 
     def interrupted(run_dir):
         raise KeyboardInterrupt

@@ -34,7 +34,7 @@ def make_random_draft(
     from peagle_pipeline.backends.pieces import load_target_pieces_from_model, read_target_info
     from peagle_pipeline.core.model import DraftConfig, PEagleDraft, has_qk_norm
     from peagle_pipeline.core.vocab import build_draft_vocab
-    from peagle_pipeline.stages.export import DraftSpec, target_identity, write_export
+    from peagle_pipeline.stages.export.stage import DraftSpec, target_identity, write_export
 
     info = read_target_info(target)
     V = info.vocab_size

@@ -101,7 +101,7 @@ def test_draft_for_another_vocabulary_is_refused(
     random_draft: Path, tmp_path: Path, tiny_model: Path
 ) -> None:
     from peagle_pipeline.errors import BadInput
-    from peagle_pipeline.stages.vllm_check import run
+    from peagle_pipeline.stages.evaluate.vllm_check import run
 
     other = tmp_path / "other"
     shutil.copytree(random_draft, other)
@@ -148,7 +148,7 @@ def test_qwen3_draft_layer_loads_and_keeps_greedy_output(
 def test_prompt_sources(tiny_model: Path, tiny_chat_data: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from peagle_pipeline.stages.vllm_check import DEFAULT_PROMPTS, load_prompts
+    from peagle_pipeline.stages.evaluate.vllm_check import DEFAULT_PROMPTS, load_prompts
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
     header = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]

@@ -18,7 +18,7 @@ from peagle_pipeline.backends.pieces import (
 )
 from peagle_pipeline.cache.target import save_target_pieces
 from peagle_pipeline.errors import BadInput
-from peagle_pipeline.stages.extract import target_source
+from peagle_pipeline.stages.extract.stage import target_source
 
 
 def _save(model, out):

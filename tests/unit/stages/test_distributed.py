@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from peagle_pipeline.errors import BadConfig
-from peagle_pipeline.stages.distributed import resolve_device
+from peagle_pipeline.stages.train.distributed import resolve_device
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,8 @@ from peagle_pipeline.cache.reader import open_cache
 from peagle_pipeline.config import ExtractConfig, TrainConfig
 from peagle_pipeline.core import vocab
 from peagle_pipeline.errors import BadConfig
-from peagle_pipeline.stages import draft, extract
+from peagle_pipeline.stages.extract import stage as extract
+from peagle_pipeline.stages.train import draft
 
 TEXTS = ["hello world", "the quick brown fox", "capital of france is paris", "speculative decoding drafts"]
 
@@ -118,7 +119,7 @@ def test_a_cache_without_a_target_layer_keeps_the_random_init(
     save_file(pieces, str(pieces_file), metadata={"source": "old"})
     cache = open_cache(old)
     assert cache.target_layer() is None
-    with caplog.at_level(logging.WARNING, logger="peagle_pipeline.stages.draft"):
+    with caplog.at_level(logging.WARNING, logger="peagle_pipeline.stages.train.draft"):
         model, _, _ = draft.build_draft(cache, _cfg(old, draft_vocab_size=64))
     assert "stores no target layer" in caplog.text and "re-extract" in caplog.text
     new, _, _ = draft.build_draft(
@@ -130,7 +131,7 @@ def test_a_cache_without_a_target_layer_keeps_the_random_init(
 def test_the_vocabulary_size_is_capped_only_when_not_asked_for(cache_dir: Path, caplog) -> None:
     cache = open_cache(cache_dir)
     V = cache.meta.vocab_size
-    with caplog.at_level(logging.WARNING, logger="peagle_pipeline.stages.draft"):
+    with caplog.at_level(logging.WARNING, logger="peagle_pipeline.stages.train.draft"):
         _, spec, keep = draft.build_draft(cache, _cfg(cache_dir))  # default 32000 > V = 512: capped
     assert spec.draft_vocab_size == V and keep is None and "exceeds the target vocabulary" in caplog.text
     with pytest.raises(

@@ -12,9 +12,10 @@ from cli_argv import run_peagle
 
 from peagle_pipeline.backends.generation import vllm_installed
 from peagle_pipeline.errors import BadInput
-from peagle_pipeline.stages.acceptance import EngineRun, SpecCounters, mismatches, ratio
-from peagle_pipeline.stages.eval_report import format_table, plot_acceptance
-from peagle_pipeline.stages.evaluate import (
+from peagle_pipeline.stages.evaluate.acceptance import EngineRun, SpecCounters, mismatches, ratio
+from peagle_pipeline.stages.evaluate.prompts import PromptSet
+from peagle_pipeline.stages.evaluate.report import format_table, plot_acceptance
+from peagle_pipeline.stages.evaluate.stage import (
     Draft,
     EvalOptions,
     build_report,
@@ -24,8 +25,7 @@ from peagle_pipeline.stages.evaluate import (
     finite,
     trainer_estimate,
 )
-from peagle_pipeline.stages.export import MARKER_FILE as EXPORT_MARKER
-from peagle_pipeline.stages.prompts import PromptSet
+from peagle_pipeline.stages.export.stage import MARKER_FILE as EXPORT_MARKER
 
 
 def test_counter_difference_and_acceptance() -> None:
@@ -239,7 +239,7 @@ def test_acceptance_is_read_from_the_concurrency_asked_for() -> None:
 
 
 def test_dtype_is_auto_by_default_and_checked() -> None:
-    from peagle_pipeline.stages.evaluate import engine_dtype
+    from peagle_pipeline.stages.evaluate.stage import engine_dtype
 
     assert EvalOptions(drafts=["d"]).dtype == "auto"
     assert engine_dtype("fp32") == "fp32" and engine_dtype("bf16") == "bf16"  # given: used as it is

@@ -9,7 +9,7 @@ import torch
 
 from peagle_pipeline.cache.reader import SampleArrays
 from peagle_pipeline.errors import BadConfig, CorruptCache
-from peagle_pipeline.stages.loader import (
+from peagle_pipeline.stages.train.loader import (
     Cursor,
     LoaderSettings,
     RowPlan,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from peagle_pipeline.errors import BadInput
-from peagle_pipeline.stages import metrics
+from peagle_pipeline.stages.train import metrics
 
 
 def _records(sink, steps) -> None:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from peagle_pipeline.errors import Busy, IncompatibleCache, OutputExists, ResumeMismatch
-from peagle_pipeline.stages.onpolicy_files import (
+from peagle_pipeline.stages.generate.onpolicy_files import (
     FORMAT,
     ChunkOutput,
     OnPolicyWriter,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peagle_pipeline.stages.optim import (
+from peagle_pipeline.stages.train.optim import (
     RowSparseAdamW,
     build_optimizer,
     clip_grad_norm,

@@ -15,8 +15,7 @@ from transformers import AutoTokenizer
 
 from peagle_pipeline.config import TrainConfig
 from peagle_pipeline.errors import BadInput
-from peagle_pipeline.stages.loader import split_samples
-from peagle_pipeline.stages.prompts import (
+from peagle_pipeline.stages.evaluate.prompts import (
     HUMANEVAL,
     HUMANEVAL_INSTRUCTION,
     MT_BENCH,
@@ -29,7 +28,8 @@ from peagle_pipeline.stages.prompts import (
     mt_bench_questions,
     read_run_settings,
 )
-from peagle_pipeline.stages.rundir import write_run_files
+from peagle_pipeline.stages.train.loader import split_samples
+from peagle_pipeline.stages.train.rundir import write_run_files
 
 HEADER = "<|im_start|>assistant\n"
 

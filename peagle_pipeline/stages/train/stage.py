@@ -16,19 +16,19 @@ from peagle_pipeline.config import TrainConfig
 from peagle_pipeline.errors import BadInput, ResumeMismatch
 from peagle_pipeline.preemption import StopRequest, stop_error
 from peagle_pipeline.runtime import RankLock, configure_logging, describe_compute_dtype
-from peagle_pipeline.stages import metrics as metrics_mod
-from peagle_pipeline.stages.distributed import Dist
-from peagle_pipeline.stages.draft import describe_mask_token, describe_vocab_coverage
-from peagle_pipeline.stages.export import check_export_target, export_run, run_identity
-from peagle_pipeline.stages.optim import effective_warmup, lr_at
-from peagle_pipeline.stages.rundir import (
+from peagle_pipeline.stages.export.stage import check_export_target, export_run, run_identity
+from peagle_pipeline.stages.train import metrics as metrics_mod
+from peagle_pipeline.stages.train.distributed import Dist
+from peagle_pipeline.stages.train.draft import describe_mask_token, describe_vocab_coverage
+from peagle_pipeline.stages.train.optim import effective_warmup, lr_at
+from peagle_pipeline.stages.train.rundir import (
     EXPORT_DIR,
     LOCK_FILE,
     check_output_path,
     prepare_output,
     write_run_files,
 )
-from peagle_pipeline.stages.trainer import Trainer, format_figure
+from peagle_pipeline.stages.train.trainer import Trainer, format_figure
 
 __all__ = ["run", "Trainer"]
 

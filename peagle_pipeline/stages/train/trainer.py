@@ -33,12 +33,12 @@ from peagle_pipeline.core.copying import COPY_RIGHT, copy_classes
 from peagle_pipeline.errors import CorruptCache, NumericalFault, OutOfSpace, StoreUnreachable
 from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import resolve_compute_dtype
-from peagle_pipeline.stages import fsdp
-from peagle_pipeline.stages import metrics as metrics_mod
-from peagle_pipeline.stages.checkpoint import CheckpointManager
-from peagle_pipeline.stages.distributed import Dist
-from peagle_pipeline.stages.draft import build_draft
-from peagle_pipeline.stages.loader import (
+from peagle_pipeline.stages.train import fsdp
+from peagle_pipeline.stages.train import metrics as metrics_mod
+from peagle_pipeline.stages.train.checkpoint import CheckpointManager
+from peagle_pipeline.stages.train.distributed import Dist
+from peagle_pipeline.stages.train.draft import build_draft
+from peagle_pipeline.stages.train.loader import (
     Cursor,
     PackedBatch,
     TrainLoader,
@@ -47,9 +47,9 @@ from peagle_pipeline.stages.loader import (
     pack_rows,
     read_packed,
 )
-from peagle_pipeline.stages.metrics import StepStats, StepWindow
-from peagle_pipeline.stages.optim import build_optimizer, clip_grad_norm, lr_at
-from peagle_pipeline.stages.train_data import (
+from peagle_pipeline.stages.train.metrics import StepStats, StepWindow
+from peagle_pipeline.stages.train.optim import build_optimizer, clip_grad_norm, lr_at
+from peagle_pipeline.stages.train.train_data import (
     check_truncation,
     held_out_set,
     loader_settings,

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from peagle_pipeline.stages.fsdp import local
+from peagle_pipeline.stages.train.fsdp import local
 
 __all__ = ["build_optimizer", "clip_grad_norm", "effective_warmup", "lr_at", "RowSparseAdamW"]
 

@@ -2,7 +2,7 @@
 
 This rank's source rows are cut into chunks of `chunk_size`. A chunk is generated in waves: wave j asks the
 backend for reply j of every conversation (and sample) still going, in one call, and the conversations grow by
-token ids (`data/dialogue.py`). The finished chunk is committed (`stages/onpolicy_files.py`); a resumed run skips
+token ids (`data/dialogue.py`). The finished chunk is committed (`stages/generate/onpolicy_files.py`); a resumed run skips
 committed chunks and regenerates the next one exactly, because every request's seed is a function of
 (seed, row, sample, turn) and a chunk's calls are a function of its rows. Never branches on the backend name.
 """
@@ -32,8 +32,8 @@ from peagle_pipeline.data.dialogue import REASON_TOO_LONG, Dialogue, DialogueBui
 from peagle_pipeline.errors import BadConfig, BadInput
 from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import check_output_dir, resolve_compute_dtype, writer_rank
-from peagle_pipeline.stages.extract import rank_rows
-from peagle_pipeline.stages.onpolicy_files import (
+from peagle_pipeline.stages.extract.stage import rank_rows
+from peagle_pipeline.stages.generate.onpolicy_files import (
     FORMAT,
     META_FILE,
     ChunkOutput,

@@ -24,7 +24,7 @@ from peagle_pipeline.backends import vllm_log
 from peagle_pipeline.config import EvaluateConfig
 from peagle_pipeline.errors import BadInput
 from peagle_pipeline.preemption import stop_error
-from peagle_pipeline.stages.acceptance import (
+from peagle_pipeline.stages.evaluate.acceptance import (
     EngineRun,
     describe_hardware,
     draft_depths,
@@ -35,7 +35,7 @@ from peagle_pipeline.stages.acceptance import (
     run_prompts,
     speculative_config,
 )
-from peagle_pipeline.stages.prompts import PromptSet, load_prompt_set
+from peagle_pipeline.stages.evaluate.prompts import PromptSet, load_prompt_set
 from peagle_pipeline.stages.run_layout import EXPORT_DIR
 
 __all__ = [
@@ -94,7 +94,7 @@ class Draft:
 def find_run(export_dir: str | Path) -> Path | None:
     """The training run an export came from: named by its `.peagle-export.json` (`run` or `run_dir`, relative to
     the export), else the export's parent when the export sits in a run (`train` writes RUN/export); else None."""
-    from peagle_pipeline.stages.export import read_marker
+    from peagle_pipeline.stages.export.stage import read_marker
     from peagle_pipeline.stages.run_layout import TRAIN_YAML
 
     export = Path(export_dir)
@@ -111,7 +111,7 @@ def find_run(export_dir: str | Path) -> Path | None:
 def exported_step(export_dir: str | Path, run_dir: Path) -> int | None:
     """The training step of the checkpoint an export holds (its marker's `step`), or None: unknown, or the marker
     names another run than `run_dir` (an export found beside a run it does not come from)."""
-    from peagle_pipeline.stages.export import read_marker, run_identity, same_run
+    from peagle_pipeline.stages.export.stage import read_marker, run_identity, same_run
 
     facts = read_marker(export_dir)
     step = facts.get("step")
@@ -124,8 +124,8 @@ def trainer_estimate(run_dir: Path, step: int | None = None) -> dict[str, Any] |
     """The trainer's held-out acceptance estimates: the last one, the best one (what `export` takes by default) and,
     given the exported checkpoint's `step`, the one of that step (`exported_acceptance_length`, None when the run
     did not evaluate at that step)."""
-    from peagle_pipeline.stages.metrics import read_metrics
-    from peagle_pipeline.stages.prompts import read_train_settings
+    from peagle_pipeline.stages.evaluate.prompts import read_train_settings
+    from peagle_pipeline.stages.train.metrics import read_metrics
 
     evals = [
         r
@@ -166,7 +166,7 @@ def resolve_draft(path: str, depths: int | None) -> Draft:
     Raises:
         BadInput: missing directory or not a P-EAGLE export.
     """
-    from peagle_pipeline.stages.export import trained_depths
+    from peagle_pipeline.stages.export.stage import trained_depths
 
     config = read_draft_config(path)
     served, trained = draft_depths(config), trained_depths(path, config)
@@ -374,8 +374,8 @@ def run(opts: EvalOptions, echo: Callable[[str], None] | None = None) -> dict[st
 def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any]:
     from peagle_pipeline.backends.pieces import load_tokenizer, read_target_info, text_config
     from peagle_pipeline.backends.vllm import EngineSettings, require_vllm
-    from peagle_pipeline.stages.eval_report import format_table, plot_acceptance
-    from peagle_pipeline.stages.export import check_served_target
+    from peagle_pipeline.stages.evaluate.report import format_table, plot_acceptance
+    from peagle_pipeline.stages.export.stage import check_served_target
 
     say = echo or log.info
     t_start = time.perf_counter()

@@ -24,7 +24,7 @@ from peagle_pipeline.config import VllmCheckConfig
 from peagle_pipeline.errors import BadInput, SpeculativeMismatch
 from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import atomic_write_json
-from peagle_pipeline.stages.acceptance import (
+from peagle_pipeline.stages.evaluate.acceptance import (
     SpecCounters,
     draft_depths,
     engine,
@@ -34,8 +34,8 @@ from peagle_pipeline.stages.acceptance import (
     spec_counters,
     speculative_config,
 )
-from peagle_pipeline.stages.export import check_served_target, export_run_dir
-from peagle_pipeline.stages.prompts import DEFAULT_PROMPTS, load_prompts
+from peagle_pipeline.stages.evaluate.prompts import DEFAULT_PROMPTS, load_prompts
+from peagle_pipeline.stages.export.stage import check_served_target, export_run_dir
 
 __all__ = [
     "run",

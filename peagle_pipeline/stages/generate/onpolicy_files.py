@@ -4,7 +4,7 @@ and a state file that is the only truth about what is committed.
 A chunk commits in three steps: its rows and rejects are appended to their JSONL files and fsynced, then the
 state file (committed counts and byte lengths) is replaced atomically. Bytes past the recorded lengths are left
 by a killed run and are truncated when the rank is opened again, so a resume rewrites them identically.
-Never generates anything; `stages/generate.py` decides what goes in.
+Never generates anything; `stages/generate/stage.py` decides what goes in.
 """
 
 from __future__ import annotations

@@ -382,7 +382,7 @@ def write_export(
         OutputExists: see `check_export_target`.
         OutOfSpace: the disk filled up (the previous export, if any, is untouched).
     """
-    from peagle_pipeline.stages.checkpoint import save_tensors
+    from peagle_pipeline.stages.train.checkpoint import save_tensors
 
     out = Path(output)
     config = export_config(spec, speculative_tokens)  # BadInput before anything is written
@@ -458,8 +458,8 @@ def export_run(
         BadInput: not a run directory, no such complete checkpoint, or `speculative_tokens` above the trained K.
         OutputExists: see `check_export_target`.
     """
-    from peagle_pipeline.stages.checkpoint import CheckpointManager
     from peagle_pipeline.stages.run_layout import EXPORT_DIR
+    from peagle_pipeline.stages.train.checkpoint import CheckpointManager
 
     if Path(output).exists() and not Path(output).is_dir():
         raise BadInput(f"--output {output} is a file: give a directory for the export")

@@ -19,8 +19,8 @@ import numpy as np
 from peagle_pipeline.cache.union import CacheUnion, cache_differences
 from peagle_pipeline.config import TrainConfig
 from peagle_pipeline.errors import BadConfig, IncompatibleCache
-from peagle_pipeline.stages.draft import require_last_hidden
-from peagle_pipeline.stages.loader import DataSplit, LoaderSettings, split_samples, truncation
+from peagle_pipeline.stages.train.draft import require_last_hidden
+from peagle_pipeline.stages.train.loader import DataSplit, LoaderSettings, split_samples, truncation
 
 __all__ = [
     "loader_settings",

@@ -1,0 +1,1 @@
+"""`evaluate` and `vllm-check`: measure the draft's acceptance in vLLM."""

@@ -1,0 +1,1 @@
+"""`export`: write a trained draft as a checkpoint vLLM loads."""

@@ -1,0 +1,1 @@
+"""`generate`: regenerate a dataset's replies with the target (on-policy data)."""

@@ -1,0 +1,1 @@
+"""`train`: train the P-EAGLE draft from caches alone (loader, trainer, checkpoints, metrics)."""
