@@ -48,7 +48,7 @@ def extraction_batches(cfg: ExtractConfig) -> list[list[stage.PlannedSample]]:
 def bench_extraction(args: argparse.Namespace) -> dict[str, float]:
     """Tokens/s of forward + storage conversion per compute dtype, over the same batches."""
     from peagle_pipeline.backends.hf import HFBackend
-    from peagle_pipeline.backends.pieces import read_target_info
+    from peagle_pipeline.model_dir import read_target_info
     from peagle_pipeline.stages.extract.stage import backend_settings
 
     base = dict(model=args.model, data=[args.data], output="unused", max_samples=args.samples)

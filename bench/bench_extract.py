@@ -118,10 +118,10 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import torch
     from transformers import AutoTokenizer
 
-    from peagle_pipeline.backends.pieces import read_target_info
     from peagle_pipeline.backends.registry import get_backend
     from peagle_pipeline.data.chat import ChatRenderer
     from peagle_pipeline.data.formats import iter_rows
+    from peagle_pipeline.model_dir import read_target_info
 
     cfg = ExtractConfig(
         model=args.model,

@@ -59,8 +59,8 @@ def main() -> None:
     args = parse()
     from vllm import SamplingParams
 
-    from peagle_pipeline.backends.pieces import read_target_info, text_config
     from peagle_pipeline.backends.vllm import EngineSettings, VLLMBackend, build_llm, shutdown_llm
+    from peagle_pipeline.model_dir import read_target_info, text_config
 
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-extract-"))
     ours = bare = None

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from peagle_pipeline.backends.base import BackendSettings, SampleOutputs
-from peagle_pipeline.backends.pieces import check_target, text_config
 from peagle_pipeline.errors import BadInput
+from peagle_pipeline.model_dir import check_target, text_config
 
 __all__ = ["HFBackend", "resolve_device"]
 

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from peagle_pipeline.backends.base import BackendSettings, SampleOutputs
-from peagle_pipeline.backends.pieces import check_target, text_config
 from peagle_pipeline.backends.vllm_log import announce, quiet
 from peagle_pipeline.core.settings import GPU_MEMORY_UTILIZATION, TENSOR_PARALLEL_SIZE
 from peagle_pipeline.errors import BackendMismatch, BadInput
+from peagle_pipeline.model_dir import check_target, text_config
 
 if TYPE_CHECKING:
     from vllm import LLM

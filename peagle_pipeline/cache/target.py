@@ -1,7 +1,7 @@
 """target/ of a cache: the target's config and tokenizer files copied as they are, and pieces.safetensors
 (embedding, lm_head, final norm) -- what training needs of the target besides activations.
 
-Writes files only; the tensors come from the caller (`TargetSource.load_pieces`, read by `backends/pieces.py`),
+Writes files only; the tensors come from the caller (`TargetSource.load_pieces`, read by `model_dir.py`),
 so this module never opens a model.
 """
 

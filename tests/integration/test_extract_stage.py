@@ -137,7 +137,7 @@ def patch_backend(monkeypatch):
 
     def use(stop_at: int | None = None):
         def factory(name, cfg, layer_ids):
-            from peagle_pipeline.backends.pieces import read_target_info
+            from peagle_pipeline.model_dir import read_target_info
 
             info = read_target_info(cfg.model)
             b = (
@@ -345,7 +345,7 @@ def test_runner_submits_the_next_batch_before_writing_the_last(
     made: list[_RunningAhead] = []
 
     def factory(name, cfg, layer_ids):
-        from peagle_pipeline.backends.pieces import read_target_info
+        from peagle_pipeline.model_dir import read_target_info
 
         made.append(_RunningAhead(read_target_info(cfg.model), layer_ids, cfg.topk, cfg.last_hidden))
         return made[-1]

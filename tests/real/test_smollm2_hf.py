@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from peagle_pipeline.backends.hf import HFBackend
-from peagle_pipeline.backends.pieces import read_target_info
 from peagle_pipeline.cache.target import save_target_pieces
 from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.data.chat import ChatRenderer
 from peagle_pipeline.data.formats import iter_rows
 from peagle_pipeline.data.records import Conversation
+from peagle_pipeline.model_dir import read_target_info
 from peagle_pipeline.stages.extract.stage import backend_settings, target_source
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]

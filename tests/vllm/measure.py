@@ -35,9 +35,9 @@ def main() -> None:
 
     from peagle_pipeline.backends.base import default_layer_ids
     from peagle_pipeline.backends.hf import HFBackend
-    from peagle_pipeline.backends.pieces import read_target_info
     from peagle_pipeline.backends.vllm import VLLMBackend
     from peagle_pipeline.config import ExtractConfig
+    from peagle_pipeline.model_dir import read_target_info
     from peagle_pipeline.stages.extract.stage import backend_settings
 
     torch.set_num_threads(args.threads)

@@ -158,7 +158,7 @@ def load_prompts(
     source: str | None, target: str, num_prompts: int, run_dir: str | Path | None = None
 ) -> list[list[int]]:
     """`load_prompt_set` with the tokenizer of the model directory `target`; the token ids only."""
-    from peagle_pipeline.backends.pieces import load_tokenizer
+    from peagle_pipeline.model_dir import load_tokenizer
 
     return load_prompt_set(source, load_tokenizer(target), num_prompts, run_dir).prompts
 

@@ -372,8 +372,8 @@ def run(opts: EvalOptions, echo: Callable[[str], None] | None = None) -> dict[st
 
 
 def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any]:
-    from peagle_pipeline.backends.pieces import load_tokenizer, read_target_info, text_config
     from peagle_pipeline.backends.vllm import EngineSettings, require_vllm
+    from peagle_pipeline.model_dir import load_tokenizer, read_target_info, text_config
     from peagle_pipeline.stages.evaluate.report import format_table, plot_acceptance
     from peagle_pipeline.stages.export.stage import check_served_target
 

@@ -18,10 +18,10 @@ from typing import Any
 
 from peagle_pipeline.backends import vllm_log
 from peagle_pipeline.backends.base import TargetInfo
-from peagle_pipeline.backends.pieces import read_target_info, text_config
 from peagle_pipeline.backends.vllm import EngineSettings, require_vllm
 from peagle_pipeline.config import VllmCheckConfig
 from peagle_pipeline.errors import BadInput, SpeculativeMismatch
+from peagle_pipeline.model_dir import read_target_info, text_config
 from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import atomic_write_json
 from peagle_pipeline.stages.evaluate.acceptance import (

@@ -256,12 +256,12 @@ TARGET_IDENTITY = ("target_config_sha256", "tokenizer_sha256", "chat_template_sh
 def target_identity(model_path: str | os.PathLike[str]) -> dict[str, str]:
     """The identity of a target model directory: hashes of its config.json, tokenizer files and chat template,
     computed as the cache records them (`backends.pieces`)."""
-    from peagle_pipeline.backends import pieces
+    from peagle_pipeline import model_dir
 
     return {
-        "target_config_sha256": pieces.config_sha256(model_path),
-        "tokenizer_sha256": pieces.tokenizer_sha256(model_path),
-        "chat_template_sha256": pieces.chat_template_sha256(model_path),
+        "target_config_sha256": model_dir.config_sha256(model_path),
+        "tokenizer_sha256": model_dir.tokenizer_sha256(model_path),
+        "chat_template_sha256": model_dir.chat_template_sha256(model_path),
     }
 
 

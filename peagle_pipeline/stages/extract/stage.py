@@ -273,8 +273,7 @@ def build_meta(
 
     `compute_dtype` ("bf16"/"fp32") is the resolved forward dtype; None resolves it for this machine.
     """
-    from peagle_pipeline import __version__
-    from peagle_pipeline.backends import pieces
+    from peagle_pipeline import __version__, model_dir
     from peagle_pipeline.data.formats import dataset_fingerprint
 
     if compute_dtype is None:
@@ -283,9 +282,9 @@ def build_meta(
     return CacheMeta(
         target_name_or_path=str(Path(cfg.model).resolve()),
         target_architectures=list(info.architectures),
-        target_config_sha256=pieces.config_sha256(cfg.model),
-        tokenizer_sha256=pieces.tokenizer_sha256(cfg.model),
-        chat_template_sha256=pieces.chat_template_sha256(cfg.model),
+        target_config_sha256=model_dir.config_sha256(cfg.model),
+        tokenizer_sha256=model_dir.tokenizer_sha256(cfg.model),
+        chat_template_sha256=model_dir.chat_template_sha256(cfg.model),
         num_hidden_layers=info.num_hidden_layers,
         hidden_size=info.hidden_size,
         vocab_size=info.vocab_size,
@@ -387,12 +386,12 @@ def target_source(model: str, init_layer: int | None = None) -> TargetSource:
     Raises:
         BadInput: missing model directory or config.json.
     """
-    from peagle_pipeline.backends import pieces
+    from peagle_pipeline import model_dir
 
     return TargetSource(
         source=str(Path(model)),
-        files=tuple(pieces.target_files(model)),
-        load_pieces=lambda: pieces.load_target_pieces_from_model(model, init_layer),
+        files=tuple(model_dir.target_files(model)),
+        load_pieces=lambda: model_dir.load_target_pieces_from_model(model, init_layer),
         init_layer=init_layer,
     )
 
@@ -467,7 +466,7 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     Raises:
         BadInput, BadConfig, OutputExists, IncompatibleCache, ResumeMismatch, Busy, OutOfSpace, Interrupted (Ctrl-C), Terminated (SIGTERM).
     """
-    from peagle_pipeline.backends.pieces import load_tokenizer, read_target_info
+    from peagle_pipeline.model_dir import load_tokenizer, read_target_info
 
     rank, world = writer_rank(cfg.rank, cfg.world_size)
     info = read_target_info(cfg.model)

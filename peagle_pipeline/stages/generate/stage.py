@@ -128,8 +128,7 @@ def resolve_stop_ids(model: str, renderer: Any) -> list[int]:
 
 def build_meta(cfg: GenerateConfig, backend: str, dtype: str, world: int, stops: list[int]) -> dict[str, Any]:
     """generate.json: what the rows depend on (compared on resume; `info` is not compared)."""
-    from peagle_pipeline import __version__
-    from peagle_pipeline.backends import pieces
+    from peagle_pipeline import __version__, model_dir
     from peagle_pipeline.data.formats import dataset_fingerprint
 
     return {
@@ -157,9 +156,9 @@ def build_meta(cfg: GenerateConfig, backend: str, dtype: str, world: int, stops:
         "stop_token_ids": stops,
         "data_fingerprint": dataset_fingerprint(cfg.data, cfg.split),
         "target": {
-            "config_sha256": pieces.config_sha256(cfg.model),
-            "tokenizer_sha256": pieces.tokenizer_sha256(cfg.model),
-            "chat_template_sha256": pieces.chat_template_sha256(cfg.model),
+            "config_sha256": model_dir.config_sha256(cfg.model),
+            "tokenizer_sha256": model_dir.tokenizer_sha256(cfg.model),
+            "chat_template_sha256": model_dir.chat_template_sha256(cfg.model),
         },
         "info": {
             "target_path": str(Path(cfg.model).resolve()),
@@ -256,9 +255,9 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
     Raises:
         BadInput, BadConfig, OutputExists, IncompatibleCache, ResumeMismatch, Busy, OutOfSpace, Interrupted (Ctrl-C), Terminated (SIGTERM).
     """
-    from peagle_pipeline.backends.pieces import load_tokenizer, read_target_info, text_config
     from peagle_pipeline.data.chat import ChatRenderer
     from peagle_pipeline.data.formats import iter_rows, split_notes
+    from peagle_pipeline.model_dir import load_tokenizer, read_target_info, text_config
 
     rank, world = writer_rank(cfg.rank, cfg.world_size)
     info = read_target_info(cfg.model)

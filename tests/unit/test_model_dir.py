@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from peagle_pipeline.backends.pieces import (
+from peagle_pipeline.cache.target import save_target_pieces
+from peagle_pipeline.errors import BadInput
+from peagle_pipeline.model_dir import (
     chat_template_sha256,
     config_sha256,
     read_target_info,
     tokenizer_sha256,
 )
-from peagle_pipeline.cache.target import save_target_pieces
-from peagle_pipeline.errors import BadInput
 from peagle_pipeline.stages.extract.stage import target_source
 
 
