@@ -21,23 +21,18 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows]]
 
 
-def format_table(report: dict[str, Any]) -> str:
-    """The report as text: acceptance per draft and prompt set, then tokens/s and speedup per concurrency."""
-    s = report["settings"]
-    cond = (
-        f"T={s['temperature']:g}, max {s['max_tokens']} new tokens, parallel drafting, prefix caching off, "
-        f"{report['dtype']}, on {report['hardware']}"
-    )
-    lines = [
-        f"vLLM acceptance (concurrency {s.get('acceptance_concurrency', 1)}; {cond}); target {report['target']}"
-    ]
+def _greedy_check(r: dict[str, Any]) -> str:
+    """The `= plain` cell of a result row: n/a at T>0, else whether the outputs matched the plain target's."""
+    if r["identical"] is None:
+        return "n/a (T>0)"
+    return "yes" if r["identical"] else f"NO ({r['mismatched_prompts']}/{r['prompts']} differ)"
+
+
+def _acceptance_rows(report: dict[str, Any]) -> list[list[str]]:
+    """One row per draft and prompt set: K, prompts, AL, per-position acceptance, trainer estimate, = plain."""
     acc_rows = []
     for r in report["results"]:
         per = r["acceptance_per_position"]
-        if r["identical"] is None:
-            same = "n/a (T>0)"
-        else:
-            same = "yes" if r["identical"] else f"NO ({r['mismatched_prompts']}/{r['prompts']} differ)"
         acc_rows.append(
             [
                 r["prompt_set"],
@@ -47,14 +42,14 @@ def format_table(report: dict[str, Any]) -> str:
                 _f(r["acceptance_length"]),
                 " ".join(_f(p, ".2f") for p in per) if per else "-",
                 _f(r["trainer_estimate"]),
-                same,
+                _greedy_check(r),
             ]
         )
-    lines += _table(
-        ["prompt set", "draft", "K", "prompts", "AL", "per position 1..K", "trainer est. AL", "= plain"],
-        acc_rows,
-    )
-    lines.append(f"output tokens/s with and without the draft ({cond})")
+    return acc_rows
+
+
+def _throughput_rows(report: dict[str, Any]) -> list[list[str]]:
+    """One row per draft, prompt set and concurrency: tokens/s with and without the draft, speedup, AL."""
     tp_rows = []
     for r in report["results"]:
         for t in r["throughput"]:
@@ -70,16 +65,12 @@ def format_table(report: dict[str, Any]) -> str:
                     _f(t["acceptance_length"]),
                 ]
             )
-    lines += _table(
-        ["prompt set", "draft", "K", "concurrency", "plain tok/s", "draft tok/s", "speedup", "AL"], tp_rows
-    )
-    if report["dtype"] == "bf16" and any(r["identical"] is False for r in report["results"]):
-        lines.append(
-            "note: in bf16 the target verifies K+1 tokens per forward and rounds differently from one-token "
-            "decoding, so greedy near-ties can flip and the texts part; --dtype fp32 checks exact equality"
-        )
-    starts = ", ".join(f"{k} {v:.1f} s" for k, v in report["engine_start_seconds"].items())
-    lines.append(f"engine start: {starts}; total {report['wall_seconds']:.0f} s")
+    return tp_rows
+
+
+def _estimate_lines(report: dict[str, Any]) -> list[str]:
+    """One line per draft: the trainer's estimates (exported step, last, best), or that its run was not found."""
+    lines = []
     for d in report["drafts"]:
         e = d["trainer_estimate"]
         if e is not None:
@@ -92,6 +83,36 @@ def format_table(report: dict[str, Any]) -> str:
             )
         else:
             lines.append(f"trainer estimate for {d['name']}: - (its training run was not found)")
+    return lines
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as text: acceptance per draft and prompt set, then tokens/s and speedup per concurrency."""
+    s = report["settings"]
+    cond = (
+        f"T={s['temperature']:g}, max {s['max_tokens']} new tokens, parallel drafting, prefix caching off, "
+        f"{report['dtype']}, on {report['hardware']}"
+    )
+    lines = [
+        f"vLLM acceptance (concurrency {s.get('acceptance_concurrency', 1)}; {cond}); target {report['target']}"
+    ]
+    lines += _table(
+        ["prompt set", "draft", "K", "prompts", "AL", "per position 1..K", "trainer est. AL", "= plain"],
+        _acceptance_rows(report),
+    )
+    lines.append(f"output tokens/s with and without the draft ({cond})")
+    lines += _table(
+        ["prompt set", "draft", "K", "concurrency", "plain tok/s", "draft tok/s", "speedup", "AL"],
+        _throughput_rows(report),
+    )
+    if report["dtype"] == "bf16" and any(r["identical"] is False for r in report["results"]):
+        lines.append(
+            "note: in bf16 the target verifies K+1 tokens per forward and rounds differently from one-token "
+            "decoding, so greedy near-ties can flip and the texts part; --dtype fp32 checks exact equality"
+        )
+    starts = ", ".join(f"{k} {v:.1f} s" for k, v in report["engine_start_seconds"].items())
+    lines.append(f"engine start: {starts}; total {report['wall_seconds']:.0f} s")
+    lines += _estimate_lines(report)
     return "\n".join(lines)
 
 

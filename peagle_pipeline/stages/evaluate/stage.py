@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from peagle_pipeline.backends import vllm_log
 from peagle_pipeline.config import EvaluateConfig
@@ -37,6 +37,9 @@ from peagle_pipeline.stages.evaluate.acceptance import (
 )
 from peagle_pipeline.stages.evaluate.prompts import PromptSet, load_prompt_set
 from peagle_pipeline.stages.run_layout import EXPORT_DIR
+
+if TYPE_CHECKING:
+    from peagle_pipeline.backends.vllm import EngineSettings
 
 __all__ = [
     "EvalOptions",
@@ -232,6 +235,80 @@ def _figure_settings(opts: EvalOptions, depths: int, concurrency: int, hardware:
     }
 
 
+def _throughput(
+    opts: EvalOptions,
+    draft: Draft,
+    prompt_set: PromptSet,
+    plain: dict[tuple[str, int], EngineRun],
+    spec: dict[tuple[str, str, int], EngineRun],
+    hardware: str,
+) -> list[dict[str, Any]]:
+    """Tokens/s with and without `draft` on `prompt_set`, and the speedup, at every concurrency level."""
+    throughput = []
+    for c in opts.levels:
+        sp, pl = spec[(draft.name, prompt_set.name, c)], plain[(prompt_set.name, c)]
+        throughput.append(
+            {
+                **_figure_settings(opts, draft.depths, c, hardware),
+                "output_tokens": sp.output_tokens,
+                "seconds": sp.seconds,
+                "tokens_per_s": sp.tokens_per_s,
+                "plain_output_tokens": pl.output_tokens,
+                "plain_seconds": pl.seconds,
+                "plain_tokens_per_s": pl.tokens_per_s,
+                "speedup": ratio(sp.tokens_per_s or 0.0, pl.tokens_per_s or 0.0),
+                "acceptance_length": sp.counters.acceptance_length,
+            }
+        )
+    return throughput
+
+
+def _result_row(
+    opts: EvalOptions,
+    draft: Draft,
+    prompt_set: PromptSet,
+    plain: dict[tuple[str, int], EngineRun],
+    spec: dict[tuple[str, str, int], EngineRun],
+    hardware: str,
+) -> dict[str, Any]:
+    """The report's row of one draft on one prompt set: acceptance at the acceptance concurrency, the greedy
+    comparison with the plain target, the trainer's estimate and the throughput at every level."""
+    ac = opts.acceptance_concurrency
+    al_run, base = spec[(draft.name, prompt_set.name, ac)], plain[(prompt_set.name, ac)]
+    greedy = opts.temperature == 0
+    diff = mismatches(base.outputs, al_run.outputs) if greedy else []
+    return {
+        "draft": draft.name,
+        "prompt_set": prompt_set.name,
+        "prompts": len(prompt_set.prompts),
+        **_figure_settings(opts, draft.depths, ac, hardware),
+        "trained_depths": draft.trained_depths,
+        **al_run.counters.to_json(),
+        "output_tokens": al_run.output_tokens,
+        "identical": (not diff) if greedy else None,
+        "mismatched_prompts": len(diff) if greedy else None,
+        "mismatches": diff[:MAX_MISMATCHES],
+        "trainer_estimate": estimate_of_export(draft.estimate),
+        "throughput": _throughput(opts, draft, prompt_set, plain, spec, hardware),
+    }
+
+
+def _settings_json(opts: EvalOptions) -> dict[str, Any]:
+    """The report's `settings`: what every measurement shared."""
+    return {
+        "temperature": opts.temperature,
+        "max_tokens": opts.max_tokens,
+        "num_prompts": opts.num_prompts,
+        "depths": opts.depths,
+        "concurrency": opts.levels,
+        "acceptance_concurrency": opts.acceptance_concurrency,
+        "seed": opts.seed,
+        "parallel_drafting": True,
+        "prefix_caching": False,
+        "tensor_parallel_size": opts.tensor_parallel_size,
+    }
+
+
 def build_report(
     opts: EvalOptions,
     *,
@@ -249,62 +326,12 @@ def build_report(
     AL and per-position acceptance come from the run at `opts.acceptance_concurrency` (1 unless asked); tokens/s
     and speedup from each concurrency (the acceptance one is always measured, so it is always reported).
     """
-    levels = opts.levels
-    ac = opts.acceptance_concurrency
-    rows = []
-    for d in drafts:
-        for s in sets:
-            al_run, base = spec[(d.name, s.name, ac)], plain[(s.name, ac)]
-            greedy = opts.temperature == 0
-            diff = mismatches(base.outputs, al_run.outputs) if greedy else []
-            throughput = []
-            for c in levels:
-                sp, pl = spec[(d.name, s.name, c)], plain[(s.name, c)]
-                throughput.append(
-                    {
-                        **_figure_settings(opts, d.depths, c, hardware),
-                        "output_tokens": sp.output_tokens,
-                        "seconds": sp.seconds,
-                        "tokens_per_s": sp.tokens_per_s,
-                        "plain_output_tokens": pl.output_tokens,
-                        "plain_seconds": pl.seconds,
-                        "plain_tokens_per_s": pl.tokens_per_s,
-                        "speedup": ratio(sp.tokens_per_s or 0.0, pl.tokens_per_s or 0.0),
-                        "acceptance_length": sp.counters.acceptance_length,
-                    }
-                )
-            rows.append(
-                {
-                    "draft": d.name,
-                    "prompt_set": s.name,
-                    "prompts": len(s.prompts),
-                    **_figure_settings(opts, d.depths, ac, hardware),
-                    "trained_depths": d.trained_depths,
-                    **al_run.counters.to_json(),
-                    "output_tokens": al_run.output_tokens,
-                    "identical": (not diff) if greedy else None,
-                    "mismatched_prompts": len(diff) if greedy else None,
-                    "mismatches": diff[:MAX_MISMATCHES],
-                    "trainer_estimate": estimate_of_export(d.estimate),
-                    "throughput": throughput,
-                }
-            )
+    rows = [_result_row(opts, d, s, plain, spec, hardware) for d in drafts for s in sets]
     report = {
         "target": target,
         "dtype": opts.dtype,
         "hardware": hardware,
-        "settings": {
-            "temperature": opts.temperature,
-            "max_tokens": opts.max_tokens,
-            "num_prompts": opts.num_prompts,
-            "depths": opts.depths,
-            "concurrency": levels,
-            "acceptance_concurrency": ac,
-            "seed": opts.seed,
-            "parallel_drafting": True,
-            "prefix_caching": False,
-            "tensor_parallel_size": opts.tensor_parallel_size,
-        },
+        "settings": _settings_json(opts),
         "prompt_sets": [s.describe() for s in sets],
         "drafts": [d.to_json() for d in drafts],
         "engine_start_seconds": engine_seconds,
@@ -317,7 +344,7 @@ def build_report(
                 "tokens_per_s": plain[(s.name, c)].tokens_per_s,
             }
             for s in sets
-            for c in levels
+            for c in opts.levels
         ],
         "results": rows,
         "wall_seconds": wall_seconds,
@@ -371,29 +398,29 @@ def run(opts: EvalOptions, echo: Callable[[str], None] | None = None) -> dict[st
         raise stop_error(stop, STOPPED) from None
 
 
-def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any]:
-    from peagle_pipeline.backends.vllm import EngineSettings, require_vllm
-    from peagle_pipeline.model_dir import load_tokenizer, read_target_info, text_config
-    from peagle_pipeline.stages.evaluate.report import format_table, plot_acceptance
-    from peagle_pipeline.stages.export.stage import check_served_target
-
-    say = echo or log.info
-    t_start = time.perf_counter()
+def _resolve_drafts(opts: EvalOptions) -> list[Draft]:
+    """Every draft of `opts`, checked, under names made unique (`name#2` for a repeated name)."""
     drafts = [resolve_draft(p, opts.depths) for p in opts.drafts]
     for d, name in zip(drafts, _unique([d.name for d in drafts]), strict=True):
         d.name = name
-    output = Path(opts.output) if opts.output else None
-    if output is not None and output.exists() and not output.is_dir():
-        raise BadInput(f"--output {output} is a file: give a directory for {REPORT_FILE} and {CHART_FILE}")
-    target = opts.target or drafts[0].verifier
-    if not target:
-        raise BadInput("the draft does not name its target (verifier): give --target")
-    info = read_target_info(target)
+    return drafts
+
+
+def _check_drafts(
+    drafts: list[Draft], target: str, vocab_size: int, opts: EvalOptions, say: Callable[[str], None]
+) -> None:
+    """Refuse drafts for another vocabulary or target (unless allowed); note a K beyond the trained one.
+
+    Raises:
+        BadInput: a draft trained for another vocabulary size, or for another target (`check_served_target`).
+    """
+    from peagle_pipeline.stages.export.stage import check_served_target
+
     for d in drafts:
-        if d.vocab_size is not None and d.vocab_size != info.vocab_size:
+        if d.vocab_size is not None and d.vocab_size != vocab_size:
             raise BadInput(
                 f"draft {d.path} was trained for a vocabulary of {d.vocab_size}, target {target} has "
-                f"{info.vocab_size}: give the target the draft was trained on"
+                f"{vocab_size}: give the target the draft was trained on"
             )
         note = check_served_target(d.path, target, opts.allow_other_target)
         if note:
@@ -403,6 +430,62 @@ def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any
                 f"note: {d.name} was trained for K={d.trained_depths}; measuring K={d.depths} (extra positions "
                 "are drafted beyond what it learned)"
             )
+
+
+def _measure_all(
+    settings: EngineSettings,
+    sets: list[PromptSet],
+    drafts: list[Draft],
+    opts: EvalOptions,
+    say: Callable[[str], None],
+) -> tuple[dict[tuple[str, int], EngineRun], dict[tuple[str, str, int], EngineRun], dict[str, float]]:
+    """The plain target, then each draft, each on its own engine (shut down before the next starts).
+
+    Returns:
+        `plain[(set, c)]`, `spec[(draft, set, c)]` and the engine start seconds by engine ("plain" or draft name).
+    """
+    levels = opts.levels
+    engine_seconds: dict[str, float] = {}
+    with engine(settings, None) as (llm, started):
+        engine_seconds["plain"] = started
+        plain = _measure(llm, sets, opts, levels, say)
+    spec: dict[tuple[str, str, int], EngineRun] = {}
+    for d in drafts:
+        say(f"draft {d.name} (K={d.depths})")
+        with engine(settings, speculative_config(d.path, d.depths)) as (llm, started):
+            engine_seconds[d.name] = started
+            for (set_name, c), r in _measure(llm, sets, opts, levels, say).items():
+                spec[(d.name, set_name, c)] = r
+    return plain, spec, engine_seconds
+
+
+def _write_outputs(report: dict[str, Any], output: Path, say: Callable[[str], None]) -> None:
+    """OUTPUT/report.json and OUTPUT/acceptance.png."""
+    from peagle_pipeline.runtime import atomic_write_json
+    from peagle_pipeline.stages.evaluate.report import plot_acceptance
+
+    output.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(output / REPORT_FILE, report)
+    plot_acceptance(report, output / CHART_FILE)
+    say(f"wrote {output / REPORT_FILE} and {output / CHART_FILE}")
+
+
+def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any]:
+    from peagle_pipeline.backends.vllm import EngineSettings, require_vllm
+    from peagle_pipeline.model_dir import load_tokenizer, read_target_info, text_config
+    from peagle_pipeline.stages.evaluate.report import format_table
+
+    say = echo or log.info
+    t_start = time.perf_counter()
+    drafts = _resolve_drafts(opts)
+    output = Path(opts.output) if opts.output else None
+    if output is not None and output.exists() and not output.is_dir():
+        raise BadInput(f"--output {output} is a file: give a directory for {REPORT_FILE} and {CHART_FILE}")
+    target = opts.target or drafts[0].verifier
+    if not target:
+        raise BadInput("the draft does not name its target (verifier): give --target")
+    info = read_target_info(target)
+    _check_drafts(drafts, target, info.vocab_size, opts, say)
     require_vllm()
     dtype = engine_dtype(opts.dtype)
     opts = replace(opts, dtype=dtype)
@@ -418,20 +501,9 @@ def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any
         tensor_parallel_size=opts.tensor_parallel_size,
         gpu_memory_utilization=opts.gpu_memory_utilization,
     )
-    levels = opts.levels
-    engine_seconds: dict[str, float] = {}
     vllm_log.route_to(output)  # vLLM's own output: OUTPUT/vllm.log (a temporary file without --output)
     say(f"plain target {target}: {sum(len(s.prompts) for s in sets)} prompts in {len(sets)} set(s)")
-    with engine(settings, None) as (llm, started):
-        engine_seconds["plain"] = started
-        plain = _measure(llm, sets, opts, levels, say)
-    spec: dict[tuple[str, str, int], EngineRun] = {}
-    for d in drafts:
-        say(f"draft {d.name} (K={d.depths})")
-        with engine(settings, speculative_config(d.path, d.depths)) as (llm, started):
-            engine_seconds[d.name] = started
-            for (set_name, c), r in _measure(llm, sets, opts, levels, say).items():
-                spec[(d.name, set_name, c)] = r
+    plain, spec, engine_seconds = _measure_all(settings, sets, drafts, opts, say)
     # after the engines: naming a GPU initialises CUDA in this process, which vLLM prefers to do in its workers
     hardware = describe_hardware(opts.tensor_parallel_size)
     report = build_report(
@@ -447,10 +519,5 @@ def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any
     )
     say(format_table(report))
     if output is not None:
-        from peagle_pipeline.runtime import atomic_write_json
-
-        output.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(output / REPORT_FILE, report)
-        plot_acceptance(report, output / CHART_FILE)
-        say(f"wrote {output / REPORT_FILE} and {output / CHART_FILE}")
+        _write_outputs(report, output, say)
     return report
