@@ -4,7 +4,7 @@
 an OS error about a path (disk full, read-only, missing) its `errors.from_os_error` class; set PEAGLE_DEBUG=1 to see
 the traceback instead. Heavy imports (torch, zarr) happen inside commands, so `--help`, `--version` and `plot`
 start without torch. An option of a config field is built by `_opt(Config, "name")`: its help, default and allowed
-values (for `Literal` fields) come from config.py, the one source of truth.
+values (for `Literal` fields) come from config/, the one source of truth.
 """
 
 from __future__ import annotations

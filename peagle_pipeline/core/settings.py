@@ -1,4 +1,4 @@
-"""Settings of the pure core as small frozen dataclasses: importable without torch, so `config.py` takes their
+"""Settings of the pure core as small frozen dataclasses: importable without torch, so `config/` takes their
 defaults and checks from here (each defined once). Pure: no I/O, no torch."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ __all__ = [
 SERVING_DEPTHS = 4
 
 # The vLLM engine defaults of every command that starts an engine (generate, extract, evaluate, vllm-check) and of
-# the backends' own settings: defined once here, where both config.py and backends/ may import them.
+# the backends' own settings: defined once here, where both config/ and backends/ may import them.
 TENSOR_PARALLEL_SIZE = 1
 """GPUs one vLLM engine is split over (tensor parallelism)."""
 GPU_MEMORY_UTILIZATION = 0.9
