@@ -157,7 +157,7 @@ def tiny_draft(
     num_aux: int = 3,
 ):
     """(model, vocab, pieces): a PEagleDraft with random target pieces and a random draft vocabulary."""
-    from peagle_pipeline.core.model import DraftConfig
+    from peagle_pipeline.core.draft_config import DraftConfig
     from peagle_pipeline.core.vocab import build_draft_vocab
 
     cfg_dict = config or tiny_target_config()

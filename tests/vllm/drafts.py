@@ -31,7 +31,8 @@ def make_random_draft(
         depths: K, the number of tokens drafted in parallel.
         draft_vocab_size: Vd (default: the full target vocabulary); the Vd smallest-id tokens when smaller.
     """
-    from peagle_pipeline.core.model import DraftConfig, PEagleDraft, has_qk_norm
+    from peagle_pipeline.core.draft_config import DraftConfig, has_qk_norm
+    from peagle_pipeline.core.model import PEagleDraft
     from peagle_pipeline.core.vocab import build_draft_vocab
     from peagle_pipeline.model_dir import load_target_pieces_from_model, read_target_info
     from peagle_pipeline.stages.export.stage import DraftSpec, target_identity, write_export

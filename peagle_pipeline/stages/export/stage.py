@@ -83,7 +83,7 @@ class DraftSpec:
     mask_token_id: int
     norm_before_residual: bool
     depths: int
-    # Qwen3 draft layers (QK-norm, `core.model.has_qk_norm` of the target); False in runs started before them.
+    # Qwen3 draft layers (QK-norm, `core.draft_config.has_qk_norm` of the target); False in runs started before them.
     qk_norm: bool = False
     # The target the draft was trained on, from the cache (`target_identity`); None in runs started before it
     # was recorded. The export's marker carries it, and vllm-check / evaluate compare it with the target given.
@@ -147,7 +147,7 @@ def trained_depths(export_dir: str | os.PathLike[str], config: dict[str, Any]) -
 def export_config(spec: DraftSpec, speculative_tokens: int | None = None) -> dict[str, Any]:
     """The speculators `config.json` of a draft (every field SPEC section 6 lists); `speculative_tokens` is the
     served K (`serving_depths`), `spec.depths` the trained one."""
-    from peagle_pipeline.core.model import DraftConfig
+    from peagle_pipeline.core.draft_config import DraftConfig
 
     draft = DraftConfig.from_target_config(
         spec.target_config,
@@ -482,7 +482,8 @@ def load_export(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
     Raises:
         BadInput: not a P-EAGLE export.
     """
-    from peagle_pipeline.core.model import DraftConfig, PEagleDraft
+    from peagle_pipeline.core.draft_config import DraftConfig
+    from peagle_pipeline.core.model import PEagleDraft
     from peagle_pipeline.core.vocab import DraftVocab
 
     path = Path(path)

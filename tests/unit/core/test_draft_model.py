@@ -7,8 +7,10 @@ import torch
 
 from bench.reference_step import tiny_batch, tiny_draft, tiny_target_config
 from peagle_pipeline.core.cod import CODConfig, build_layout
+from peagle_pipeline.core.draft_config import DraftConfig
 from peagle_pipeline.core.mask import dense_mask
-from peagle_pipeline.core.model import DraftConfig, PEagleDraft, RopeSpec, rope_inv_freq
+from peagle_pipeline.core.model import PEagleDraft
+from peagle_pipeline.core.rope import RopeSpec, rope_inv_freq
 from peagle_pipeline.errors import BadInput
 
 H, V = 64, 512
