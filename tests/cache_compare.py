@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 
 from peagle_pipeline.cache import layout
+from peagle_pipeline.cache.commit import read_manifest
 from peagle_pipeline.cache.reader import open_cache
-from peagle_pipeline.cache.writer import read_manifest
 
 TABLES = (layout.SAMPLES_TABLE, layout.REJECTS_TABLE, layout.TOKEN_COUNTS)
 

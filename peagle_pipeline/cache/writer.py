@@ -8,7 +8,8 @@ Commit protocol (crash-safe, resumable to the bit):
 With a `RemoteCache` (an object store; `root` is then its local staging directory) each commit is uploaded after
 step 3, the manifest last (`cache/remote.py`), and `open` fetches the store from the object store first.
 Anything the manifest does not name is garbage, overwritten by the next run. Never reads user data, never
-runs models; the runner (`stages/extract/stage.py`) feeds it samples in storage order.
+runs models; the runner (`stages/extract/stage.py`) feeds it samples in storage order. The arrays are
+`store_arrays.py`'s (create, reopen, write, fsync), the tables and manifest of steps 2 and 3 `commit.py`'s.
 
 Test hook: PEAGLE_TEST_COMMIT_SLEEP=<seconds> sleeps between writing a commit's shard data and its tables and
 manifest, so crash tests can kill -9 a writer inside that window. Unset (always, outside tests) it does nothing.
@@ -17,41 +18,41 @@ manifest, so crash tests can kill -9 a writer inside that window. Unset (always,
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import numpy as np
 
 from peagle_pipeline.cache import layout
+from peagle_pipeline.cache.commit import (
+    commit_files,
+    read_manifest,
+    table_blobs,
+    write_manifest,
+    write_tables,
+)
 from peagle_pipeline.cache.layout import CacheMeta
 from peagle_pipeline.cache.remote import RemoteCache
-from peagle_pipeline.errors import CorruptCache, IncompatibleCache, ResumeMismatch
-from peagle_pipeline.preemption import deferred
-from peagle_pipeline.runtime import (
-    RankLock,
-    atomic_write_bytes,
-    atomic_write_json,
-    fsync_dir,
-    pause_for_crash_test,
-    raise_if_no_space,
+from peagle_pipeline.cache.store_arrays import (
+    create_arrays,
+    fsync_shards,
+    open_arrays,
+    shard_checksums,
+    write_rows,
 )
+from peagle_pipeline.errors import IncompatibleCache, ResumeMismatch
+from peagle_pipeline.preemption import deferred
+from peagle_pipeline.runtime import RankLock, pause_for_crash_test, raise_if_no_space
 
-if TYPE_CHECKING:
-    from zarr.core.array_spec import ArrayConfigParams
-
-__all__ = ["SampleRecord", "SampleData", "CacheWriter", "read_manifest"]
+__all__ = ["SampleRecord", "SampleData", "CacheWriter"]
 
 log = logging.getLogger(__name__)
 
 SLEEP_ENV = "PEAGLE_TEST_COMMIT_SLEEP"  # the crash-test hook of the module docstring
-# Zarr's runtime config of every array written: every chunk is stored, also one equal to the fill value (an
-# all-False loss_mask chunk of a long prompt), so a shard's bytes never depend on how its chunks were written.
-ARRAY_CONFIG: ArrayConfigParams = {"write_empty_chunks": True}
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,68 +93,6 @@ class _Pending:
     row: dict[str, Any]
     counted_ids: np.ndarray  # int64 [n_supervised]: supervised token ids, counted on commit
     all_ids: np.ndarray  # int64 [T]: every token id of the sample, counted on commit
-
-
-_MANIFEST_KEYS = (
-    "format_version",
-    "meta",
-    "committed_tokens",
-    "committed_samples",
-    "complete",
-    "shards",
-    "tables",
-)
-
-
-def read_manifest(store_dir: Path) -> dict[str, Any] | None:
-    """The store's manifest, or None if it has none yet (nothing committed).
-
-    Raises:
-        CorruptCache: the manifest is not a JSON object with the manifest's keys (it is replaced atomically,
-            so this is damage, e.g. a truncated copy).
-    """
-    path = store_dir / layout.MANIFEST
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except (ValueError, UnicodeDecodeError):
-        manifest = None
-    if not isinstance(manifest, dict) or any(k not in manifest for k in _MANIFEST_KEYS):
-        raise CorruptCache(
-            f"{path} is damaged (not a complete manifest): delete {store_dir} to redo this rank "
-            "(or restore the file from a good copy)"
-        )
-    return manifest
-
-
-def _table_bytes(rows: list[dict[str, Any]], columns: tuple[str, ...], types: dict[str, str]) -> bytes:
-    import pandas as pd
-
-    frame = pd.DataFrame(rows, columns=list(columns))
-    frame = frame.astype(types)
-    buf = io.BytesIO()
-    frame.to_parquet(buf, index=False, engine="pyarrow")
-    return buf.getvalue()
-
-
-SAMPLE_TYPES = {
-    "sample_id": "int64",
-    "source": "string",
-    "source_row": "int64",
-    "store": "string",
-    "offset": "int64",
-    "length": "int64",
-    "num_supervised": "int64",
-    "truncated": "bool",
-}
-REJECT_TYPES = {
-    "sample_id": "int64",
-    "source": "string",
-    "source_row": "int64",
-    "store": "string",
-    "reason": "string",
-}
 
 
 class CacheWriter:
@@ -230,8 +169,6 @@ class CacheWriter:
             self._lock.release()
 
     def _open_store(self) -> None:
-        import zarr
-
         manifest = read_manifest(self.store_dir)
         if manifest is None:
             if self.store_dir.exists():  # a run died before its first commit: nothing in it counts
@@ -246,12 +183,7 @@ class CacheWriter:
         diffs = CacheMeta.from_dict(manifest["meta"]).differences(self.meta)
         if diffs:
             raise ResumeMismatch(f"store {self.store} was written with other settings: {', '.join(diffs)}")
-        for partial in self.store_dir.rglob("*.partial"):  # zarr's temp files of a killed write
-            partial.unlink(missing_ok=True)
-        group = zarr.open_group(str(self.store_dir), mode="r+")
-        # write_empty_chunks is a runtime setting, not stored in zarr.json: a resumed writer sets it again, so an
-        # all-False loss_mask chunk is stored as the first run stores it (byte-identical shards either way)
-        self._arrays = {name: cast(Any, group[name]).with_config(ARRAY_CONFIG) for name in self.specs}
+        self._arrays = open_arrays(self.store_dir, self.specs)
         self.committed_tokens = int(manifest["committed_tokens"])
         self.committed_samples = int(manifest["committed_samples"])
         self.complete = bool(manifest["complete"])
@@ -263,46 +195,7 @@ class CacheWriter:
         self._next_offset = int(last["offset"] + last["length"]) if last else 0
 
     def _create_store(self) -> None:
-        import zarr
-        from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
-
-        self.store_dir.parent.mkdir(parents=True, exist_ok=True)
-        group = zarr.create_group(
-            str(self.store_dir),
-            zarr_format=3,
-            attributes={
-                "peagle_format_version": layout.FORMAT_VERSION,
-                "rank": self.rank,
-                "world_size": self.world_size,
-            },
-        )
-        for name, (dtype, inner) in self.specs.items():
-            # zstd frame checksums / crc32c trailers let a reader detect a damaged chunk without the manifest checksum.
-            codec = layout.chunk_codec(name, self.meta.compress)
-            level = layout.zstd_level(name, self.meta.compress)
-            compressors: Any = {
-                "zstd": [ZstdCodec(level=level or 3, checksum=True)],
-                "blosc": [BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"), Crc32cCodec()],
-                "crc32c": [Crc32cCodec()],
-                "none": None,
-            }[codec]
-            attrs: dict[str, Any] = {}
-            if name in ("aux_hidden", "last_hidden"):
-                attrs["logical_dtype"] = self.meta.hidden_dtype
-                attrs["layer_ids"] = (
-                    list(self.meta.aux_layer_ids) if name == "aux_hidden" else [self.meta.num_hidden_layers]
-                )
-            self._arrays[name] = group.create_array(
-                name,
-                shape=(0, *inner),
-                dtype=dtype,
-                chunks=(self.meta.chunk_tokens, *inner),
-                shards=(self.shard_tokens, *inner),
-                compressors=compressors,
-                fill_value=0,
-                attributes=attrs,
-                config=ARRAY_CONFIG,
-            )
+        self._arrays = create_arrays(self.store_dir, self.meta, self.specs, self.rank, self.world_size)
 
     def _load_tables(self, manifest: dict[str, Any]) -> None:
         import pandas as pd
@@ -427,26 +320,12 @@ class CacheWriter:
                 for name, parts in self._buffer.items()
             }
             try:
-                for name, arr in self._arrays.items():
-                    arr.resize((stop, *self.specs[name][1]))
-                    arr[start:stop] = data[name][:n]
-                self._fsync_shards(start, stop)
+                write_rows(self._arrays, self.specs, data, start, stop)
+                fsync_shards(self.store_dir, self.specs, S, start, stop)
             except OSError as err:
                 raise_if_no_space(err, f"store {self.store}")
             pause_for_crash_test(SLEEP_ENV)
-            for first in range(start, stop, S):
-                last = min(first + S, stop)
-                self._shards.append(
-                    {
-                        "index": first // S,
-                        "start": first,
-                        "stop": last,
-                        "checksums": {
-                            name: layout.checksum(data[name][first - start : last - start])
-                            for name in self._arrays
-                        },
-                    }
-                )
+            self._shards += shard_checksums(data, list(self._arrays), S, start, stop)
             rest = {name: d[n:] for name, d in data.items()}
             self._buffer = {name: [r] for name, r in rest.items()} if self._buffered > n else {}
             self._buffered -= n
@@ -464,63 +343,43 @@ class CacheWriter:
         self.committed_samples = len(self._samples)
         self._commit(complete=final)
 
-    def _fsync_shards(self, start: int, stop: int) -> None:
-        S = self.shard_tokens
-        for name, (_, inner) in self.specs.items():
-            for index in range(start // S, (stop - 1) // S + 1):
-                key = "/".join(["c", str(index)] + ["0"] * len(inner))
-                fd = os.open(self.store_dir / name / key, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-
     def _commit(self, complete: bool) -> None:
         try:
-            tables = {
-                layout.SAMPLES_TABLE: _table_bytes(self._samples, layout.SAMPLE_COLUMNS, SAMPLE_TYPES),
-                layout.REJECTS_TABLE: _table_bytes(
-                    [self._rejects[k] for k in sorted(self._rejects)], layout.REJECT_COLUMNS, REJECT_TYPES
-                ),
-                layout.TOKEN_COUNTS: _npy_bytes(self._counts),
-                layout.ALL_TOKEN_COUNTS: _npy_bytes(self._all_counts),
-            }
-            for name, blob in tables.items():
-                atomic_write_bytes(self.store_dir / name, blob)
+            tables = table_blobs(
+                self._samples,
+                [self._rejects[k] for k in sorted(self._rejects)],
+                self._counts,
+                self._all_counts,
+            )
+            write_tables(self.store_dir, tables)
             self._commits += 1
-            manifest = {
-                "format_version": layout.FORMAT_VERSION,
-                "store": self.store,
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "meta": self.meta.to_dict(),
-                "committed_tokens": self.committed_tokens,
-                "committed_samples": self.committed_samples,
-                "num_rejects": len(self._rejects),
-                "complete": complete,
-                "commits": self._commits,
-                "hash": layout.HASH,
-                "shard_tokens": self.shard_tokens,
-                "chunk_tokens": self.meta.chunk_tokens,
-                "shards": self._shards,
-                "tables": {name: layout.file_hash(blob) for name, blob in tables.items()},
-            }
-            atomic_write_json(self.store_dir / layout.MANIFEST, manifest)
-            fsync_dir(self.store_dir)
+            write_manifest(self.store_dir, self._manifest(complete, tables))
         except OSError as err:
             raise_if_no_space(err, f"store {self.store}")
         if self._remote is not None:
-            self._remote.publish(self.store, self._commit_files(tables), self.committed_samples)
+            files = commit_files(self.specs, self._new_shards, tables)
+            self._remote.publish(self.store, files, self.committed_samples)
         self.complete = complete
 
-    def _commit_files(self, tables: dict[str, bytes]) -> list[str]:
-        """The store's files a commit changed (relative paths, the manifest last): Zarr metadata, new shards,
-        tables, manifest."""
-        files = ["zarr.json"]
-        for name, (_, inner) in self.specs.items():
-            files.append(f"{name}/zarr.json")
-            files += ["/".join([name, "c", str(i)] + ["0"] * len(inner)) for i in self._new_shards]
-        return [*files, *tables, layout.MANIFEST]
+    def _manifest(self, complete: bool, tables: dict[str, bytes]) -> dict[str, Any]:
+        """The manifest of the commit in progress (its tables already written: `tables` are their bytes)."""
+        return {
+            "format_version": layout.FORMAT_VERSION,
+            "store": self.store,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "meta": self.meta.to_dict(),
+            "committed_tokens": self.committed_tokens,
+            "committed_samples": self.committed_samples,
+            "num_rejects": len(self._rejects),
+            "complete": complete,
+            "commits": self._commits,
+            "hash": layout.HASH,
+            "shard_tokens": self.shard_tokens,
+            "chunk_tokens": self.meta.chunk_tokens,
+            "shards": self._shards,
+            "tables": {name: layout.file_hash(blob) for name, blob in tables.items()},
+        }
 
     # ------------------------------------------------------------------------------------------- finish
     @property
@@ -559,9 +418,3 @@ class CacheWriter:
             self.close()
         else:
             self.abort()
-
-
-def _npy_bytes(array: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, array, allow_pickle=False)
-    return buf.getvalue()

@@ -13,12 +13,13 @@ from cache_compare import assert_same_cache
 from cache_fixtures import LENGTHS, write_cache
 from fakes import fake_meta, fake_sample
 
+from peagle_pipeline.cache import commit as commit_mod
 from peagle_pipeline.cache import layout
-from peagle_pipeline.cache import writer as writer_mod
+from peagle_pipeline.cache.commit import read_manifest
 from peagle_pipeline.cache.layout import CacheMeta
 from peagle_pipeline.cache.reader import open_cache
 from peagle_pipeline.cache.verify import verify_cache
-from peagle_pipeline.cache.writer import CacheWriter, read_manifest
+from peagle_pipeline.cache.writer import CacheWriter
 from peagle_pipeline.errors import Busy, IncompatibleCache, OutOfSpace, ResumeMismatch
 
 STORE = layout.store_name(0, 1)
@@ -150,17 +151,17 @@ def test_enospc_keeps_committed_data(tmp_path, meta, monkeypatch):
     root = tmp_path / "c"
     write_cache(root, stop_after=7)
     before = read_manifest(root / "stores" / STORE)
-    real = writer_mod.atomic_write_bytes
+    real = commit_mod.atomic_write_bytes
 
     def full(path, data):
         if str(path).endswith("samples.parquet"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(path, data)
 
-    monkeypatch.setattr(writer_mod, "atomic_write_bytes", full)
+    monkeypatch.setattr(commit_mod, "atomic_write_bytes", full)
     with pytest.raises(OutOfSpace, match="re-run the same command"):
         write_cache(root)
-    monkeypatch.setattr(writer_mod, "atomic_write_bytes", real)
+    monkeypatch.setattr(commit_mod, "atomic_write_bytes", real)
     assert read_manifest(root / "stores" / STORE) == before  # the last commit is still the truth
     cache = open_cache(root, check=False)
     assert len(cache.samples) == before["committed_samples"]
