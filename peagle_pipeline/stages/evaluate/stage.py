@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -27,30 +27,22 @@ from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.stages.evaluate.acceptance import (
     EngineRun,
     describe_hardware,
-    draft_depths,
     engine,
     mismatches,
     ratio,
-    read_draft_config,
     run_prompts,
     speculative_config,
 )
+from peagle_pipeline.stages.evaluate.drafts import Draft, estimate_of_export, resolve_draft
 from peagle_pipeline.stages.evaluate.prompts import PromptSet, load_prompt_set
-from peagle_pipeline.stages.run_layout import EXPORT_DIR
 
 if TYPE_CHECKING:
     from peagle_pipeline.backends.vllm import EngineSettings
 
 __all__ = [
     "EvalOptions",
-    "Draft",
     "REPORT_FILE",
     "CHART_FILE",
-    "find_run",
-    "trainer_estimate",
-    "exported_step",
-    "estimate_of_export",
-    "resolve_draft",
     "build_report",
     "finite",
     "run",
@@ -65,129 +57,6 @@ MAX_MISMATCHES = 5  # mismatching prompts listed per row in the report
 
 # The settings of `evaluate` (defaults, help and checks) are config.EvaluateConfig; EvalOptions is its name here.
 EvalOptions = EvaluateConfig
-
-
-@dataclass
-class Draft:
-    """One export to measure: where it is, its K, and what its training run estimated."""
-
-    name: str
-    path: str
-    verifier: str | None
-    vocab_size: int | None
-    trained_depths: int
-    depths: int
-    run: str | None
-    estimate: dict[str, Any] | None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "path": self.path,
-            "trained_depths": self.trained_depths,
-            "depths": self.depths,
-            "run": self.run,
-            "trainer_estimate": self.estimate,
-        }
-
-
-# ------------------------------------------------------------------------------------------------ drafts
-
-
-def find_run(export_dir: str | Path) -> Path | None:
-    """The training run an export came from: named by its `.peagle-export.json` (`run` or `run_dir`, relative to
-    the export), else the export's parent when the export sits in a run (`train` writes RUN/export); else None."""
-    from peagle_pipeline.stages.export.stage import read_marker
-    from peagle_pipeline.stages.run_layout import TRAIN_YAML
-
-    export = Path(export_dir)
-    facts = read_marker(export)
-    named = facts.get("run") or facts.get("run_dir")
-    if isinstance(named, str):
-        run = Path(named) if Path(named).is_absolute() else export / named
-        if (run / TRAIN_YAML).is_file():
-            return run
-    parent = export.resolve().parent
-    return parent if (parent / TRAIN_YAML).is_file() else None
-
-
-def exported_step(export_dir: str | Path, run_dir: Path) -> int | None:
-    """The training step of the checkpoint an export holds (its marker's `step`), or None: unknown, or the marker
-    names another run than `run_dir` (an export found beside a run it does not come from)."""
-    from peagle_pipeline.stages.export.stage import read_marker, run_identity, same_run
-
-    facts = read_marker(export_dir)
-    step = facts.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or not same_run(facts, run_identity(run_dir)):
-        return None
-    return step
-
-
-def trainer_estimate(run_dir: Path, step: int | None = None) -> dict[str, Any] | None:
-    """The trainer's held-out acceptance estimates: the last one, the best one (what `export` takes by default) and,
-    given the exported checkpoint's `step`, the one of that step (`exported_acceptance_length`, None when the run
-    did not evaluate at that step)."""
-    from peagle_pipeline.stages.evaluate.prompts import read_train_settings
-    from peagle_pipeline.stages.train.metrics import read_metrics
-
-    evals = [
-        r
-        for r in read_metrics(run_dir)
-        if r.get("kind") == "eval" and isinstance(r.get("acceptance"), int | float)
-    ]
-    if not evals:
-        return None
-    best = max(evals, key=lambda r: r["acceptance"])
-    try:
-        depths: int | None = int(read_train_settings(run_dir)["depths"])
-    except (BadInput, KeyError, TypeError, ValueError):
-        depths = None
-    at_step = [r["acceptance"] for r in evals if step is not None and r.get("step") == step]
-    return {
-        "acceptance_length": evals[-1]["acceptance"],
-        "step": evals[-1]["step"],
-        "exported_acceptance_length": at_step[-1] if at_step else None,
-        "exported_step": step,
-        "best_acceptance_length": best["acceptance"],
-        "best_step": best["step"],
-        "depths": depths,
-        "run": str(run_dir),
-    }
-
-
-def estimate_of_export(estimate: dict[str, Any] | None) -> float | None:
-    """The estimate that belongs beside vLLM's AL: that of the exported checkpoint's step, else the run's last."""
-    if estimate is None:
-        return None
-    exported = estimate.get("exported_acceptance_length")
-    return exported if exported is not None else estimate["acceptance_length"]
-
-
-def resolve_draft(path: str, depths: int | None) -> Draft:
-    """Check an export and gather what the report says about it.
-
-    Raises:
-        BadInput: missing directory or not a P-EAGLE export.
-    """
-    from peagle_pipeline.stages.export.stage import trained_depths
-
-    config = read_draft_config(path)
-    served, trained = draft_depths(config), trained_depths(path, config)
-    verifier = (config.get("speculators_config", {}).get("verifier") or {}).get("name_or_path")
-    vocab = (config.get("transformer_layer_config") or {}).get("vocab_size")
-    run_dir = find_run(path)
-    p = Path(path)
-    name = f"{p.resolve().parent.name}/{p.name}" if p.name == EXPORT_DIR else p.name
-    return Draft(
-        name=name,
-        path=str(path),
-        verifier=verifier if isinstance(verifier, str) else None,
-        vocab_size=int(vocab) if isinstance(vocab, int) else None,
-        trained_depths=trained,
-        depths=depths if depths is not None else served,
-        run=str(run_dir) if run_dir is not None else None,
-        estimate=trainer_estimate(run_dir, exported_step(path, run_dir)) if run_dir is not None else None,
-    )
 
 
 def _unique(names: list[str]) -> list[str]:

@@ -13,18 +13,16 @@ from cli_argv import run_peagle
 from peagle_pipeline.backends.generation import vllm_installed
 from peagle_pipeline.errors import BadInput
 from peagle_pipeline.stages.evaluate.acceptance import EngineRun, SpecCounters, mismatches, ratio
-from peagle_pipeline.stages.evaluate.prompts import PromptSet
-from peagle_pipeline.stages.evaluate.report import format_table, plot_acceptance
-from peagle_pipeline.stages.evaluate.stage import (
+from peagle_pipeline.stages.evaluate.drafts import (
     Draft,
-    EvalOptions,
-    build_report,
     estimate_of_export,
     exported_step,
     find_run,
-    finite,
     trainer_estimate,
 )
+from peagle_pipeline.stages.evaluate.prompts import PromptSet
+from peagle_pipeline.stages.evaluate.report import format_table, plot_acceptance
+from peagle_pipeline.stages.evaluate.stage import EvalOptions, build_report, finite
 from peagle_pipeline.stages.export.stage import MARKER_FILE as EXPORT_MARKER
 
 
