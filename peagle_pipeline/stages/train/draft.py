@@ -15,7 +15,7 @@ from peagle_pipeline.core.model import DraftConfig, PEagleDraft, has_qk_norm
 from peagle_pipeline.core.seeds import mix_seed
 from peagle_pipeline.core.target_init import init_from_target_layer
 from peagle_pipeline.errors import BadConfig
-from peagle_pipeline.stages.export.stage import DRAFT_SPEC, DraftSpec
+from peagle_pipeline.stages.export.draft_spec import DRAFT_SPEC, DraftSpec
 
 __all__ = [
     "build_draft",

@@ -16,7 +16,8 @@ from peagle_pipeline.config import TrainConfig
 from peagle_pipeline.errors import BadInput, ResumeMismatch
 from peagle_pipeline.preemption import StopRequest, stop_error
 from peagle_pipeline.runtime import RankLock, configure_logging, describe_compute_dtype
-from peagle_pipeline.stages.export.stage import check_export_target, export_run, run_identity
+from peagle_pipeline.stages.export.marker import run_identity
+from peagle_pipeline.stages.export.stage import check_export_target, export_run
 from peagle_pipeline.stages.train import metrics as metrics_mod
 from peagle_pipeline.stages.train.distributed import Dist
 from peagle_pipeline.stages.train.draft import describe_mask_token, describe_vocab_coverage

@@ -25,7 +25,7 @@ from peagle_pipeline.stages.evaluate.stage import (
     finite,
     trainer_estimate,
 )
-from peagle_pipeline.stages.export.stage import MARKER_FILE as EXPORT_MARKER
+from peagle_pipeline.stages.export.marker import MARKER_FILE as EXPORT_MARKER
 
 
 def test_counter_difference_and_acceptance() -> None:
