@@ -23,14 +23,12 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from peagle_pipeline.config import TrainConfig
 from peagle_pipeline.core import cod, loss, mask, partition
-from peagle_pipeline.core.seeds import mix_seed
 from peagle_pipeline.errors import CorruptCache, NumericalFault, OutOfSpace, StoreUnreachable
 from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import resolve_compute_dtype
@@ -44,21 +42,12 @@ from peagle_pipeline.stages.train.loader import Cursor, TrainLoader, ahead_to_de
 from peagle_pipeline.stages.train.metrics import StepStats, StepWindow, format_figure
 from peagle_pipeline.stages.train.optim import build_optimizer, clip_grad_norm, lr_at
 from peagle_pipeline.stages.train.packed_batch import PackedBatch
+from peagle_pipeline.stages.train.prepared_row import Prepared, lay_out_row
 from peagle_pipeline.stages.train.train_data import check_truncation, hold_out, loader_settings, training_data
 
-__all__ = ["Trainer", "Prepared"]
+__all__ = ["Trainer"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Prepared:
-    """One packed row ready for forward: batch on device, its COD layout, counted elements, segments."""
-
-    batch: PackedBatch
-    layout: cod.CODLayout
-    valid: torch.Tensor  # BoolTensor[N]: elements that carry loss
-    segments: list[partition.Segment]
 
 
 class Trainer:
@@ -178,7 +167,8 @@ class Trainer:
 
     # ---- one step ------------------------------------------------------------------------------------------
     def prepare(self, batch: PackedBatch, full: bool = False) -> Prepared:
-        """Sample the row's COD layout (its own seeded generator) and plan its segments."""
+        """Raise what emptied the row (an unanswered read, no shared memory, a corrupt sample unless skip_corrupt:
+        those are counted), then sample its COD layout and plan its segments (`prepared_row.lay_out_row`)."""
         if batch.unreachable:
             raise StoreUnreachable(batch.unreachable)
         if batch.no_shared_memory:
@@ -192,27 +182,7 @@ class Trainer:
                 )
             self.skipped_corrupt += len(batch.corrupt)
             log.warning("skipped %d corrupt sample(s) in row %d: %s", len(batch.corrupt), batch.row, msg)
-        dev = self.dist.device
-        b = dataclasses.replace(
-            batch,
-            **{
-                k: getattr(batch, k).to(dev, non_blocking=True)  # (no-ops for rows `ahead_to_device` moved)
-                for k in ("input_ids", "aux_hidden", "topk_ids", "topk_logprobs", "weight")
-            },
-            last_hidden=None if batch.last_hidden is None else batch.last_hidden.to(dev, non_blocking=True),
-        )
-        g = torch.Generator().manual_seed(mix_seed("cod", self.cfg.seed, batch.epoch, batch.row))
-        lay = cod.build_layout(b.doc_lengths, batch.weight.cpu(), self.cod, g, full=full).to(dev)
-        valid = lay.element_weight(b.weight)
-        if self.cfg.target == "topk" and len(lay):
-            _, _, has, _ = loss.topk_targets(b.topk_ids[lay.target], b.topk_logprobs[lay.target], self.vocab)
-            valid = valid & has
-        segs = (
-            partition.plan_segments(lay, 1 if full else self.cfg.sequence_partitions, valid)
-            if len(lay)
-            else []
-        )
-        return Prepared(b, lay, valid, segs)
+        return lay_out_row(batch, self.cfg, self.cod, self.vocab, self.dist.device, full)
 
     def _mask(self, lay: cod.CODLayout, query: torch.Tensor | None = None) -> Any:
         if self.dist.device.type == "cuda":
