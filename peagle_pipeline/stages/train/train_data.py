@@ -1,10 +1,10 @@
 """What a training run reads: the loader's settings, the training split and the held-out set.
 
-Pure composition over the cache reader and `stages.loader` (no model, no writes): `loader_settings` picks the
-loader's own settings out of the train section, `training_data` opens the cache (with `extra_cache`, all of them as
-one `CacheUnion`) and splits it, `held_out_set` names the samples (of the training cache or of `eval_cache`) behind
-the held-out figures, `without_held_out_prompts` keeps their prompts out of training, and `check_truncation` says
-what `tokens_per_step` cuts.
+Composition over the cache reader and `core.heldout` (no model, no writes): `loader_settings` picks the loader's own
+settings out of the train section, `training_data` opens the cache (with `extra_cache`, all of them as one
+`CacheUnion`) and splits it (`core.heldout.split_samples`), `held_out_set` names the samples (of the training cache
+or of `eval_cache`) behind the held-out figures, `without_held_out_prompts` keeps their prompts out of training,
+`hold_out` does both for the trainer, and `check_truncation` says what `tokens_per_step` cuts.
 """
 
 from __future__ import annotations
