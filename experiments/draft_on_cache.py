@@ -34,9 +34,11 @@ from peagle_pipeline.cache.reader import open_cache  # noqa: E402
 from peagle_pipeline.config import TrainConfig, resolve  # noqa: E402
 from peagle_pipeline.core import partition  # noqa: E402
 from peagle_pipeline.core.copying import COPY_NONE, COPY_RIGHT, COPY_WRONG, copy_classes  # noqa: E402
+from peagle_pipeline.core.heldout import DataSplit  # noqa: E402
 from peagle_pipeline.errors import PeagleError  # noqa: E402
 from peagle_pipeline.stages.train.distributed import Dist  # noqa: E402
-from peagle_pipeline.stages.train.loader import DataSplit, pack_rows, read_packed  # noqa: E402
+from peagle_pipeline.stages.train.packed_batch import read_packed  # noqa: E402
+from peagle_pipeline.stages.train.packing import pack_rows  # noqa: E402
 from peagle_pipeline.stages.train.trainer import Trainer  # noqa: E402
 
 CLASSES = ("copy right", "copy wrong", "no copy guess")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from peagle_pipeline.core import loss
-from peagle_pipeline.stages.train.loader import Cursor, PackedBatch, ahead_to_device
+from peagle_pipeline.stages.train.loader import Cursor, ahead_to_device
+from peagle_pipeline.stages.train.packed_batch import PackedBatch
 
 
 def test_depth_counts_make_no_host_sync():

@@ -160,7 +160,8 @@ def setup_run_export_with_readme(ph: dict[str, str], fx: dict[str, Path]) -> Non
 
 def setup_run_other_export(ph: dict[str, str], fx: dict[str, Path]) -> None:
     """{out} holds the export of another run (its marker names another run folder and start)."""
-    from peagle_pipeline.stages.export.stage import MARKER_FILE, export_run
+    from peagle_pipeline.stages.export.marker import MARKER_FILE
+    from peagle_pipeline.stages.export.stage import export_run
 
     shutil.copytree(fx["run"], ph["run"])
     export_run(ph["run"], ph["out"], checkpoint="latest")

@@ -21,6 +21,9 @@ from peagle_pipeline.core import cod
 from peagle_pipeline.core.mask import dense_mask
 from peagle_pipeline.errors import BadInput, OutputExists
 from peagle_pipeline.stages.export import stage as export
+from peagle_pipeline.stages.export.draft_spec import DraftSpec
+from peagle_pipeline.stages.export.marker import MARKER_FILE, trained_depths
+from peagle_pipeline.stages.export.speculators_format import load_export, serving_depths
 from peagle_pipeline.stages.train import draft, trainer
 from peagle_pipeline.stages.train import stage as train
 from peagle_pipeline.stages.train.checkpoint import CheckpointManager
@@ -160,7 +163,7 @@ def test_reload_reproduces_the_trained_model(run_dir: Path, tiny_cache: Path, tm
     ckpt = CheckpointManager(run_dir, 1).load_latest(with_optimizer=False)
     trained.load_state_dict(ckpt.model)
     trained = trained.to(torch.bfloat16).eval()
-    loaded = export.load_export(path)
+    loaded = load_export(path)
     assert next(loaded.parameters()).dtype == torch.bfloat16
 
     g = torch.Generator().manual_seed(0)
@@ -198,8 +201,8 @@ def test_export_cli_replaces_a_previous_export(run_dir: Path, tmp_path: Path, ca
     assert main(["export", str(run_dir), "--output", str(out), "--checkpoint", "step-3"]) == 0
     assert main(["export", str(run_dir), "--output", str(out)]) == 0  # an export there is ours: replaced
     assert f"exported to {out}" in capsys.readouterr().out
-    assert sorted(p.name for p in out.iterdir()) == [export.MARKER_FILE, "config.json", "model.safetensors"]
-    marker = json.loads((out / export.MARKER_FILE).read_text())
+    assert sorted(p.name for p in out.iterdir()) == [MARKER_FILE, "config.json", "model.safetensors"]
+    marker = json.loads((out / MARKER_FILE).read_text())
     assert marker["run"] == str(run_dir.resolve()) and marker["checkpoint"] == "step-00000003"
     assert main(["export", str(tmp_path / "nope"), "--output", str(tmp_path / "x")]) == 2
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary or old folder left
@@ -212,12 +215,12 @@ def test_export_records_the_served_k_apart_from_the_trained_k(run_dir: Path, tmp
         cfg = json.loads((path / "config.json").read_text())
         return cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
 
-    assert export.serving_depths(8) == SERVING_DEPTHS == 4 and export.serving_depths(3) == 3
+    assert serving_depths(8) == SERVING_DEPTHS == 4 and serving_depths(3) == 3
     out = tmp_path / "draft"
     assert main(["export", str(run_dir), "--output", str(out), "--speculative-tokens", "2"]) == 0
     cfg = json.loads((out / "config.json").read_text())
-    assert served(out) == 2 and export.trained_depths(out, cfg) == K
-    assert json.loads((out / export.MARKER_FILE).read_text())["trained_depths"] == K
+    assert served(out) == 2 and trained_depths(out, cfg) == K
+    assert json.loads((out / MARKER_FILE).read_text())["trained_depths"] == K
     assert main(["export", str(run_dir), "--output", str(out)]) == 0
     assert served(out) == min(SERVING_DEPTHS, K)
     capsys.readouterr()
@@ -239,7 +242,7 @@ def test_non_finite_weights_are_never_exported_or_saved(
     from peagle_pipeline.errors import NumericalFault
     from peagle_pipeline.stages.train.distributed import Dist
 
-    spec = export.DraftSpec.load(run_dir)
+    spec = DraftSpec.load(run_dir)
     state = CheckpointManager(run_dir, keep=1).load_latest(with_optimizer=False).model
     state = {k: v.clone() for k, v in state.items()}
     state["embed_tokens.weight"][3, 1] = float("nan")
@@ -302,7 +305,7 @@ def test_export_onto_another_runs_export_needs_force(run_dir: Path, tmp_path: Pa
     assert f"{out} holds the export of another run ({other.resolve()}" in line and "--force" in line
     assert _tree(out) == before
     assert main(["export", str(run_dir), "--output", str(out), "--force", "--checkpoint", "latest"]) == 0
-    assert json.loads((out / export.MARKER_FILE).read_text())["run"] == str(run_dir.resolve())
+    assert json.loads((out / MARKER_FILE).read_text())["run"] == str(run_dir.resolve())
     assert _tree(out) != before
     export.export_run(run_dir, out, checkpoint="latest")  # now ours: replaced without --force
 
@@ -310,11 +313,11 @@ def test_export_onto_another_runs_export_needs_force(run_dir: Path, tmp_path: Pa
 def test_legacy_export_without_marker_needs_force(run_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "draft"
     export.export_run(run_dir, out, checkpoint="latest")
-    (out / export.MARKER_FILE).unlink()  # as written before the marker existed
+    (out / MARKER_FILE).unlink()  # as written before the marker existed
     with pytest.raises(OutputExists, match="export of unknown origin"):
         export.export_run(run_dir, out)
     assert export.export_run(run_dir, out, force=True) == out
-    assert (out / export.MARKER_FILE).is_file()
+    assert (out / MARKER_FILE).is_file()
 
 
 def _modes(root: Path) -> dict[str, int]:
@@ -333,7 +336,7 @@ def test_exported_and_checkpoint_files_follow_the_umask(run_dir: Path, tmp_path:
     assert _modes(path) == {
         "config.json": 0o640,
         "model.safetensors": 0o640,
-        export.MARKER_FILE: 0o640,
+        MARKER_FILE: 0o640,
     }
     assert (path.stat().st_mode & 0o777) == 0o750  # the directory too (it starts as a temporary one)
     ckpt = _modes(run_dir / "checkpoints")

@@ -28,7 +28,8 @@ from peagle_pipeline import cli
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
 from peagle_pipeline.errors import StoreUnreachable
-from peagle_pipeline.stages.train.loader import RowPlan, read_packed
+from peagle_pipeline.stages.train.packed_batch import read_packed
+from peagle_pipeline.stages.train.packing import RowPlan
 
 SETTINGS = ["--dtype", "fp32", "--max-length", "200", "--shard-tokens", "256", "--chunk-tokens", "64",
             "--batch-tokens", "512", "--max-samples", "10"]  # fmt: skip

@@ -69,7 +69,7 @@ def test_the_fused_layer_starts_from_the_target_layers_qk_norms(qwen3_run: Path,
 
     from peagle_pipeline.cache.reader import open_cache
     from peagle_pipeline.config import TrainConfig, resolve
-    from peagle_pipeline.stages.export.stage import load_export
+    from peagle_pipeline.stages.export.speculators_format import load_export
     from peagle_pipeline.stages.train.draft import build_draft
 
     cache = open_cache(str(qwen3_run.parent / "cache"))
@@ -88,7 +88,7 @@ def test_the_fused_layer_starts_from_the_target_layers_qk_norms(qwen3_run: Path,
 
 # ---- item 4: a draft run against another target is refused before any engine starts ----------------------------
 def test_export_records_the_target_it_was_trained_on(qwen3_run: Path, tiny_qwen3: Path) -> None:
-    from peagle_pipeline.stages.export.stage import read_marker, target_identity
+    from peagle_pipeline.stages.export.marker import read_marker, target_identity
 
     assert read_marker(qwen3_run / "export")["target"] == target_identity(tiny_qwen3)
 
@@ -96,7 +96,7 @@ def test_export_records_the_target_it_was_trained_on(qwen3_run: Path, tiny_qwen3
 def test_evaluate_refuses_a_draft_trained_on_another_target(
     qwen3_run: Path, tiny_model: Path, tiny_qwen3: Path, capsys
 ) -> None:
-    from peagle_pipeline.stages.export.stage import check_served_target
+    from peagle_pipeline.stages.export.marker import check_served_target
 
     export = str(qwen3_run / "export")
     # the tiny Llama has the same vocabulary size: only the recorded identity tells the targets apart
@@ -111,7 +111,7 @@ def test_evaluate_refuses_a_draft_trained_on_another_target(
 
 
 def test_another_chat_template_only_warns(qwen3_run: Path, tiny_qwen3: Path, tmp_path: Path) -> None:
-    from peagle_pipeline.stages.export.stage import check_served_target
+    from peagle_pipeline.stages.export.marker import check_served_target
 
     other = shutil.copytree(tiny_qwen3, tmp_path / "retemplated")
     (other / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")

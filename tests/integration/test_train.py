@@ -392,7 +392,7 @@ def test_training_leaves_out_the_prompts_of_held_out_samples(
     the held-out figures stay unseen. Training on other conversations loses nothing."""
     from peagle_pipeline.cache.reader import open_cache
     from peagle_pipeline.config import TrainConfig
-    from peagle_pipeline.stages.train.loader import split_samples
+    from peagle_pipeline.core.heldout import split_samples
     from peagle_pipeline.stages.train.train_data import held_out_set, training_data, without_held_out_prompts
 
     cfg = TrainConfig(

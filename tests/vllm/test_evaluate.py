@@ -14,7 +14,7 @@ import pytest
 from conftest import TINY_LAYERS, run_cli
 from drafts import make_random_draft
 
-from peagle_pipeline.stages.export.stage import MARKER_FILE
+from peagle_pipeline.stages.export.marker import MARKER_FILE
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

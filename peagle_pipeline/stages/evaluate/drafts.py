@@ -44,7 +44,7 @@ class Draft:
 def find_run(export_dir: str | Path) -> Path | None:
     """The training run an export came from: named by its `.peagle-export.json` (`run` or `run_dir`, relative to
     the export), else the export's parent when the export sits in a run (`train` writes RUN/export); else None."""
-    from peagle_pipeline.stages.export.stage import read_marker
+    from peagle_pipeline.stages.export.marker import read_marker
     from peagle_pipeline.stages.run_layout import TRAIN_YAML
 
     export = Path(export_dir)
@@ -61,7 +61,7 @@ def find_run(export_dir: str | Path) -> Path | None:
 def exported_step(export_dir: str | Path, run_dir: Path) -> int | None:
     """The training step of the checkpoint an export holds (its marker's `step`), or None: unknown, or the marker
     names another run than `run_dir` (an export found beside a run it does not come from)."""
-    from peagle_pipeline.stages.export.stage import read_marker, run_identity, same_run
+    from peagle_pipeline.stages.export.marker import read_marker, run_identity, same_run
 
     facts = read_marker(export_dir)
     step = facts.get("step")
@@ -116,7 +116,7 @@ def resolve_draft(path: str, depths: int | None) -> Draft:
     Raises:
         BadInput: missing directory or not a P-EAGLE export.
     """
-    from peagle_pipeline.stages.export.stage import trained_depths
+    from peagle_pipeline.stages.export.marker import trained_depths
 
     config = read_draft_config(path)
     served, trained = draft_depths(config), trained_depths(path, config)

@@ -306,7 +306,7 @@ def heldout_prompts(cache_dir: Path, eval_samples: int, seed: int, n: int) -> tu
     A prompt is the cached token ids before the sample's first supervised token.
     """
     from peagle_pipeline.cache.reader import open_cache, prompt_length
-    from peagle_pipeline.stages.train.loader import split_samples
+    from peagle_pipeline.core.heldout import split_samples
 
     cache = open_cache(cache_dir)
     split = split_samples(cache.samples, eval_samples, seed)

@@ -283,7 +283,7 @@ def _check_drafts(
     Raises:
         BadInput: a draft trained for another vocabulary size, or for another target (`check_served_target`).
     """
-    from peagle_pipeline.stages.export.stage import check_served_target
+    from peagle_pipeline.stages.export.marker import check_served_target
 
     for d in drafts:
         if d.vocab_size is not None and d.vocab_size != vocab_size:

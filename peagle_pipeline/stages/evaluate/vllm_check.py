@@ -35,7 +35,7 @@ from peagle_pipeline.stages.evaluate.acceptance import (
     speculative_config,
 )
 from peagle_pipeline.stages.evaluate.prompts import DEFAULT_PROMPTS, load_prompts
-from peagle_pipeline.stages.export.stage import check_served_target, export_run_dir
+from peagle_pipeline.stages.export.marker import check_served_target, export_run_dir
 
 __all__ = [
     "run",

@@ -13,10 +13,10 @@ from peagle_pipeline.config import TrainConfig
 from peagle_pipeline.core import vocab
 from peagle_pipeline.core.draft_config import DraftConfig, has_qk_norm
 from peagle_pipeline.core.model import PEagleDraft
+from peagle_pipeline.core.seeds import mix_seed
 from peagle_pipeline.core.target_init import init_from_target_layer
 from peagle_pipeline.errors import BadConfig
-from peagle_pipeline.stages.export.stage import DRAFT_SPEC, DraftSpec
-from peagle_pipeline.stages.train.loader import mix_seed
+from peagle_pipeline.stages.export.draft_spec import DRAFT_SPEC, DraftSpec
 
 __all__ = [
     "build_draft",

@@ -1,85 +1,37 @@
-"""Training data from a cache: held-out split, per-epoch shuffle, shift, greedy packing, rank sharding, workers.
+"""This rank's stream of training steps from a cache: rank sharding, micro-steps, worker processes, copy ahead.
 
-Plan (pure, from the per-sample table only; no sample is opened at start-up):
-- `split_samples`: drop samples with no supervised token (counted), then hold out `eval_samples` fixed by seed.
-- `pack_epoch`: shuffle the training samples with a generator seeded by (seed, epoch) and pack them greedily, in
-  that order, into rows of at most `budget` shifted tokens (a sample of T cached tokens gives S = T-1 shifted
-  rows; a sample with S > budget is truncated to its first `budget` rows and fills a row alone).
-- Steps: each optimizer step consumes `world_size * micro_steps` consecutive packed rows of the epoch; rank r,
-  micro-step a of step s reads row `s * world * micro + r * micro + a`. So 2 ranks x 1 micro-step and
-  1 rank x 2 micro-steps see the same global batch. Rows left over at the end of an epoch are dropped.
+- Steps: each optimizer step consumes `world_size * micro_steps` consecutive packed rows of the epoch's plan
+  (`stages.train.packing.pack_epoch`); rank r, micro-step a of step s reads row `s * world * micro + r * micro + a`.
+  So 2 ranks x 1 micro-step and 1 rank x 2 micro-steps see the same global batch. Rows left over at the end of an
+  epoch are dropped.
 - The data cursor `(epoch, step)` names the next step to run; it is all a resume needs.
 
 Reading: a map-style torch Dataset over this rank's rows (DataLoader with `batch_size=None`, `num_workers` worker
-processes); each process opens the cache lazily on first use. Shift per sample before packing: shifted row i =
-token x_{i+1}, aux g_i, target top-k P_{i+1}, weight m_{i+1} (and last hidden h_{i+1} for exact targets).
-Never touches models; never writes.
+processes); each process opens the cache lazily on first use and reads a row with
+`stages.train.packed_batch.read_packed`. Never touches models; never writes.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import logging
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from peagle_pipeline.errors import BadConfig, CorruptCache, StoreUnreachable
+from peagle_pipeline.core.heldout import DataSplit
+from peagle_pipeline.errors import BadConfig
 from peagle_pipeline.preemption import ignore_in_worker
+from peagle_pipeline.stages.train.packed_batch import PackedBatch, into_shared_memory, read_packed
+from peagle_pipeline.stages.train.packing import RowPlan, pack_epoch
 
 __all__ = [
-    "RowPlan",
-    "DataSplit",
     "Cursor",
-    "PackedBatch",
-    "mix_seed",
-    "split_samples",
-    "truncation",
-    "pack_rows",
-    "pack_epoch",
-    "shift_sample",
-    "into_shared_memory",
     "PackedRows",
     "LoaderSettings",
     "TrainLoader",
     "ahead_to_device",
 ]
-
-log = logging.getLogger(__name__)
-
-
-def mix_seed(*parts: object) -> int:
-    """A 63-bit seed from any tuple of parts (independent streams for shuffle, split, COD rows, init)."""
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-@dataclass(frozen=True)
-class RowPlan:
-    """One packed row: which samples, and how many shifted rows of each (after truncation)."""
-
-    sample_ids: tuple[int, ...]
-    lengths: tuple[int, ...]
-
-    @property
-    def tokens(self) -> int:
-        return sum(self.lengths)
-
-
-@dataclass(frozen=True)
-class DataSplit:
-    """Training and held-out samples (ids and shifted lengths S = T-1), plus what was skipped."""
-
-    train_ids: np.ndarray  # int64 [n_train]
-    train_lengths: np.ndarray  # int64 [n_train] shifted rows S
-    eval_ids: np.ndarray  # int64 [n_eval]
-    eval_lengths: np.ndarray  # int64 [n_eval]
-    skipped_unsupervised: int
-    shared_prompts: int = 0  # training samples left out for sharing a held-out sample's prompt
 
 
 @dataclass(frozen=True, order=True)
@@ -88,150 +40,6 @@ class Cursor:
 
     epoch: int = 0
     step: int = 0
-
-
-@dataclass
-class PackedBatch:
-    """One packed row in shifted coordinates, L = sum(doc_lengths) rows (no padding).
-
-    Attributes:
-        input_ids: LongTensor [L] token x_{i+1} of each shifted row.
-        aux_hidden: [L, n_aux * H] aux states g_i (bf16 or fp32, as stored).
-        topk_ids: LongTensor [L, k] target top-k ids of P_{i+1}.
-        topk_logprobs: FloatTensor [L, k] their log-probs.
-        weight: BoolTensor [L] m_{i+1}: rows that carry loss.
-        last_hidden: [L, H] pre-norm last hidden h_{i+1} (exact targets) or None.
-        doc_lengths: shifted rows per packed sample.
-        sample_ids: cache sample ids, in packing order.
-        epoch, row: where this row sits in the epoch plan (seeds the row's COD generator).
-        corrupt: (sample id, message) of samples dropped because their data failed its check.
-        unreachable: the message of a read the object store did not answer (the row stops there; never skipped).
-        no_shared_memory: the message of a loader worker that found no room in shared memory for the row (the
-            row comes back empty; see `into_shared_memory`).
-    """
-
-    input_ids: torch.Tensor
-    aux_hidden: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_logprobs: torch.Tensor
-    weight: torch.Tensor
-    last_hidden: torch.Tensor | None
-    doc_lengths: list[int]
-    sample_ids: list[int]
-    epoch: int
-    row: int
-    corrupt: list[tuple[int, str]] = field(default_factory=list)
-    unreachable: str | None = None
-    no_shared_memory: str | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.numel())
-
-    def pin_memory(self) -> PackedBatch:
-        """The row in page-locked memory (the DataLoader's pin thread calls this when `pin_memory` is set)."""
-        pinned: dict[str, Any] = {k: t.pin_memory() for k, t in self._tensors().items()}
-        return dataclasses.replace(self, **pinned)
-
-    def to_device(self, device: torch.device) -> PackedBatch:
-        """The row's states on `device` (copied without blocking from pinned memory); `weight`, which the COD
-        layout reads on the host, stays where it is."""
-        moved: dict[str, Any] = {
-            k: t.to(device, non_blocking=True) for k, t in self._tensors().items() if k != "weight"
-        }
-        return dataclasses.replace(self, **moved)
-
-    def _tensors(self) -> dict[str, torch.Tensor]:
-        names = ("input_ids", "aux_hidden", "topk_ids", "topk_logprobs", "weight", "last_hidden")
-        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
-
-
-def split_samples(samples: Any, eval_samples: int, seed: int) -> DataSplit:
-    """Split the cache's sample table (pandas, `layout.SAMPLE_COLUMNS`) into training and held-out ids.
-
-    Samples with no supervised token or fewer than 2 tokens are skipped (counted). The held-out set is a
-    seeded random subset (at most half the usable samples), independent of the epoch shuffles.
-    """
-    ids = samples["sample_id"].to_numpy(dtype=np.int64)
-    lengths = samples["length"].to_numpy(dtype=np.int64) - 1
-    usable = (samples["num_supervised"].to_numpy() > 0) & (lengths > 0)
-    order = np.argsort(ids[usable], kind="stable")
-    ids, lengths = ids[usable][order], lengths[usable][order]
-    n_eval = min(eval_samples, len(ids) // 2)
-    g = torch.Generator().manual_seed(mix_seed("eval-split", seed))
-    perm = torch.randperm(len(ids), generator=g).numpy()
-    held = np.sort(perm[:n_eval])
-    keep = np.ones(len(ids), dtype=bool)
-    keep[held] = False
-    return DataSplit(
-        train_ids=ids[keep],
-        train_lengths=lengths[keep],
-        eval_ids=ids[held],
-        eval_lengths=lengths[held],
-        skipped_unsupervised=int((~usable).sum()),
-    )
-
-
-def truncation(split: DataSplit, budget: int) -> tuple[int, int, int, int]:
-    """What packing into rows of `budget` tokens cuts from the training samples.
-
-    Returns (samples cut, shifted tokens dropped, shifted tokens in all, longest sample's shifted tokens).
-    Example: budget 10, lengths [4, 12, 15] -> (2, 7, 31, 15).
-    """
-    lengths = split.train_lengths
-    over = lengths[lengths > budget]
-    longest = int(lengths.max()) if len(lengths) else 0
-    return int(len(over)), int((over - budget).sum()), int(lengths.sum()), longest
-
-
-def pack_rows(ids: np.ndarray, lengths: np.ndarray, budget: int) -> list[RowPlan]:
-    """Greedy packing in the given order: append to the open row while it fits, else start a new row.
-
-    Example: budget 10, lengths [4, 5, 3, 12] -> rows [4, 5], [3], [10 (truncated from 12)].
-    """
-    rows: list[RowPlan] = []
-    cur_ids: list[int] = []
-    cur_len: list[int] = []
-    used = 0
-    for sid, n in zip(ids.tolist(), lengths.tolist(), strict=True):
-        n = min(n, budget)
-        if used + n > budget and cur_ids:
-            rows.append(RowPlan(tuple(cur_ids), tuple(cur_len)))
-            cur_ids, cur_len, used = [], [], 0
-        cur_ids.append(sid)
-        cur_len.append(n)
-        used += n
-    if cur_ids:
-        rows.append(RowPlan(tuple(cur_ids), tuple(cur_len)))
-    return rows
-
-
-def pack_epoch(split: DataSplit, budget: int, seed: int, epoch: int) -> list[RowPlan]:
-    """This epoch's packed rows: a (seed, epoch)-seeded permutation of the training samples, packed greedily."""
-    g = torch.Generator().manual_seed(mix_seed("shuffle", seed, epoch))
-    perm = torch.randperm(len(split.train_ids), generator=g).numpy()
-    return pack_rows(split.train_ids[perm], split.train_lengths[perm], budget)
-
-
-def shift_sample(
-    sample: Any, n: int, need_last_hidden: bool, all_positions: bool = False
-) -> dict[str, torch.Tensor | None]:
-    """Shift one cached sample (unshifted rows 0..T-1) by one and keep its first `n` <= T-1 shifted rows.
-
-    `weight` is the sample's loss mask, or True everywhere when `all_positions` (loss_positions: all).
-
-    Returns a dict of input_ids [n], aux_hidden [n, n_aux*H], topk_ids [n, k], topk_logprobs [n, k],
-    weight [n], last_hidden [n, H] | None.
-    """
-    aux = sample.aux_hidden[:n]
-    return {
-        "input_ids": sample.input_ids[1 : n + 1].long(),
-        "aux_hidden": aux.reshape(n, -1),
-        "topk_ids": sample.topk_ids[1 : n + 1].long(),
-        "topk_logprobs": sample.topk_logprobs[1 : n + 1].float(),
-        "weight": torch.ones(n, dtype=torch.bool) if all_positions else sample.loss_mask[1 : n + 1].bool(),
-        "last_hidden": sample.last_hidden[1 : n + 1] if need_last_hidden else None,
-    }
 
 
 class PackedRows(torch.utils.data.Dataset):
@@ -265,114 +73,6 @@ class _RowOrder(torch.utils.data.Sampler):
         for epoch, step in self.loader.steps_from(self.cursor):
             for row in self.loader.rows_of_step(step):
                 yield epoch, row
-
-
-def read_packed(
-    cache: Any,
-    plan: RowPlan,
-    epoch: int,
-    row: int,
-    need_last_hidden: bool,
-    skip_corrupt: bool,
-    all_positions: bool = False,
-) -> PackedBatch:
-    """Read and shift every sample of `plan` and concatenate them into one PackedBatch (`all_positions`: see
-    `shift_sample`).
-
-    A sample whose read raises CorruptCache is dropped and listed in `corrupt` (the trainer raises unless
-    skip_corrupt); the message is kept so the error is raised in the main process with one line. A read the
-    object store did not answer (StoreUnreachable) ends the row and is kept in `unreachable` the same way.
-    """
-    parts: list[dict[str, torch.Tensor | None]] = []
-    lengths: list[int] = []
-    ids: list[int] = []
-    corrupt: list[tuple[int, str]] = []
-    unreachable = None
-    for sid, n in zip(plan.sample_ids, plan.lengths, strict=True):
-        try:
-            sample = cache.read_sample(sid)
-        except StoreUnreachable as err:
-            unreachable = str(err)
-            break
-        except CorruptCache as err:
-            corrupt.append((sid, str(err)))
-            if not skip_corrupt:
-                break
-            continue
-        parts.append(shift_sample(sample, n, need_last_hidden, all_positions))
-        lengths.append(n)
-        ids.append(sid)
-    if not parts:  # every sample corrupt (or none read): an empty row (the trainer skips it)
-        return _empty_row(epoch, row, corrupt=corrupt, unreachable=unreachable)
-
-    def cat(key: str) -> torch.Tensor:
-        return torch.cat([p[key] for p in parts])  # type: ignore[misc]
-
-    return PackedBatch(
-        input_ids=cat("input_ids"),
-        aux_hidden=cat("aux_hidden"),
-        topk_ids=cat("topk_ids"),
-        topk_logprobs=cat("topk_logprobs"),
-        weight=cat("weight"),
-        last_hidden=cat("last_hidden") if need_last_hidden else None,
-        doc_lengths=lengths,
-        sample_ids=ids,
-        epoch=epoch,
-        row=row,
-        corrupt=corrupt,
-        unreachable=unreachable,
-    )
-
-
-def _empty_row(epoch: int, row: int, **why: Any) -> PackedBatch:
-    """A row with no tokens; `why` says what emptied it (`corrupt`, `unreachable` or `no_shared_memory`)."""
-    return PackedBatch(
-        torch.zeros(0, dtype=torch.long),
-        torch.zeros(0, 0),
-        torch.zeros(0, 0, dtype=torch.long),
-        torch.zeros(0, 0),
-        torch.zeros(0, dtype=torch.bool),
-        None,
-        [],
-        [],
-        epoch,
-        row,
-        **why,
-    )
-
-
-def into_shared_memory(batch: PackedBatch) -> PackedBatch:
-    """Move a worker's row into shared memory before the DataLoader sends it, so a full /dev/shm is reported.
-
-    Left to the DataLoader, the move happens while its queue pickles the row in a background thread: there a full
-    /dev/shm (a container's default 64 MB holds less than one bf16 row of 8,192 tokens of a 2,048-wide target) is printed as a
-    traceback, the row is dropped and the trainer waits for it forever. Here the failure comes back as an empty
-    row whose `no_shared_memory` the trainer raises as one line. Tensors already in shared memory are sent as they
-    are (no second copy).
-    """
-    tensors = [
-        batch.input_ids,
-        batch.aux_hidden,
-        batch.topk_ids,
-        batch.topk_logprobs,
-        batch.weight,
-        *([] if batch.last_hidden is None else [batch.last_hidden]),
-    ]
-    try:
-        for t in tensors:
-            t.share_memory_()
-    except RuntimeError as err:
-        if "shared memory" not in str(err):
-            raise
-        mb = sum(t.numel() * t.element_size() for t in tensors) / 2**20
-        return _empty_row(
-            batch.epoch,
-            batch.row,
-            no_shared_memory=f"the data loader's worker found no room in shared memory (/dev/shm) for a row of "
-            f"{batch.num_tokens} tokens ({mb:.1f} MB; several are in flight at once): give /dev/shm more "
-            f"room (docker run --shm-size=...), lower tokens_per_step, or set num_workers: 0",
-        )
-    return batch
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -30,6 +30,7 @@ __all__ = [
     "RunSink",
     "read_metrics",
     "json_safe",
+    "format_figure",
     "plot",
 ]
 
@@ -150,6 +151,11 @@ def json_safe(record: dict[str, Any]) -> dict[str, Any]:
     if bad:
         out["nonfinite"] = sorted(set(bad))
     return out
+
+
+def format_figure(x: float | None, digits: int = 2) -> str:
+    """`x` with `digits` decimals, or "-" for a figure not measured."""
+    return "-" if x is None else f"{x:.{digits}f}"
 
 
 class RunSink:

@@ -16,10 +16,12 @@ from peagle_pipeline.config import TrainConfig
 from peagle_pipeline.errors import BadInput, ResumeMismatch
 from peagle_pipeline.preemption import StopRequest, stop_error
 from peagle_pipeline.runtime import RankLock, configure_logging, describe_compute_dtype
-from peagle_pipeline.stages.export.stage import check_export_target, export_run, run_identity
+from peagle_pipeline.stages.export.marker import run_identity
+from peagle_pipeline.stages.export.stage import check_export_target, export_run
 from peagle_pipeline.stages.train import metrics as metrics_mod
 from peagle_pipeline.stages.train.distributed import Dist
 from peagle_pipeline.stages.train.draft import describe_mask_token, describe_vocab_coverage
+from peagle_pipeline.stages.train.metrics import format_figure
 from peagle_pipeline.stages.train.optim import effective_warmup, lr_at
 from peagle_pipeline.stages.train.rundir import (
     EXPORT_DIR,
@@ -28,7 +30,7 @@ from peagle_pipeline.stages.train.rundir import (
     prepare_output,
     write_run_files,
 )
-from peagle_pipeline.stages.train.trainer import Trainer, format_figure
+from peagle_pipeline.stages.train.trainer import Trainer
 
 __all__ = ["run", "Trainer"]
 
@@ -56,13 +58,7 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
     sink: Any = metrics_mod.NullSink()
     try:
         if dist.main:
-            check_output_path(cfg.output)
-            created, lock_created = not out.exists(), not (out / LOCK_FILE).exists()
-            lock = RankLock(
-                out / LOCK_FILE,
-                f"training run {cfg.output}",
-                "wait for it or stop it, or choose another --output",
-            ).acquire(write_pid=False)  # a start refused by the checks below leaves the folder as it was
+            lock, created, lock_created = _lock_run(cfg)
         dist.barrier()
         resumed = prepare_output(cfg, dist.world, micro_steps)  # every rank checks before anyone writes
         if cfg.export and resumed:  # refuse an export folder holding the user's files now, not after training
@@ -78,15 +74,10 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
             trainer.spec.save(cfg.output)
         started = True
         if dist.main:
-            sink = metrics_mod.RunSink(cfg.output, trainer.total_steps, start_step=trainer.step)
-            trainer.sink = sink
-            for line in _start_notes(cfg, trainer):
-                sink.write(line)
-            sink.write(describe_vocab_coverage(trainer.cache, trainer.vocab))
-            sink.write(describe_mask_token(trainer.cache, trainer.spec.mask_token_id))
-            why = describe_compute_dtype(cfg.precision, str(dist.device), trainer.precision)
-            log.info("%s", why)
-            sink.note(why)
+            sink = trainer.sink = metrics_mod.RunSink(
+                cfg.output, trainer.total_steps, start_step=trainer.step
+            )
+            _write_start_notes(cfg, trainer, dist, sink)
         with StopRequest(STOP_NOTICE) as stop:  # Ctrl-C/SIGTERM from here on: finish the step, save, stop
             final = trainer.fit(should_stop=lambda: stop.signum)
         if dist.main:
@@ -108,6 +99,32 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
                 _forget_start(out, lock, created, lock_created)
             lock.release()
         dist.teardown()
+
+
+def _lock_run(cfg: TrainConfig) -> tuple[RankLock, bool, bool]:
+    """Check the run folder's path and lock it (rank 0): (the lock, whether the folder and the lock file were
+    made by this start)."""
+    out = Path(cfg.output)
+    check_output_path(cfg.output)
+    created, lock_created = not out.exists(), not (out / LOCK_FILE).exists()
+    lock = RankLock(
+        out / LOCK_FILE,
+        f"training run {cfg.output}",
+        "wait for it or stop it, or choose another --output",
+    ).acquire(write_pid=False)  # a start refused by the checks below leaves the folder as it was
+    return lock, created, lock_created
+
+
+def _write_start_notes(cfg: TrainConfig, trainer: Trainer, dist: Dist, sink: metrics_mod.RunSink) -> None:
+    """Tell the user, through the run's `sink` (rank 0), where the run starts: resume point, data split, draft
+    vocabulary, mask token and compute dtype."""
+    for line in _start_notes(cfg, trainer):
+        sink.write(line)
+    sink.write(describe_vocab_coverage(trainer.cache, trainer.vocab))
+    sink.write(describe_mask_token(trainer.cache, trainer.spec.mask_token_id))
+    why = describe_compute_dtype(cfg.precision, str(dist.device), trainer.precision)
+    log.info("%s", why)
+    sink.note(why)
 
 
 def _check_extension(cfg: TrainConfig, trainer: Trainer) -> None:

@@ -1,10 +1,10 @@
 """What a training run reads: the loader's settings, the training split and the held-out set.
 
-Pure composition over the cache reader and `stages.loader` (no model, no writes): `loader_settings` picks the
-loader's own settings out of the train section, `training_data` opens the cache (with `extra_cache`, all of them as
-one `CacheUnion`) and splits it, `held_out_set` names the samples (of the training cache or of `eval_cache`) behind
-the held-out figures, `without_held_out_prompts` keeps their prompts out of training, and `check_truncation` says
-what `tokens_per_step` cuts.
+Composition over the cache reader and `core.heldout` (no model, no writes): `loader_settings` picks the loader's own
+settings out of the train section, `training_data` opens the cache (with `extra_cache`, all of them as one
+`CacheUnion`) and splits it (`core.heldout.split_samples`), `held_out_set` names the samples (of the training cache
+or of `eval_cache`) behind the held-out figures, `without_held_out_prompts` keeps their prompts out of training,
+`hold_out` does both for the trainer, and `check_truncation` says what `tokens_per_step` cuts.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import numpy as np
 
 from peagle_pipeline.cache.union import CacheUnion, cache_differences
 from peagle_pipeline.config import TrainConfig
+from peagle_pipeline.core.heldout import DataSplit, split_samples
 from peagle_pipeline.errors import BadConfig, IncompatibleCache
 from peagle_pipeline.stages.train.draft import require_last_hidden
-from peagle_pipeline.stages.train.loader import DataSplit, LoaderSettings, split_samples, truncation
+from peagle_pipeline.stages.train.loader import LoaderSettings
+from peagle_pipeline.stages.train.packing import truncation
 
 __all__ = [
     "loader_settings",
@@ -28,6 +30,7 @@ __all__ = [
     "separate_eval_cache",
     "held_out_set",
     "without_held_out_prompts",
+    "hold_out",
     "check_truncation",
 ]
 
@@ -129,6 +132,20 @@ def without_held_out_prompts(cache: Any, split: DataSplit, eval_cache: Any, eval
         train_lengths=split.train_lengths[keep],
         shared_prompts=split.shared_prompts + int((~keep).sum()),
     )
+
+
+def hold_out(cache: Any, split: DataSplit, cfg: TrainConfig) -> tuple[DataSplit, Any, DataSplit]:
+    """The run's held-out samples set apart: (`split` less the samples sharing a held-out prompt, the cache and
+    the split whose `eval_ids` give the held-out figures); see `held_out_set` and `without_held_out_prompts`.
+
+    With the training cache's own held-out samples, the eval split is the training split returned.
+
+    Raises:
+        IncompatibleCache: the eval cache holds another target's states (names the settings).
+    """
+    eval_cache, eval_set = held_out_set(cache, split, cfg)
+    split = without_held_out_prompts(cache, split, eval_cache, eval_set)
+    return split, eval_cache, split if eval_cache is cache else eval_set
 
 
 def check_truncation(split: Any, budget: int) -> None:

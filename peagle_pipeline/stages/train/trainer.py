@@ -22,14 +22,13 @@ import dataclasses
 import logging
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from peagle_pipeline.config import TrainConfig
 from peagle_pipeline.core import cod, loss, mask, partition
-from peagle_pipeline.core.copying import COPY_RIGHT, copy_classes
 from peagle_pipeline.errors import CorruptCache, NumericalFault, OutOfSpace, StoreUnreachable
 from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import resolve_compute_dtype
@@ -38,38 +37,17 @@ from peagle_pipeline.stages.train import metrics as metrics_mod
 from peagle_pipeline.stages.train.checkpoint import CheckpointManager
 from peagle_pipeline.stages.train.distributed import Dist
 from peagle_pipeline.stages.train.draft import build_draft
-from peagle_pipeline.stages.train.loader import (
-    Cursor,
-    PackedBatch,
-    TrainLoader,
-    ahead_to_device,
-    mix_seed,
-    pack_rows,
-    read_packed,
-)
-from peagle_pipeline.stages.train.metrics import StepStats, StepWindow
+from peagle_pipeline.stages.train.held_out_eval import evaluate_held_out
+from peagle_pipeline.stages.train.loader import Cursor, TrainLoader, ahead_to_device
+from peagle_pipeline.stages.train.metrics import StepStats, StepWindow, format_figure
 from peagle_pipeline.stages.train.optim import build_optimizer, clip_grad_norm, lr_at
-from peagle_pipeline.stages.train.train_data import (
-    check_truncation,
-    held_out_set,
-    loader_settings,
-    training_data,
-    without_held_out_prompts,
-)
+from peagle_pipeline.stages.train.packed_batch import PackedBatch
+from peagle_pipeline.stages.train.prepared_row import Prepared, lay_out_row
+from peagle_pipeline.stages.train.train_data import check_truncation, hold_out, loader_settings, training_data
 
-__all__ = ["Trainer", "Prepared"]
+__all__ = ["Trainer"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Prepared:
-    """One packed row ready for forward: batch on device, its COD layout, counted elements, segments."""
-
-    batch: PackedBatch
-    layout: cod.CODLayout
-    valid: torch.Tensor  # BoolTensor[N]: elements that carry loss
-    segments: list[partition.Segment]
 
 
 class Trainer:
@@ -97,10 +75,7 @@ class Trainer:
             )
         self.optimizer = build_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.cod = cfg.cod()
-        self.eval_cache, self.eval_set = held_out_set(self.cache, self.split, cfg)
-        self.split = without_held_out_prompts(self.cache, self.split, self.eval_cache, self.eval_set)
-        if self.eval_cache is self.cache:
-            self.eval_set = self.split
+        self.split, self.eval_cache, self.eval_set = hold_out(self.cache, self.split, cfg)
         check_truncation(self.split, cfg.tokens_per_step)
         settings = dataclasses.replace(loader_settings(cfg), pin_memory=dist.device.type == "cuda")
         self.loader = TrainLoader(self.cache, self.split, settings, dist.rank, dist.world, micro_steps)
@@ -192,7 +167,8 @@ class Trainer:
 
     # ---- one step ------------------------------------------------------------------------------------------
     def prepare(self, batch: PackedBatch, full: bool = False) -> Prepared:
-        """Sample the row's COD layout (its own seeded generator) and plan its segments."""
+        """Raise what emptied the row (an unanswered read, no shared memory, a corrupt sample unless skip_corrupt:
+        those are counted), then sample its COD layout and plan its segments (`prepared_row.lay_out_row`)."""
         if batch.unreachable:
             raise StoreUnreachable(batch.unreachable)
         if batch.no_shared_memory:
@@ -206,27 +182,7 @@ class Trainer:
                 )
             self.skipped_corrupt += len(batch.corrupt)
             log.warning("skipped %d corrupt sample(s) in row %d: %s", len(batch.corrupt), batch.row, msg)
-        dev = self.dist.device
-        b = dataclasses.replace(
-            batch,
-            **{
-                k: getattr(batch, k).to(dev, non_blocking=True)  # (no-ops for rows `ahead_to_device` moved)
-                for k in ("input_ids", "aux_hidden", "topk_ids", "topk_logprobs", "weight")
-            },
-            last_hidden=None if batch.last_hidden is None else batch.last_hidden.to(dev, non_blocking=True),
-        )
-        g = torch.Generator().manual_seed(mix_seed("cod", self.cfg.seed, batch.epoch, batch.row))
-        lay = cod.build_layout(b.doc_lengths, batch.weight.cpu(), self.cod, g, full=full).to(dev)
-        valid = lay.element_weight(b.weight)
-        if self.cfg.target == "topk" and len(lay):
-            _, _, has, _ = loss.topk_targets(b.topk_ids[lay.target], b.topk_logprobs[lay.target], self.vocab)
-            valid = valid & has
-        segs = (
-            partition.plan_segments(lay, 1 if full else self.cfg.sequence_partitions, valid)
-            if len(lay)
-            else []
-        )
-        return Prepared(b, lay, valid, segs)
+        return lay_out_row(batch, self.cfg, self.cod, self.vocab, self.dist.device, full)
 
     def _mask(self, lay: cod.CODLayout, query: torch.Tensor | None = None) -> Any:
         if self.dist.device.type == "cuda":
@@ -389,59 +345,9 @@ class Trainer:
         out.backward()  # type: ignore[union-attr]
 
     # ---- evaluation ----------------------------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self) -> dict[str, Any] | None:
-        """Held-out loss, per-depth top-1 agreement and estimated acceptance length (full-depth chains)."""
-        if len(self.eval_set.eval_ids) == 0:
-            return None
-        self.model.eval()
-        K = self.cfg.depths
-        budget = max(64, self.cfg.tokens_per_step // max(1, K // 2))
-        plans = pack_rows(self.eval_set.eval_ids, self.eval_set.eval_lengths, budget)
-        loss_sum, count, acc_sum, acc_n = 0.0, 0, 0.0, 0
-        correct, total = torch.zeros(K, dtype=torch.long), torch.zeros(K, dtype=torch.long)
-        # depth-0 elements whose next token the context spells out (core/copying.py), and those the draft got right
-        copies, copies_right = 0, 0
-        for i, plan in enumerate(plans):
-            batch = read_packed(
-                self.eval_cache, plan, -1, i, self.cfg.target == "exact", self.cfg.skip_corrupt
-            )
-            p = self.prepare(batch, full=True)
-            if not p.segments:
-                continue
-            whole = partition.Segment(
-                index=torch.arange(len(p.layout), device=self.dist.device),
-                owned=torch.ones(len(p.layout), dtype=torch.bool, device=self.dist.device),
-            )
-            out = self.forward_segment(p, whole, self.model)
-            loss_sum += float(out.loss_sum)
-            count += int(out.count)
-            correct += out.correct.cpu()
-            total += out.total.cpu()
-            s, n = loss.acceptance_estimate(p.layout, out.element_correct, out.element_valid, K)
-            acc_sum, acc_n = acc_sum + float(s), acc_n + int(n)
-            rows = p.layout.rows  # depth-0 elements come first, one per packed row
-            copy = out.element_valid[:rows].cpu() & (
-                copy_classes(batch.input_ids, batch.doc_lengths) == COPY_RIGHT
-            )
-            copies += int(copy.sum())
-            copies_right += int((out.element_correct[:rows].cpu() & copy).sum())
-        self.model.train()
-        return {
-            "step": self.step,
-            "kind": "eval",
-            "loss": loss_sum / max(count, 1),
-            "agreement": [
-                c / t if t else None for c, t in zip(correct.tolist(), total.tolist(), strict=True)
-            ],
-            "acceptance": acc_sum / acc_n if acc_n else None,
-            # the share of depth-0 positions whose next token the bigram copy rule gets right from the context,
-            # and the draft's top-1 agreement there (docs/quality-notes.md: drafts here miss most of them)
-            "copy_share": copies / acc_n if acc_n else None,
-            "copy_agreement": copies_right / copies if copies else None,
-            "eval_elements": count,
-            "eval_samples": len(self.eval_set.eval_ids),
-        }
+        """Held-out loss, per-depth top-1 agreement and estimated acceptance length (`held_out_eval`)."""
+        return evaluate_held_out(self)
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def fit(self, should_stop: Any = None) -> dict[str, Any]:
@@ -453,7 +359,7 @@ class Trainer:
         Raises:
             Interrupted: a stop was requested (after the checkpoint is written).
         """
-        cfg, K = self.cfg, self.cfg.depths
+        cfg = self.cfg
         last_eval: dict[str, Any] | None = None
         saved_at = self.step
         # `closing` ends the loader's worker on every way out. Left to the interpreter's exit, the worker would be
@@ -464,52 +370,15 @@ class Trainer:
             while self.step < self.total_steps:
                 signum = self._stop_signal(should_stop()) if should_stop is not None else 0
                 if signum:
-                    if saved_at != self.step:
-                        self.save()
-                    raise stop_error(
-                        signum,
-                        f" at step {self.step} of {self.total_steps}: "
-                        + (f"checkpoint step-{self.step} saved" if self.step else "nothing trained yet")
-                        + "; re-run with --resume to continue",
-                    )
-                t0 = time.perf_counter()
-                cursor, micro = next(stream)
-                t_data = time.perf_counter() - t0
-                stats = self.train_step(micro)
-                self.cursor, self.step = cursor, self.step + 1
-                self.window.add(stats, t_data, time.perf_counter() - t0)
+                    self._stop(signum, saved_at)
+                self._run_step(stream)
                 done = self.step == self.total_steps
                 if self.step % cfg.log_every == 0 or done:
-                    record = self.window.record(
-                        self.step,
-                        lr_at(self.step - 1, cfg.lr, cfg.warmup, self.total_steps, cfg.schedule),
-                        self.skipped_corrupt,
-                    )
-                    self.sink.log(record)
-                    self.window = StepWindow(K)
-                    self.sink.progress(
-                        0,
-                        {
-                            "loss": format_figure(record["loss"], 3),
-                            "agree0": format_figure(record["agreement"][0]),
-                            "tok/s": f"{record['tokens_per_s']:.0f}",
-                        },
-                    )
+                    self._log_window()
                 self.sink.progress(1, {})
                 if (self.step % cfg.eval_every == 0 or done) and self.eval_set.eval_ids.size:
-                    # FSDP: the forward is a collective, every rank evaluates (rank 0 reports)
-                    last_eval = self.evaluate() if self.dist.main or self.sharded else None
-                    last_eval = last_eval if self.dist.main else None
-                    is_best = False
-                    if last_eval is not None:
-                        self.sink.log(last_eval)
-                        acc = last_eval["acceptance"]
-                        is_best = acc is not None and (self.best is None or acc > self.best)
-                        if is_best:
-                            self.best = acc
-                    flag = self.dist.all_sum(torch.tensor([1.0 if is_best else 0.0]))
-                    if float(flag[0]) > 0:
-                        self.save(best=True, metrics=last_eval)
+                    last_eval, saved_best = self._evaluate_and_keep_best()
+                    if saved_best:
                         saved_at = self.step
                 if (self.step % cfg.save_every == 0 or done) and saved_at != self.step:
                     self.save()
@@ -517,6 +386,64 @@ class Trainer:
         if self.sharded:
             self._log_shards()
         return last_eval or {}
+
+    def _stop(self, signum: int, saved_at: int) -> None:
+        """Save the current step (unless step `saved_at` is it) and raise the stop `signum` asked for."""
+        if saved_at != self.step:
+            self.save()
+        raise stop_error(
+            signum,
+            f" at step {self.step} of {self.total_steps}: "
+            + (f"checkpoint step-{self.step} saved" if self.step else "nothing trained yet")
+            + "; re-run with --resume to continue",
+        )
+
+    def _run_step(self, stream: Iterator[tuple[Cursor, list[PackedBatch]]]) -> None:
+        """Take the next step's rows from `stream`, train on them and add the step to the log window."""
+        t0 = time.perf_counter()
+        cursor, micro = next(stream)
+        t_data = time.perf_counter() - t0
+        stats = self.train_step(micro)
+        self.cursor, self.step = cursor, self.step + 1
+        self.window.add(stats, t_data, time.perf_counter() - t0)
+
+    def _log_window(self) -> None:
+        """Log the window of steps since the last log line (metrics and progress bar) and start a new one."""
+        cfg = self.cfg
+        record = self.window.record(
+            self.step,
+            lr_at(self.step - 1, cfg.lr, cfg.warmup, self.total_steps, cfg.schedule),
+            self.skipped_corrupt,
+        )
+        self.sink.log(record)
+        self.window = StepWindow(cfg.depths)
+        self.sink.progress(
+            0,
+            {
+                "loss": format_figure(record["loss"], 3),
+                "agree0": format_figure(record["agreement"][0]),
+                "tok/s": f"{record['tokens_per_s']:.0f}",
+            },
+        )
+
+    def _evaluate_and_keep_best(self) -> tuple[dict[str, Any] | None, bool]:
+        """Evaluate, log the record and checkpoint a new best acceptance (`best`): (the record on rank 0, else
+        None; whether the step was saved)."""
+        # FSDP: the forward is a collective, every rank evaluates (rank 0 reports)
+        last_eval = self.evaluate() if self.dist.main or self.sharded else None
+        last_eval = last_eval if self.dist.main else None
+        is_best = False
+        if last_eval is not None:
+            self.sink.log(last_eval)
+            acc = last_eval["acceptance"]
+            is_best = acc is not None and (self.best is None or acc > self.best)
+            if is_best:
+                self.best = acc
+        flag = self.dist.all_sum(torch.tensor([1.0 if is_best else 0.0]))
+        if float(flag[0]) > 0:
+            self.save(best=True, metrics=last_eval)
+            return last_eval, True
+        return last_eval, False
 
     def _log_shards(self) -> None:
         """Tell the optimizer state each rank holds (FSDP): one line on rank 0."""
@@ -532,8 +459,3 @@ class Trainer:
             return local
         got = self.dist.all_sum(torch.tensor([float(local == 15), float(local == 2)]))
         return 15 if float(got[0]) > 0 else (2 if float(got[1]) > 0 else 0)
-
-
-def format_figure(x: float | None, digits: int = 2) -> str:
-    """`x` with `digits` decimals, or "-" for a figure not measured."""
-    return "-" if x is None else f"{x:.{digits}f}"

@@ -23,7 +23,7 @@ from peagle_pipeline.stages.evaluate.drafts import (
 from peagle_pipeline.stages.evaluate.prompts import PromptSet
 from peagle_pipeline.stages.evaluate.report import format_table, plot_acceptance
 from peagle_pipeline.stages.evaluate.stage import EvalOptions, build_report, finite
-from peagle_pipeline.stages.export.stage import MARKER_FILE as EXPORT_MARKER
+from peagle_pipeline.stages.export.marker import MARKER_FILE as EXPORT_MARKER
 
 
 def test_counter_difference_and_acceptance() -> None:

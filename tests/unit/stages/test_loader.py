@@ -8,21 +8,11 @@ import pytest
 import torch
 
 from peagle_pipeline.cache.reader import SampleArrays
+from peagle_pipeline.core.heldout import split_samples
 from peagle_pipeline.errors import BadConfig, CorruptCache
-from peagle_pipeline.stages.train.loader import (
-    Cursor,
-    LoaderSettings,
-    RowPlan,
-    TrainLoader,
-    ahead_to_device,
-    into_shared_memory,
-    pack_epoch,
-    pack_rows,
-    read_packed,
-    shift_sample,
-    split_samples,
-    truncation,
-)
+from peagle_pipeline.stages.train.loader import Cursor, LoaderSettings, TrainLoader, ahead_to_device
+from peagle_pipeline.stages.train.packed_batch import into_shared_memory, read_packed, shift_sample
+from peagle_pipeline.stages.train.packing import RowPlan, pack_epoch, pack_rows, truncation
 
 
 def _settings(budget: int) -> LoaderSettings:

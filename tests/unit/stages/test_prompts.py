@@ -14,6 +14,7 @@ from cache_fixtures import write_cache
 from transformers import AutoTokenizer
 
 from peagle_pipeline.config import TrainConfig
+from peagle_pipeline.core.heldout import split_samples
 from peagle_pipeline.errors import BadInput
 from peagle_pipeline.stages.evaluate.prompts import (
     HUMANEVAL,
@@ -28,7 +29,6 @@ from peagle_pipeline.stages.evaluate.prompts import (
     mt_bench_questions,
     read_run_settings,
 )
-from peagle_pipeline.stages.train.loader import split_samples
 from peagle_pipeline.stages.train.rundir import write_run_files
 
 HEADER = "<|im_start|>assistant\n"
