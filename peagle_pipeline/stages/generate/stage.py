@@ -2,9 +2,10 @@
 
 This rank's source rows are cut into chunks of `chunk_size`. A chunk is generated in waves: wave j asks the
 backend for reply j of every conversation (and sample) still going, in one call, and the conversations grow by
-token ids (`data/dialogue.py`). The finished chunk is committed (`stages/generate/onpolicy_files.py`); a resumed run skips
-committed chunks and regenerates the next one exactly, because every request's seed is a function of
-(seed, row, sample, turn) and a chunk's calls are a function of its rows. Never branches on the backend name.
+token ids (`data/dialogue.py`). The finished chunk is committed (`data/onpolicy_files.py`, the format `extract`
+reads back); a resumed run skips committed chunks and regenerates the next one exactly, because every request's
+seed is a function of (seed, row, sample, turn) and a chunk's calls are a function of its rows. Never branches on
+the backend name.
 """
 
 from __future__ import annotations
@@ -29,11 +30,7 @@ from peagle_pipeline.backends.generation import (
 from peagle_pipeline.backends.registry import get_generation_backend
 from peagle_pipeline.config import GenerateConfig
 from peagle_pipeline.data.dialogue import REASON_TOO_LONG, Dialogue, DialogueBuilder
-from peagle_pipeline.errors import BadConfig, BadInput
-from peagle_pipeline.preemption import stop_error
-from peagle_pipeline.runtime import check_output_dir, resolve_compute_dtype, writer_rank
-from peagle_pipeline.stages.extract.stage import rank_rows
-from peagle_pipeline.stages.generate.onpolicy_files import (
+from peagle_pipeline.data.onpolicy_files import (
     FORMAT,
     META_FILE,
     ChunkOutput,
@@ -42,6 +39,10 @@ from peagle_pipeline.stages.generate.onpolicy_files import (
     remove_new_output,
     rows_file,
 )
+from peagle_pipeline.data.records import rank_rows
+from peagle_pipeline.errors import BadConfig, BadInput
+from peagle_pipeline.preemption import stop_error
+from peagle_pipeline.runtime import check_output_dir, resolve_compute_dtype, writer_rank
 
 __all__ = ["run", "GenerateSummary", "generate_chunk", "resolve_backend", "resolve_stop_ids", "build_meta"]
 
@@ -184,11 +185,25 @@ def generate_chunk(
         rows: (global row index, Conversation or Reject) of this chunk.
         on_wave: called after each wave with (replies, generated tokens) of that wave.
     """
+    out = ChunkOutput()
+    plan = _start_dialogues(rows, builder, cfg)
+    _run_waves([d for _, _, ds in plan for d in ds], builder, backend, sampling, cfg, out, on_wave)
+    _lay_out(plan, out)
+    return out
+
+
+_Planned = tuple[Any, str | None, list[Dialogue]]
+"""A row of a chunk: the row, why it is rejected (None: it goes on) and its dialogues (one per sample)."""
+
+
+def _start_dialogues(
+    rows: list[tuple[int, Any]], builder: DialogueBuilder, cfg: GenerateConfig
+) -> list[_Planned]:
+    """Each row's first prompt rendered and forked into `samples_per_prompt` dialogues, or the reason it is not."""
     from peagle_pipeline.data.chat import RejectRow
     from peagle_pipeline.data.records import Reject
 
-    out = ChunkOutput()
-    plan: list[tuple[Any, str | None, list[Dialogue]]] = []
+    plan: list[_Planned] = []
     for index, row in rows:
         if isinstance(row, Reject) and row.prompt is not None:
             row = row.prompt  # a prompt without a reply: the target writes it
@@ -204,7 +219,19 @@ def generate_chunk(
             plan.append((row, REASON_TOO_LONG, []))
             continue
         plan.append((row, None, [first] + [builder.fork(first, s) for s in range(1, cfg.samples_per_prompt)]))
-    dialogues = [d for _, _, ds in plan for d in ds]
+    return plan
+
+
+def _run_waves(
+    dialogues: list[Dialogue],
+    builder: DialogueBuilder,
+    backend: GenerationBackend,
+    sampling: SamplingSettings,
+    cfg: GenerateConfig,
+    out: ChunkOutput,
+    on_wave: Callable[[int, int], None] | None,
+) -> None:
+    """Wave j: reply j of every dialogue still going, in one backend call, until none is (counts into `out`)."""
     while True:
         for d in dialogues:
             if d.active and len(d.input_ids) > cfg.max_prompt_tokens:
@@ -220,6 +247,10 @@ def generate_chunk(
             builder.add_reply(d, reply.token_ids, reply.finish)
         if on_wave is not None:
             on_wave(len(active), sum(len(r.token_ids) for r in replies))
+
+
+def _lay_out(plan: list[_Planned], out: ChunkOutput) -> None:
+    """The chunk's kept rows and its rejects (a row's, a sample's without a reply, dropped turns), in row order."""
     for row, reason, ds in plan:
         where = {"source": row.source, "source_row": row.source_row}
         if reason is not None:
@@ -236,7 +267,6 @@ def generate_chunk(
                 out.rejects.append(
                     {**where, "reason": f"later turns dropped: {d.ended}", "sample": d.sample, "turn": d.turn}
                 )
-    return out
 
 
 def _chunks(items: Iterable[tuple[int, Any]], size: int) -> Iterator[list[tuple[int, Any]]]:
@@ -257,16 +287,10 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
     """
     from peagle_pipeline.data.chat import ChatRenderer
     from peagle_pipeline.data.formats import iter_rows, split_notes
-    from peagle_pipeline.model_dir import load_tokenizer, read_target_info, text_config
+    from peagle_pipeline.model_dir import load_tokenizer
 
     rank, world = writer_rank(cfg.rank, cfg.world_size)
-    info = read_target_info(cfg.model)
-    context = text_config(info.config).get("max_position_embeddings")
-    max_model_len = cfg.max_prompt_tokens + cfg.max_new_tokens
-    if context and max_model_len > context:
-        raise BadConfig(
-            f"max_prompt_tokens + max_new_tokens ({max_model_len}) exceeds the target's context ({context})"
-        )
+    max_model_len = _max_model_len(cfg)
     iter_rows(cfg.data, cfg.split)  # checks every path before the output exists; reads nothing
     tokenizer = load_tokenizer(cfg.model)
     renderer = ChatRenderer(tokenizer)
@@ -309,6 +333,24 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
         if backend is not None:
             backend.close()
     return _totals(summary, writer)
+
+
+def _max_model_len(cfg: GenerateConfig) -> int:
+    """The engine's context length: the longest prompt plus the longest reply.
+
+    Raises:
+        BadConfig: it exceeds the target's context (max_position_embeddings).
+    """
+    from peagle_pipeline.model_dir import read_target_info, text_config
+
+    info = read_target_info(cfg.model)
+    context = text_config(info.config).get("max_position_embeddings")
+    max_model_len = cfg.max_prompt_tokens + cfg.max_new_tokens
+    if context and max_model_len > context:
+        raise BadConfig(
+            f"max_prompt_tokens + max_new_tokens ({max_model_len}) exceeds the target's context ({context})"
+        )
+    return max_model_len
 
 
 def _settings(
