@@ -1,11 +1,11 @@
 """On-policy data (SPEC section 4a): regenerate the assistant replies of chat data with the target itself.
 
-This rank's source rows are cut into chunks of `chunk_size`. A chunk is generated in waves: wave j asks the
-backend for reply j of every conversation (and sample) still going, in one call, and the conversations grow by
-token ids (`data/dialogue.py`). The finished chunk is committed (`data/onpolicy_files.py`, the format `extract`
-reads back); a resumed run skips committed chunks and regenerates the next one exactly, because every request's
-seed is a function of (seed, row, sample, turn) and a chunk's calls are a function of its rows. Never branches on
-the backend name.
+This rank's source rows are cut into chunks of `chunk_size`. A chunk is generated in waves (`chunk.py`): wave j
+asks the backend for reply j of every conversation (and sample) still going, in one call, and the conversations
+grow by token ids (`data/dialogue.py`). The finished chunk is committed (`data/onpolicy_files.py`, the format
+`extract` reads back); a resumed run skips committed chunks and regenerates the next one exactly, because every
+request's seed is a function of (seed, row, sample, turn) and a chunk's calls are a function of its rows. Never
+branches on the backend name.
 """
 
 from __future__ import annotations
@@ -24,16 +24,14 @@ from peagle_pipeline.backends.generation import (
     GenerationBackend,
     GeneratorSettings,
     SamplingSettings,
-    request_seed,
     vllm_installed,
 )
 from peagle_pipeline.backends.registry import get_generation_backend
 from peagle_pipeline.config import GenerateConfig
-from peagle_pipeline.data.dialogue import REASON_TOO_LONG, Dialogue, DialogueBuilder
+from peagle_pipeline.data.dialogue import DialogueBuilder
 from peagle_pipeline.data.onpolicy_files import (
     FORMAT,
     META_FILE,
-    ChunkOutput,
     OnPolicyWriter,
     prepare_output,
     remove_new_output,
@@ -43,8 +41,9 @@ from peagle_pipeline.data.records import rank_rows
 from peagle_pipeline.errors import BadConfig, BadInput
 from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import check_output_dir, resolve_compute_dtype, writer_rank
+from peagle_pipeline.stages.generate.chunk import generate_chunk
 
-__all__ = ["run", "GenerateSummary", "generate_chunk", "resolve_backend", "resolve_stop_ids", "build_meta"]
+__all__ = ["run", "GenerateSummary", "resolve_backend", "resolve_stop_ids", "build_meta"]
 
 log = logging.getLogger(__name__)
 
@@ -171,104 +170,6 @@ def build_meta(cfg: GenerateConfig, backend: str, dtype: str, world: int, stops:
 
 
 # ---------------------------------------------------------------------------------------------- chunks
-def generate_chunk(
-    rows: list[tuple[int, Any]],
-    builder: DialogueBuilder,
-    backend: GenerationBackend,
-    sampling: SamplingSettings,
-    cfg: GenerateConfig,
-    on_wave: Callable[[int, int], None] | None = None,
-) -> ChunkOutput:
-    """Generate every conversation of one chunk, wave by wave, and lay out its rows and rejects in row order.
-
-    Args:
-        rows: (global row index, Conversation or Reject) of this chunk.
-        on_wave: called after each wave with (replies, generated tokens) of that wave.
-    """
-    out = ChunkOutput()
-    plan = _start_dialogues(rows, builder, cfg)
-    _run_waves([d for _, _, ds in plan for d in ds], builder, backend, sampling, cfg, out, on_wave)
-    _lay_out(plan, out)
-    return out
-
-
-_Planned = tuple[Any, str | None, list[Dialogue]]
-"""A row of a chunk: the row, why it is rejected (None: it goes on) and its dialogues (one per sample)."""
-
-
-def _start_dialogues(
-    rows: list[tuple[int, Any]], builder: DialogueBuilder, cfg: GenerateConfig
-) -> list[_Planned]:
-    """Each row's first prompt rendered and forked into `samples_per_prompt` dialogues, or the reason it is not."""
-    from peagle_pipeline.data.chat import RejectRow
-    from peagle_pipeline.data.records import Reject
-
-    plan: list[_Planned] = []
-    for index, row in rows:
-        if isinstance(row, Reject) and row.prompt is not None:
-            row = row.prompt  # a prompt without a reply: the target writes it
-        if isinstance(row, Reject):
-            plan.append((row, row.reason, []))
-            continue
-        try:
-            first = builder.start(row, index)
-        except RejectRow as err:
-            plan.append((row, err.reason, []))
-            continue
-        if len(first.input_ids) > cfg.max_prompt_tokens:
-            plan.append((row, REASON_TOO_LONG, []))
-            continue
-        plan.append((row, None, [first] + [builder.fork(first, s) for s in range(1, cfg.samples_per_prompt)]))
-    return plan
-
-
-def _run_waves(
-    dialogues: list[Dialogue],
-    builder: DialogueBuilder,
-    backend: GenerationBackend,
-    sampling: SamplingSettings,
-    cfg: GenerateConfig,
-    out: ChunkOutput,
-    on_wave: Callable[[int, int], None] | None,
-) -> None:
-    """Wave j: reply j of every dialogue still going, in one backend call, until none is (counts into `out`)."""
-    while True:
-        for d in dialogues:
-            if d.active and len(d.input_ids) > cfg.max_prompt_tokens:
-                d.ended = REASON_TOO_LONG
-        active = [d for d in dialogues if d.active]
-        if not active:
-            break
-        seeds = [request_seed(cfg.seed, d.index, d.sample, d.turn) for d in active]
-        replies = backend.generate([d.input_ids for d in active], seeds, sampling)
-        for d, reply in zip(active, replies, strict=True):
-            out.generated_tokens += len(reply.token_ids)
-            out.finish_length += reply.finish == "length"
-            builder.add_reply(d, reply.token_ids, reply.finish)
-        if on_wave is not None:
-            on_wave(len(active), sum(len(r.token_ids) for r in replies))
-
-
-def _lay_out(plan: list[_Planned], out: ChunkOutput) -> None:
-    """The chunk's kept rows and its rejects (a row's, a sample's without a reply, dropped turns), in row order."""
-    for row, reason, ds in plan:
-        where = {"source": row.source, "source_row": row.source_row}
-        if reason is not None:
-            out.rejects.append({**where, "reason": reason})
-        for d in ds:
-            if d.turn == 0:
-                out.rejects.append({**where, "reason": d.ended or "no reply", "sample": d.sample})
-                continue
-            kept = d.to_row()
-            out.rows.append(kept)
-            out.replies += d.turn
-            out.supervised_tokens += sum(kept["loss_mask"])
-            if d.ended is not None and d.dropped_turns:
-                out.rejects.append(
-                    {**where, "reason": f"later turns dropped: {d.ended}", "sample": d.sample, "turn": d.turn}
-                )
-
-
 def _chunks(items: Iterable[tuple[int, Any]], size: int) -> Iterator[list[tuple[int, Any]]]:
     it = iter(items)
     while chunk := list(itertools.islice(it, size)):
