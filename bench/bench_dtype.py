@@ -24,13 +24,17 @@ from bench.common import DEMO_DATA, DEMO_MODEL, write_result
 from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.core.loss import kl_topk
 from peagle_pipeline.core.partition import forward_segment, plan_segments
+from peagle_pipeline.data.records import rank_rows
 from peagle_pipeline.runtime import cpu_bf16_flags, describe_compute_dtype, resolve_compute_dtype
-from peagle_pipeline.stages.extract import stage
+from peagle_pipeline.stages.extract.batch_pipeline import to_sample_data
+from peagle_pipeline.stages.extract.batch_plan import PlannedSample, plan_batches, render_rows
+from peagle_pipeline.stages.extract.cache_output import build_meta
+from peagle_pipeline.stages.extract.settings import resolve_layers
 
 DTYPES = ("bf16", "fp32")
 
 
-def extraction_batches(cfg: ExtractConfig) -> list[list[stage.PlannedSample]]:
+def extraction_batches(cfg: ExtractConfig) -> list[list[PlannedSample]]:
     """The padded batches `peagle-pipeline extract` would form for cfg (rank 0 of 1)."""
     from transformers import AutoTokenizer
 
@@ -38,10 +42,8 @@ def extraction_batches(cfg: ExtractConfig) -> list[list[stage.PlannedSample]]:
     from peagle_pipeline.data.formats import iter_rows
 
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(cfg.model))
-    rows = stage.rank_rows(iter_rows(cfg.data), 0, 1, cfg.max_samples)
-    plan = stage.plan_batches(
-        stage.render_rows(rows, renderer, cfg.max_length, cfg.overlong), cfg.batch_tokens
-    )
+    rows = rank_rows(iter_rows(cfg.data), 0, 1, cfg.max_samples)
+    plan = plan_batches(render_rows(rows, renderer, cfg.max_length, cfg.overlong), cfg.batch_tokens)
     return [b for b in plan if isinstance(b, list)]
 
 
@@ -49,15 +51,15 @@ def bench_extraction(args: argparse.Namespace) -> dict[str, float]:
     """Tokens/s of forward + storage conversion per compute dtype, over the same batches."""
     from peagle_pipeline.backends.hf import HFBackend
     from peagle_pipeline.model_dir import read_target_info
-    from peagle_pipeline.stages.extract.stage import backend_settings
+    from peagle_pipeline.stages.extract.settings import backend_settings
 
     base = dict(model=args.model, data=[args.data], output="unused", max_samples=args.samples)
     base.update(max_length=args.max_length, batch_tokens=args.batch_tokens, device="cpu")
     cfgs = {d: ExtractConfig(**base, compute_dtype=d) for d in DTYPES}
     batches = extraction_batches(cfgs["bf16"])
     info = read_target_info(args.model)
-    layer_ids = stage.resolve_layers(cfgs["bf16"], info.num_hidden_layers)
-    meta = stage.build_meta(cfgs["bf16"], info, layer_ids, 1, "bf16")  # only its stored dtypes are used
+    layer_ids = resolve_layers(cfgs["bf16"], info.num_hidden_layers)
+    meta = build_meta(cfgs["bf16"], info, layer_ids, 1, "bf16")  # only its stored dtypes are used
     backends = {d: HFBackend(backend_settings(cfgs[d]), layer_ids) for d in DTYPES}
     for b in backends.values():
         b.forward([s.input_ids for s in batches[0][:1]])  # warm-up (allocator, kernels)
@@ -66,7 +68,7 @@ def bench_extraction(args: argparse.Namespace) -> dict[str, float]:
         for d in DTYPES if i % 2 == 0 else DTYPES[::-1]:
             t = time.perf_counter()
             for sample, out in zip(batch, backends[d].forward([s.input_ids for s in batch]), strict=True):
-                stage.to_sample_data(sample, out, meta)
+                to_sample_data(sample, out, meta)
             seconds[d] += time.perf_counter() - t
     for b in backends.values():
         b.close()

@@ -3,9 +3,9 @@
 Both sides get the same padded batches (planned exactly as `peagle-pipeline extract` plans them):
   - bare: `HFBackend.bare_forward` = plain `model(input_ids)` (logits, no hooks, no top-k), one batch after the
     other without waiting for the device in between;
-  - extraction: what `extract` runs, `stages.extract.BatchPipeline`: batch i+1 is submitted (hooks, chunked
-    log-softmax/top-k, non-blocking copies to pinned memory) before batch i is converted to the stored dtypes and
-    added to a real `CacheWriter` (zstd shards, checksums, commits).
+  - extraction: what `extract` runs, `stages.extract.batch_pipeline.BatchPipeline`: batch i+1 is submitted
+    (hooks, chunked log-softmax/top-k, non-blocking copies to pinned memory) before batch i is converted to the
+    stored dtypes and added to a real `CacheWriter` (zstd shards, checksums, commits).
 The batches are timed in groups of --group consecutive batches, each group run by both sides, alternating which
 side goes first to cancel drift on a shared machine; a group ends with the device synchronised (and the
 extraction pipeline drained). Goal: ratio >= 0.90.
@@ -32,7 +32,11 @@ from bench.common import DEMO_DATA, DEMO_MODEL, write_result
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.writer import CacheWriter
 from peagle_pipeline.config import ExtractConfig
-from peagle_pipeline.stages.extract import stage
+from peagle_pipeline.data.records import rank_rows
+from peagle_pipeline.stages.extract.batch_pipeline import BatchPipeline
+from peagle_pipeline.stages.extract.batch_plan import plan_batches, render_rows
+from peagle_pipeline.stages.extract.cache_output import build_meta, prepare_output
+from peagle_pipeline.stages.extract.settings import backend_settings, resolve_layers
 
 LLAMA_8B = {
     "hidden_size": 4096,
@@ -133,16 +137,14 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         device=args.device,
     )
     info = read_target_info(cfg.model)
-    layer_ids = stage.resolve_layers(cfg, info.num_hidden_layers)
-    meta = stage.build_meta(cfg, info, layer_ids, 1)
-    root = stage.prepare_output(cfg, meta)
+    layer_ids = resolve_layers(cfg, info.num_hidden_layers)
+    meta = build_meta(cfg, info, layer_ids, 1)
+    root = prepare_output(cfg, meta)
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(cfg.model))
-    rows = stage.rank_rows(iter_rows(cfg.data), 0, 1, cfg.max_samples)
-    plan = stage.plan_batches(
-        stage.render_rows(rows, renderer, cfg.max_length, cfg.overlong), cfg.batch_tokens
-    )
+    rows = rank_rows(iter_rows(cfg.data), 0, 1, cfg.max_samples)
+    plan = plan_batches(render_rows(rows, renderer, cfg.max_length, cfg.overlong), cfg.batch_tokens)
     batches = [b for b in plan if isinstance(b, list)]
-    backend = get_backend(cfg.backend, stage.backend_settings(cfg), layer_ids)
+    backend = get_backend(cfg.backend, backend_settings(cfg), layer_ids)
     device = backend.device  # type: ignore[attr-defined]  # HFBackend
 
     def sync() -> None:
@@ -153,7 +155,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     backend.bare_forward([s.input_ids for s in batches[0][:1]])
     sync()
     writer = CacheWriter(root, meta, 0, 1).open()
-    ahead = stage.BatchPipeline(writer, meta, lambda n: None)
+    ahead = BatchPipeline(writer, meta, lambda n: None)
     seconds = {"bare": 0.0, "extract": 0.0}
 
     def run_bare(group: list[list[Any]]) -> None:

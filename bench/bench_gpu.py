@@ -122,8 +122,9 @@ def extraction_throughput(
     from peagle_pipeline.backends.hf import HFBackend
     from peagle_pipeline.cache.writer import SampleRecord
     from peagle_pipeline.config import ExtractConfig
-    from peagle_pipeline.stages.extract import stage
-    from peagle_pipeline.stages.extract.stage import backend_settings
+    from peagle_pipeline.stages.extract.batch_pipeline import to_sample_data
+    from peagle_pipeline.stages.extract.batch_plan import PlannedSample
+    from peagle_pipeline.stages.extract.settings import backend_settings
 
     g = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -142,8 +143,8 @@ def extraction_throughput(
 
         def extract(ids: list[list[int]]) -> None:
             for i, out in enumerate(backend.forward(ids)):
-                sample = stage.PlannedSample(i, SampleRecord(i, "x", i), ids[i], [True] * len(ids[i]))
-                stage.to_sample_data(sample, out, meta)
+                sample = PlannedSample(i, SampleRecord(i, "x", i), ids[i], [True] * len(ids[i]))
+                to_sample_data(sample, out, meta)
 
         def bare(ids: list[list[int]]) -> None:
             backend.bare_forward(ids)

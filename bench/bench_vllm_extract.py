@@ -2,7 +2,7 @@
 
 Both sides get the same batches, planned exactly as `peagle-pipeline extract --backend vllm` plans them:
   - extraction: what `extract` runs, `VLLMBackend` (hidden states through our KV connector, `prompt_logprobs=k`)
-    behind `stages.extract.BatchPipeline`, into a real `CacheWriter` (zstd shards, checksums, commits);
+    behind `stages.extract.batch_pipeline.BatchPipeline`, into a real `CacheWriter` (zstd shards, checksums, commits);
   - bare: a plain vLLM engine with the same engine settings (model, dtype, context, no prefix caching), one
     `LLM.generate` per batch with max_tokens 1, no log-probs, no hidden states.
 Both engines run side by side; the batches are timed in groups of --group, each group by both sides, alternating
@@ -25,7 +25,11 @@ from typing import Any
 from bench.common import DEMO_DATA, DEMO_MODEL, write_result
 from peagle_pipeline.cache.writer import CacheWriter
 from peagle_pipeline.config import ExtractConfig
-from peagle_pipeline.stages.extract import stage
+from peagle_pipeline.data.records import rank_rows
+from peagle_pipeline.stages.extract.batch_pipeline import BatchPipeline
+from peagle_pipeline.stages.extract.batch_plan import PlannedSample, plan_batches, render_rows
+from peagle_pipeline.stages.extract.cache_output import build_meta, prepare_output
+from peagle_pipeline.stages.extract.settings import backend_settings, resolve_layers
 
 
 def parse() -> argparse.Namespace:
@@ -40,7 +44,7 @@ def parse() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def plan(cfg: ExtractConfig) -> list[list[stage.PlannedSample]]:
+def plan(cfg: ExtractConfig) -> list[list[PlannedSample]]:
     """The batches `extract` forms for these settings (rejects left out)."""
     from transformers import AutoTokenizer
 
@@ -48,10 +52,8 @@ def plan(cfg: ExtractConfig) -> list[list[stage.PlannedSample]]:
     from peagle_pipeline.data.formats import iter_rows
 
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(cfg.model))
-    rows = stage.rank_rows(iter_rows(cfg.data), 0, 1, cfg.max_samples)
-    items = stage.plan_batches(
-        stage.render_rows(rows, renderer, cfg.max_length, cfg.overlong), cfg.batch_tokens
-    )
+    rows = rank_rows(iter_rows(cfg.data), 0, 1, cfg.max_samples)
+    items = plan_batches(render_rows(rows, renderer, cfg.max_length, cfg.overlong), cfg.batch_tokens)
     return [b for b in items if isinstance(b, list)]
 
 
@@ -75,10 +77,10 @@ def main() -> None:
             batch_tokens=args.batch_tokens,
         )
         info = read_target_info(cfg.model)
-        layer_ids = stage.resolve_layers(cfg, info.num_hidden_layers)
-        meta = stage.build_meta(cfg, info, layer_ids, 1)
+        layer_ids = resolve_layers(cfg, info.num_hidden_layers)
+        meta = build_meta(cfg, info, layer_ids, 1)
         batches = plan(cfg)
-        settings = stage.backend_settings(cfg)
+        settings = backend_settings(cfg)
         ours = VLLMBackend(settings, layer_ids)
         max_pos = text_config(info.config).get("max_position_embeddings") or cfg.max_length + 1
         bare = build_llm(
@@ -92,21 +94,21 @@ def main() -> None:
         )
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
-        def prefill(batch: list[stage.PlannedSample]) -> None:
+        def prefill(batch: list[PlannedSample]) -> None:
             bare.generate([{"prompt_token_ids": s.input_ids} for s in batch], params, use_tqdm=False)
 
         ours.forward([s.input_ids for s in batches[0][:1]])  # warm-up
         prefill(batches[0][:1])
-        writer = CacheWriter(stage.prepare_output(cfg, meta), meta, 0, 1).open()
-        ahead = stage.BatchPipeline(writer, meta, lambda n: None)
+        writer = CacheWriter(prepare_output(cfg, meta), meta, 0, 1).open()
+        ahead = BatchPipeline(writer, meta, lambda n: None)
         seconds = {"bare": 0.0, "extract": 0.0}
 
-        def run_extract(group: list[list[stage.PlannedSample]]) -> None:
+        def run_extract(group: list[list[PlannedSample]]) -> None:
             for batch in group:
                 ahead.submit(ours, batch)
             ahead.drain()
 
-        def run_bare(group: list[list[stage.PlannedSample]]) -> None:
+        def run_bare(group: list[list[PlannedSample]]) -> None:
             for batch in group:
                 prefill(batch)
 

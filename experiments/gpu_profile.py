@@ -2,8 +2,8 @@
 
   - our P-EAGLE training step and speculators' (when it imports), the pair `bench_speculators.py` compares: same
     draft, same packed row, bf16 autocast (or --precision fp32);
-  - HF extraction (`stages.extract.BatchPipeline`: batch i+1 queued before batch i is copied and converted) vs
-    the bare `model(input_ids)` forward over the same batches, on a random SmolLM2-sized target;
+  - HF extraction (`stages.extract.batch_pipeline.BatchPipeline`: batch i+1 queued before batch i is copied and
+    converted) vs the bare `model(input_ids)` forward over the same batches, on a random SmolLM2-sized target;
   - on CUDA, the host syncs of each (torch's sync debug mode, counted as warnings): a step or a batch that waits
     for the device more often than its comparator shows here.
 Writes into --out: `trace_<name>.json.gz` (chrome://tracing / Perfetto), `top_<name>.txt` (the 30 most expensive
@@ -149,11 +149,13 @@ def extraction(args: argparse.Namespace, dev: torch.device, work: Path) -> dict[
     from peagle_pipeline.backends.hf import HFBackend
     from peagle_pipeline.cache.writer import SampleRecord
     from peagle_pipeline.config import ExtractConfig
-    from peagle_pipeline.stages.extract import stage
+    from peagle_pipeline.stages.extract.batch_pipeline import BatchPipeline
+    from peagle_pipeline.stages.extract.batch_plan import PlannedSample
+    from peagle_pipeline.stages.extract.settings import backend_settings, resolve_layers
 
     target = random_target(work / "target", layers=args.target_layers)
     cfg = ExtractConfig(model=str(target), data=["-"], output="-", device=str(dev))
-    backend = HFBackend(stage.backend_settings(cfg), stage.resolve_layers(cfg, args.target_layers))
+    backend = HFBackend(backend_settings(cfg), resolve_layers(cfg, args.target_layers))
     meta = SimpleNamespace(topk=cfg.topk, hidden_dtype="bfloat16", has_last_hidden=False)
     g = torch.Generator().manual_seed(0)
     per = max(1, args.batch_tokens // args.max_length)
@@ -170,12 +172,12 @@ def extraction(args: argparse.Namespace, dev: torch.device, work: Path) -> dict[
             pass
 
     def pipelined() -> None:
-        ahead = stage.BatchPipeline(Drop(), meta, lambda n: None)  # type: ignore[arg-type]
+        ahead = BatchPipeline(Drop(), meta, lambda n: None)  # type: ignore[arg-type]
         for i, ids in enumerate(batches):
             ahead.submit(
                 backend,
                 [
-                    stage.PlannedSample(j, SampleRecord(j, "x", j), x, [True] * len(x))
+                    PlannedSample(j, SampleRecord(j, "x", j), x, [True] * len(x))
                     for j, x in enumerate(ids, start=i * per)
                 ],
             )

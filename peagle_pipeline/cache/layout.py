@@ -143,7 +143,7 @@ class CacheMeta:
     shard_tokens: int
     chunk_tokens: int
     compress: str
-    # Samples sorted by length in windows of this many before batching (`stages/extract/stage.sort_by_length`): the storage
+    # Samples sorted by length in windows of this many before batching (`stages/extract/batch_plan.sort_by_length`): the storage
     # order. Caches written before this field existed stored samples in row order, which `from_dict` reads as 1.
     length_window: int
     extra: dict[str, Any] = field(default_factory=dict)

@@ -4,7 +4,8 @@ source row.
 Formats: ShareGPT (`conversations: [{from, value}]`) and OpenAI (`messages: [{role, content}]`) records in JSON
 (an array or concatenated objects, parsed incrementally), JSONL, Parquet (row-group streaming) and Hugging Face
 datasets saved with `save_to_disk` (their Arrow files are read with pyarrow; `datasets` is not needed); of a
-DatasetDict only one split is read, `train` unless another is named.
+DatasetDict only one split is read, `train` unless another is named. A `generate` output directory is read as its
+committed rows (its format: `onpolicy_files.py`).
 A bad row becomes a `Reject` with a reason; only a missing or unreadable path raises. Never loads a whole file.
 """
 
@@ -20,12 +21,11 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from peagle_pipeline.data.onpolicy_files import META_FILE, WRITER_LOCK_PREFIX, committed_rows_files
 from peagle_pipeline.data.records import Reject, Row, to_conversation
 from peagle_pipeline.errors import BadInput
 
 __all__ = [
-    "GENERATE_META",
-    "WRITER_LOCK_PREFIX",
     "DEFAULT_SPLIT",
     "iter_rows",
     "iter_json_records",
@@ -35,7 +35,6 @@ __all__ = [
 _JSON_SUFFIXES = (".json",)
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
-GENERATE_META = "generate.json"  # marks a directory written by `peagle-pipeline generate`
 _ROW_COLUMNS = ("conversations", "messages", "input_ids", "loss_mask")
 _READ_CHUNK = 1 << 20  # bytes per read of the incremental JSON parser
 _ARROW_BATCH = 1024  # rows per record batch converted to Python at a time
@@ -88,8 +87,8 @@ def _reader_for(p: Path, split: str | None):  # type: ignore[no-untyped-def]
     if not p.exists():
         raise BadInput(f"data path not found: {p}")
     if p.is_dir():
-        if (p / GENERATE_META).is_file():
-            _generated_files(p)  # checked now: an unfinished output fails before anything is written
+        if (p / META_FILE).is_file():
+            committed_rows_files(p)  # checked now: an unfinished output fails before anything is written
             return _iter_generated_dir
         if _is_dataset_dict(p):
             chosen = _dict_split_dir(p, split)
@@ -141,36 +140,10 @@ def _iter_jsonl(path: Path, length: int | None = None) -> Iterator[Row]:
             yield to_conversation(record, source, row)
 
 
-def _generated_files(path: Path) -> list[tuple[Path, int]]:
-    """(rows file, committed byte length) of every rank of a `generate` output, in rank order.
-
-    Raises:
-        BadInput: a rank is missing or has not finished (its state file is the only truth about what is
-            committed, so an unfinished output would read differently later).
-    """
-    states = sorted(path.glob("state-rank*.json"))
-    if not states:
-        raise BadInput(f"generate output {path} has no committed rank yet: run `generate` to the end first")
-    files = []
-    for state_path in states:
-        state = _read_json_file(state_path)
-        world = int(state.get("world_size", 0) or 0)
-        if world != len(states):
-            raise BadInput(f"generate output {path}: {len(states)} of {world} ranks present; finish them all")
-        if not state.get("complete"):
-            raise BadInput(
-                f"generate output {path}: rank {state.get('rank')} is not complete "
-                f"({state.get('rows', 0)} rows committed); re-run the same `generate` to finish it"
-            )
-        rows = state_path.with_name(state_path.name.replace("state-", "rows-", 1)).with_suffix(".jsonl")
-        files.append((rows, int(state.get("rows_bytes", 0))))
-    return files
-
-
 def _iter_generated_dir(path: Path) -> Iterator[Row]:
     """A `generate` output: the committed rows of every rank in rank order; `source_row` counts on."""
     offset = 0
-    for file, length in _generated_files(path):
+    for file, length in committed_rows_files(path):
         last = -1
         for item in _iter_jsonl(file, length):
             last = item.source_row
@@ -333,7 +306,7 @@ def _iter_parquet(path: Path) -> Iterator[Row]:
 
 
 def _is_dataset_dict(path: Path) -> bool:
-    return path.is_dir() and (path / _DATASET_DICT).is_file() and not (path / GENERATE_META).is_file()
+    return path.is_dir() and (path / _DATASET_DICT).is_file() and not (path / META_FILE).is_file()
 
 
 def _dict_splits(path: Path) -> list[str]:
@@ -424,11 +397,6 @@ def _read_json_file(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as err:
         raise BadInput(f"cannot read {path}: {err}") from None
     return data if isinstance(data, dict) else {}
-
-
-WRITER_LOCK_PREFIX = (
-    ".peagle-lock-"  # the lock file of a writer of on-policy rows (stages/generate/onpolicy_files.py)
-)
 
 
 def dataset_fingerprint(paths: Iterable[str | os.PathLike[str]], split: str | None = None) -> str:

@@ -3,14 +3,15 @@ and a loss mask kept as generated) or a `Reject` with a one-line reason.
 
 `to_conversation` takes a record as a reader yields it (a dict from JSON, JSONL, Parquet or Arrow) and accepts the
 ShareGPT (`conversations: [{from, value}]`) and OpenAI (`messages: [{role, content}]`) schemas, tool calls included.
-The readers of files and directories are in `formats.py`.
+The readers of files and directories are in `formats.py`. `rank_rows` picks one rank's rows of a stream (the
+`extract` and `generate` stages split their data the same way).
 """
 
 from __future__ import annotations
 
 import collections
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,6 +24,7 @@ __all__ = [
     "Reject",
     "Row",
     "to_conversation",
+    "rank_rows",
 ]
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -104,6 +106,17 @@ def most_common_reasons(reasons: Iterable[str], shown: int = 3) -> str:
     counts = collections.Counter(reasons).most_common()
     top = ", ".join(f"{n} x {reason!r}" for reason, n in counts[:shown])
     return top + (f" and {len(counts) - shown} more reason(s)" if len(counts) > shown else "")
+
+
+def rank_rows(
+    rows: Iterable[Any], rank: int, world_size: int, max_samples: int | None
+) -> Iterator[tuple[int, Any]]:
+    """(global row index = sample id, row) for this rank: the first max_samples rows, then index % world == rank."""
+    for index, row in enumerate(rows):
+        if max_samples is not None and index >= max_samples:
+            return
+        if index % world_size == rank:
+            yield index, row
 
 
 def to_conversation(record: Any, source: str, row: int) -> Conversation | TokenizedConversation | Reject:

@@ -61,7 +61,7 @@ def test_submit_waits_no_more_than_the_bare_forward(tiny_model):
     forward does not make; collecting it then gives the outputs of a plain `forward`."""
     from peagle_pipeline.backends.hf import HFBackend
     from peagle_pipeline.config import ExtractConfig
-    from peagle_pipeline.stages.extract.stage import backend_settings
+    from peagle_pipeline.stages.extract.settings import backend_settings
 
     cfg = ExtractConfig(model=str(tiny_model), data=["-"], output="-", device="cuda", last_hidden=True)
     backend = HFBackend(backend_settings(cfg), [2, 3, 6])

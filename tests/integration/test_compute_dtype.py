@@ -18,7 +18,7 @@ from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.errors import ResumeMismatch
 from peagle_pipeline.runtime import CPU_BF16_ENV
 from peagle_pipeline.stages.extract import stage
-from peagle_pipeline.stages.extract.stage import backend_settings, forward_dtype
+from peagle_pipeline.stages.extract.settings import backend_settings, forward_dtype
 
 
 def _data(path: Path, n: int = 2) -> Path:

@@ -14,7 +14,7 @@ import pyarrow as pa
 from cli_argv import run_peagle
 
 from peagle_pipeline.cache.reader import open_cache
-from peagle_pipeline.stages.generate.onpolicy_files import rows_file
+from peagle_pipeline.data.onpolicy_files import rows_file
 
 
 def _split(path: Path, conversations: list[list[dict]]) -> None:

@@ -16,14 +16,13 @@ from fakes import FakeBackend
 
 from peagle_pipeline.cache.reader import open_cache
 from peagle_pipeline.config import ExtractConfig
-from peagle_pipeline.data.records import Conversation, Message, Reject
+from peagle_pipeline.data.records import Conversation, Message, Reject, rank_rows
 from peagle_pipeline.errors import BadInput, Interrupted
 from peagle_pipeline.stages.extract import stage
-from peagle_pipeline.stages.extract.stage import (
+from peagle_pipeline.stages.extract.batch_plan import (
     PlannedSample,
     RowReject,
     plan_batches,
-    rank_rows,
     render_rows,
     sort_by_length,
 )

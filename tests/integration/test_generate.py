@@ -15,9 +15,9 @@ from cli_argv import run_peagle
 
 from peagle_pipeline.config import GenerateConfig
 from peagle_pipeline.data.dialogue import REASON_EMPTY, REASON_TOO_LONG
+from peagle_pipeline.data.onpolicy_files import rejects_file, rows_file
 from peagle_pipeline.errors import BadInput, ResumeMismatch
 from peagle_pipeline.stages.generate import stage
-from peagle_pipeline.stages.generate.onpolicy_files import rejects_file, rows_file
 
 ROW_KEYS = {"id", "source", "source_row", "sample", "messages", "input_ids", "loss_mask", "finish"}
 EOT = "<|im_end|>"

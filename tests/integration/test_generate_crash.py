@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from cli_argv import PEAGLE
 
-from peagle_pipeline.stages.generate.onpolicy_files import SLEEP_ENV, rejects_file, rows_file, state_file
+from peagle_pipeline.data.onpolicy_files import SLEEP_ENV, rejects_file, rows_file, state_file
 
 pytestmark = [pytest.mark.crash, pytest.mark.slow]
 

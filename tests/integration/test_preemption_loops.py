@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
 from peagle_pipeline.cache.verify import verify_cache
-from peagle_pipeline.stages.generate.onpolicy_files import SLEEP_ENV, rejects_file, rows_file, state_file
+from peagle_pipeline.data.onpolicy_files import SLEEP_ENV, rejects_file, rows_file, state_file
 from peagle_pipeline.stages.train import metrics
 
 pytestmark = [pytest.mark.crash, pytest.mark.slow]

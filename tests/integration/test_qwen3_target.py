@@ -125,8 +125,8 @@ def test_generate_all_turns_on_a_qwen3_target(tiny_qwen3: Path, tmp_path: Path) 
     from transformers import AutoTokenizer
 
     from peagle_pipeline.config import GenerateConfig
+    from peagle_pipeline.data.onpolicy_files import rejects_file, rows_file
     from peagle_pipeline.stages.generate import stage
-    from peagle_pipeline.stages.generate.onpolicy_files import rejects_file, rows_file
 
     model = add_stop_bias(
         shutil.copytree(tiny_qwen3, tmp_path / "qwen3-stop")

@@ -14,7 +14,8 @@ from peagle_pipeline.data.chat import ChatRenderer
 from peagle_pipeline.data.formats import iter_rows
 from peagle_pipeline.data.records import Conversation
 from peagle_pipeline.model_dir import read_target_info
-from peagle_pipeline.stages.extract.stage import backend_settings, target_source
+from peagle_pipeline.stages.extract.cache_output import target_source
+from peagle_pipeline.stages.extract.settings import backend_settings
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 MAX_TOKENS = 160  # keep CPU time small: two short real samples

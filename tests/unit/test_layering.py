@@ -21,7 +21,9 @@ ALLOWED = {
     "errors": set(),
     "runtime": {"errors"},
     "core": {"errors"},
-    "data": {"errors"},
+    # the on-policy data format (data/onpolicy_files.py) is written as well as read: atomic files and rank locks
+    # from runtime, the settings comparison on resume from core.settings
+    "data": {"errors", "runtime", "core.settings"},
     "preemption": {"errors"},  # SIGTERM/SIGINT handling, shared by the stages and the cache writer's commit
     "config": {"errors", "core.settings"},  # the COD defaults and checks, defined once (torch-free)
     # the cache contract's file names; the vLLM engine defaults (core.settings, torch-free, shared with config)

@@ -18,7 +18,7 @@ from peagle_pipeline.model_dir import (
     read_target_info,
     tokenizer_sha256,
 )
-from peagle_pipeline.stages.extract.stage import target_source
+from peagle_pipeline.stages.extract.cache_output import target_source
 
 
 def _save(model, out):

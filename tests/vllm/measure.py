@@ -38,7 +38,7 @@ def main() -> None:
     from peagle_pipeline.backends.vllm import VLLMBackend
     from peagle_pipeline.config import ExtractConfig
     from peagle_pipeline.model_dir import read_target_info
-    from peagle_pipeline.stages.extract.stage import backend_settings
+    from peagle_pipeline.stages.extract.settings import backend_settings
 
     torch.set_num_threads(args.threads)
     cfg = ExtractConfig(

@@ -39,7 +39,7 @@ def test_smollm2_hf_and_vllm_agree_within_bf16_noise() -> None:
     from peagle_pipeline.backends.base import default_layer_ids
     from peagle_pipeline.backends.hf import HFBackend
     from peagle_pipeline.backends.vllm import VLLMBackend
-    from peagle_pipeline.stages.extract.stage import backend_settings
+    from peagle_pipeline.stages.extract.settings import backend_settings
 
     layers = default_layer_ids(30)
     samples = render_samples(str(SMOLLM2), str(SHAREGPT), 6, 256)

@@ -45,7 +45,7 @@ def batch() -> list[list[int]]:
 def backends(tiny_model: Path):  # type: ignore[no-untyped-def]
     from peagle_pipeline.backends.hf import HFBackend
     from peagle_pipeline.backends.vllm import VLLMBackend
-    from peagle_pipeline.stages.extract.stage import backend_settings
+    from peagle_pipeline.stages.extract.settings import backend_settings
 
     hf = HFBackend(backend_settings(_cfg(tiny_model)), TINY_LAYERS)
     vb = VLLMBackend(backend_settings(_cfg(tiny_model)), TINY_LAYERS)
@@ -120,7 +120,7 @@ def test_parse_topk_rejects_wrong_row_sizes() -> None:
 def test_bad_layer_ids_and_topk_fail_before_engine_start(tiny_model: Path) -> None:
     from peagle_pipeline.backends.vllm import VLLMBackend
     from peagle_pipeline.errors import BadInput
-    from peagle_pipeline.stages.extract.stage import backend_settings
+    from peagle_pipeline.stages.extract.settings import backend_settings
 
     with pytest.raises(BadInput, match="aux layer ids"):
         VLLMBackend(backend_settings(_cfg(tiny_model)), [2, 7])

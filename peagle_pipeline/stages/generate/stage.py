@@ -1,10 +1,11 @@
 """On-policy data (SPEC section 4a): regenerate the assistant replies of chat data with the target itself.
 
-This rank's source rows are cut into chunks of `chunk_size`. A chunk is generated in waves: wave j asks the
-backend for reply j of every conversation (and sample) still going, in one call, and the conversations grow by
-token ids (`data/dialogue.py`). The finished chunk is committed (`stages/generate/onpolicy_files.py`); a resumed run skips
-committed chunks and regenerates the next one exactly, because every request's seed is a function of
-(seed, row, sample, turn) and a chunk's calls are a function of its rows. Never branches on the backend name.
+This rank's source rows are cut into chunks of `chunk_size`. A chunk is generated in waves (`chunk.py`): wave j
+asks the backend for reply j of every conversation (and sample) still going, in one call, and the conversations
+grow by token ids (`data/dialogue.py`). The finished chunk is committed (`data/onpolicy_files.py`, the format
+`extract` reads back); a resumed run skips committed chunks and regenerates the next one exactly, because every
+request's seed is a function of (seed, row, sample, turn) and a chunk's calls are a function of its rows. Never
+branches on the backend name.
 """
 
 from __future__ import annotations
@@ -23,27 +24,26 @@ from peagle_pipeline.backends.generation import (
     GenerationBackend,
     GeneratorSettings,
     SamplingSettings,
-    request_seed,
     vllm_installed,
 )
 from peagle_pipeline.backends.registry import get_generation_backend
 from peagle_pipeline.config import GenerateConfig
-from peagle_pipeline.data.dialogue import REASON_TOO_LONG, Dialogue, DialogueBuilder
-from peagle_pipeline.errors import BadConfig, BadInput
-from peagle_pipeline.preemption import stop_error
-from peagle_pipeline.runtime import check_output_dir, resolve_compute_dtype, writer_rank
-from peagle_pipeline.stages.extract.stage import rank_rows
-from peagle_pipeline.stages.generate.onpolicy_files import (
+from peagle_pipeline.data.dialogue import DialogueBuilder
+from peagle_pipeline.data.onpolicy_files import (
     FORMAT,
     META_FILE,
-    ChunkOutput,
     OnPolicyWriter,
     prepare_output,
     remove_new_output,
     rows_file,
 )
+from peagle_pipeline.data.records import rank_rows
+from peagle_pipeline.errors import BadConfig, BadInput
+from peagle_pipeline.preemption import stop_error
+from peagle_pipeline.runtime import check_output_dir, resolve_compute_dtype, writer_rank
+from peagle_pipeline.stages.generate.chunk import generate_chunk
 
-__all__ = ["run", "GenerateSummary", "generate_chunk", "resolve_backend", "resolve_stop_ids", "build_meta"]
+__all__ = ["run", "GenerateSummary", "resolve_backend", "resolve_stop_ids", "build_meta"]
 
 log = logging.getLogger(__name__)
 
@@ -170,75 +170,6 @@ def build_meta(cfg: GenerateConfig, backend: str, dtype: str, world: int, stops:
 
 
 # ---------------------------------------------------------------------------------------------- chunks
-def generate_chunk(
-    rows: list[tuple[int, Any]],
-    builder: DialogueBuilder,
-    backend: GenerationBackend,
-    sampling: SamplingSettings,
-    cfg: GenerateConfig,
-    on_wave: Callable[[int, int], None] | None = None,
-) -> ChunkOutput:
-    """Generate every conversation of one chunk, wave by wave, and lay out its rows and rejects in row order.
-
-    Args:
-        rows: (global row index, Conversation or Reject) of this chunk.
-        on_wave: called after each wave with (replies, generated tokens) of that wave.
-    """
-    from peagle_pipeline.data.chat import RejectRow
-    from peagle_pipeline.data.records import Reject
-
-    out = ChunkOutput()
-    plan: list[tuple[Any, str | None, list[Dialogue]]] = []
-    for index, row in rows:
-        if isinstance(row, Reject) and row.prompt is not None:
-            row = row.prompt  # a prompt without a reply: the target writes it
-        if isinstance(row, Reject):
-            plan.append((row, row.reason, []))
-            continue
-        try:
-            first = builder.start(row, index)
-        except RejectRow as err:
-            plan.append((row, err.reason, []))
-            continue
-        if len(first.input_ids) > cfg.max_prompt_tokens:
-            plan.append((row, REASON_TOO_LONG, []))
-            continue
-        plan.append((row, None, [first] + [builder.fork(first, s) for s in range(1, cfg.samples_per_prompt)]))
-    dialogues = [d for _, _, ds in plan for d in ds]
-    while True:
-        for d in dialogues:
-            if d.active and len(d.input_ids) > cfg.max_prompt_tokens:
-                d.ended = REASON_TOO_LONG
-        active = [d for d in dialogues if d.active]
-        if not active:
-            break
-        seeds = [request_seed(cfg.seed, d.index, d.sample, d.turn) for d in active]
-        replies = backend.generate([d.input_ids for d in active], seeds, sampling)
-        for d, reply in zip(active, replies, strict=True):
-            out.generated_tokens += len(reply.token_ids)
-            out.finish_length += reply.finish == "length"
-            builder.add_reply(d, reply.token_ids, reply.finish)
-        if on_wave is not None:
-            on_wave(len(active), sum(len(r.token_ids) for r in replies))
-    for row, reason, ds in plan:
-        where = {"source": row.source, "source_row": row.source_row}
-        if reason is not None:
-            out.rejects.append({**where, "reason": reason})
-        for d in ds:
-            if d.turn == 0:
-                out.rejects.append({**where, "reason": d.ended or "no reply", "sample": d.sample})
-                continue
-            kept = d.to_row()
-            out.rows.append(kept)
-            out.replies += d.turn
-            out.supervised_tokens += sum(kept["loss_mask"])
-            if d.ended is not None and d.dropped_turns:
-                out.rejects.append(
-                    {**where, "reason": f"later turns dropped: {d.ended}", "sample": d.sample, "turn": d.turn}
-                )
-    return out
-
-
 def _chunks(items: Iterable[tuple[int, Any]], size: int) -> Iterator[list[tuple[int, Any]]]:
     it = iter(items)
     while chunk := list(itertools.islice(it, size)):
@@ -257,16 +188,10 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
     """
     from peagle_pipeline.data.chat import ChatRenderer
     from peagle_pipeline.data.formats import iter_rows, split_notes
-    from peagle_pipeline.model_dir import load_tokenizer, read_target_info, text_config
+    from peagle_pipeline.model_dir import load_tokenizer
 
     rank, world = writer_rank(cfg.rank, cfg.world_size)
-    info = read_target_info(cfg.model)
-    context = text_config(info.config).get("max_position_embeddings")
-    max_model_len = cfg.max_prompt_tokens + cfg.max_new_tokens
-    if context and max_model_len > context:
-        raise BadConfig(
-            f"max_prompt_tokens + max_new_tokens ({max_model_len}) exceeds the target's context ({context})"
-        )
+    max_model_len = _max_model_len(cfg)
     iter_rows(cfg.data, cfg.split)  # checks every path before the output exists; reads nothing
     tokenizer = load_tokenizer(cfg.model)
     renderer = ChatRenderer(tokenizer)
@@ -309,6 +234,24 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
         if backend is not None:
             backend.close()
     return _totals(summary, writer)
+
+
+def _max_model_len(cfg: GenerateConfig) -> int:
+    """The engine's context length: the longest prompt plus the longest reply.
+
+    Raises:
+        BadConfig: it exceeds the target's context (max_position_embeddings).
+    """
+    from peagle_pipeline.model_dir import read_target_info, text_config
+
+    info = read_target_info(cfg.model)
+    context = text_config(info.config).get("max_position_embeddings")
+    max_model_len = cfg.max_prompt_tokens + cfg.max_new_tokens
+    if context and max_model_len > context:
+        raise BadConfig(
+            f"max_prompt_tokens + max_new_tokens ({max_model_len}) exceeds the target's context ({context})"
+        )
+    return max_model_len
 
 
 def _settings(

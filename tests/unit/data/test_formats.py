@@ -341,7 +341,7 @@ def test_bad_tool_call_turns_are_rejected_with_a_reason(tmp_path, turn, reason):
 def test_dataset_fingerprint_of_a_directory_ignores_a_writers_lock_file(tmp_path):
     """A `generate` output holds `.peagle-lock-*` (a pid, rewritten by every run, even a no-op one): an extraction
     from it must still resume; any other file of the directory still counts."""
-    from peagle_pipeline.data.formats import WRITER_LOCK_PREFIX
+    from peagle_pipeline.data.onpolicy_files import WRITER_LOCK_PREFIX
 
     (tmp_path / "rows-rank00000-of-00001.jsonl").write_text('{"prompt": "x"}\n')
     before = dataset_fingerprint([tmp_path])

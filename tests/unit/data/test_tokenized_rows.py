@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from peagle_pipeline.data.formats import GENERATE_META, iter_rows
+from peagle_pipeline.data.formats import iter_rows
+from peagle_pipeline.data.onpolicy_files import META_FILE
 from peagle_pipeline.data.records import Reject, TokenizedConversation
 
 
@@ -58,7 +59,7 @@ def _state(d: Path, rank: int, world: int, rows_bytes: int, complete: bool = Tru
 def test_generate_output_dir_reads_committed_rows_in_rank_order(tmp_path):
     d = tmp_path / "gen"
     d.mkdir()
-    (d / GENERATE_META).write_text("{}")
+    (d / META_FILE).write_text("{}")
     r1 = _jsonl(d / "rows-rank00001-of-00002.jsonl", [{"input_ids": [9, 9], "loss_mask": [0, 1]}])
     r0 = _jsonl(
         d / "rows-rank00000-of-00002.jsonl",
@@ -80,7 +81,7 @@ def test_unfinished_generate_output_is_refused_before_reading(tmp_path):
 
     d = tmp_path / "gen"
     d.mkdir()
-    (d / GENERATE_META).write_text("{}")
+    (d / META_FILE).write_text("{}")
     with pytest.raises(BadInput, match="no committed rank"):
         iter_rows([d])
     _state(d, 0, 2, 0)

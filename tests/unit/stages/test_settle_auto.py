@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.core.settings import setting_differences
-from peagle_pipeline.stages.extract.stage import DEFAULT_LENGTH_WINDOW, settle_auto
+from peagle_pipeline.stages.extract.batch_plan import DEFAULT_LENGTH_WINDOW
+from peagle_pipeline.stages.extract.settings import settle_auto
 
 
 def _cfg(**kw) -> ExtractConfig:

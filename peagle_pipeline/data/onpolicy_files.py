@@ -1,10 +1,12 @@
-"""The output directory of `generate` (docs/generate.md): generate.json, and per rank a rows file, a rejects file
-and a state file that is the only truth about what is committed.
+"""The on-policy data format: the output directory of `generate` (docs/generate.md), written by the `generate` stage
+and read back as a dataset by `formats.py`. It holds generate.json, and per rank a rows file, a rejects file and
+a state file that is the only truth about what is committed.
 
 A chunk commits in three steps: its rows and rejects are appended to their JSONL files and fsynced, then the
 state file (committed counts and byte lengths) is replaced atomically. Bytes past the recorded lengths are left
-by a killed run and are truncated when the rank is opened again, so a resume rewrites them identically.
-Never generates anything; `stages/generate/stage.py` decides what goes in.
+by a killed run and are truncated when the rank is opened again, so a resume rewrites them identically; a reader
+reads only the committed bytes of finished ranks (`committed_rows_files`). Never generates anything;
+`stages/generate/stage.py` decides what goes in.
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle_pipeline.core.settings import setting_differences
-from peagle_pipeline.data.formats import WRITER_LOCK_PREFIX
-from peagle_pipeline.errors import IncompatibleCache, ResumeMismatch
+from peagle_pipeline.errors import BadInput, IncompatibleCache, ResumeMismatch
 from peagle_pipeline.runtime import (
     RankLock,
     atomic_write_json,
@@ -33,6 +34,7 @@ from peagle_pipeline.runtime import (
 __all__ = [
     "FORMAT",
     "META_FILE",
+    "WRITER_LOCK_PREFIX",
     "SLEEP_ENV",
     "rows_file",
     "rejects_file",
@@ -42,10 +44,12 @@ __all__ = [
     "remove_new_output",
     "ChunkOutput",
     "OnPolicyWriter",
+    "committed_rows_files",
 ]
 
 FORMAT = "peagle-onpolicy/1"
-META_FILE = "generate.json"
+META_FILE = "generate.json"  # marks a directory written by `peagle-pipeline generate`
+WRITER_LOCK_PREFIX = ".peagle-lock-"  # the lock file of a rank's writer (holds a process id, not data)
 SLEEP_ENV = "PEAGLE_TEST_GENERATE_SLEEP"
 """Test hook: seconds to sleep between a chunk's appended rows and its state update (widens the crash window)."""
 
@@ -252,3 +256,39 @@ class OnPolicyWriter:
 
     def close(self) -> None:
         self._lock.release()
+
+
+# ------------------------------------------------------------------------------------------------ reading
+def committed_rows_files(path: Path) -> list[tuple[Path, int]]:
+    """(rows file, committed byte length) of every rank of a `generate` output, in rank order.
+
+    Raises:
+        BadInput: a rank is missing or has not finished (its state file is the only truth about what is
+            committed, so an unfinished output would read differently later).
+    """
+    states = sorted(path.glob("state-rank*.json"))
+    if not states:
+        raise BadInput(f"generate output {path} has no committed rank yet: run `generate` to the end first")
+    files = []
+    for state_path in states:
+        state = _read_state(state_path)
+        world = int(state.get("world_size", 0) or 0)
+        if world != len(states):
+            raise BadInput(f"generate output {path}: {len(states)} of {world} ranks present; finish them all")
+        if not state.get("complete"):
+            raise BadInput(
+                f"generate output {path}: rank {state.get('rank')} is not complete "
+                f"({state.get('rows', 0)} rows committed); re-run the same `generate` to finish it"
+            )
+        rows = state_path.with_name(state_path.name.replace("state-", "rows-", 1)).with_suffix(".jsonl")
+        files.append((rows, int(state.get("rows_bytes", 0))))
+    return files
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    """A state file as a dataset reader sees it (BadInput when unreadable; {} when not a JSON object)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise BadInput(f"cannot read {path}: {err}") from None
+    return data if isinstance(data, dict) else {}

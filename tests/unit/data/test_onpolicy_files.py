@@ -1,4 +1,4 @@
-"""stages.onpolicy_files: the state file is the commit marker; bytes past it are dropped on open; settings checked."""
+"""data.onpolicy_files: the state file is the commit marker; bytes past it are dropped on open; settings checked."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from peagle_pipeline.errors import Busy, IncompatibleCache, OutputExists, ResumeMismatch
-from peagle_pipeline.stages.generate.onpolicy_files import (
+from peagle_pipeline.data.onpolicy_files import (
     FORMAT,
     ChunkOutput,
     OnPolicyWriter,
@@ -15,6 +14,7 @@ from peagle_pipeline.stages.generate.onpolicy_files import (
     rows_file,
     state_file,
 )
+from peagle_pipeline.errors import Busy, IncompatibleCache, OutputExists, ResumeMismatch
 
 META = {"format": FORMAT, "settings": {"temperature": 0.7, "turns": "all"}, "info": {"version": "1"}}
 

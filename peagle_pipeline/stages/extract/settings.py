@@ -1,0 +1,128 @@
+"""The extract settings settled for one run: the device the target runs on, the forward dtype, the backend's own
+settings, the "auto" values taken from the cache being resumed, and the aux layer ids.
+
+Reads nothing but what it is given (and whether CUDA is available); the stage entry reads the recorded cache.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, NamedTuple
+
+from peagle_pipeline.backends.base import (
+    DEFAULT_LAYER_RULE,
+    BackendSettings,
+    default_layer_ids,
+    spelled_default_layer_ids,
+)
+from peagle_pipeline.cache.location import compute_dtype_in, length_window_in
+from peagle_pipeline.config import ExtractConfig
+from peagle_pipeline.errors import BadInput
+from peagle_pipeline.runtime import describe_compute_dtype, resolve_compute_dtype
+from peagle_pipeline.stages.extract.batch_plan import DEFAULT_LENGTH_WINDOW
+
+__all__ = [
+    "target_device",
+    "forward_dtype",
+    "backend_settings",
+    "Settled",
+    "settle_auto",
+    "resolve_layers",
+    "collapsed_layers_note",
+]
+
+
+def target_device(cfg: ExtractConfig) -> str:
+    """The device the target runs on, as a string: `auto` -> "cuda" when CUDA is available, else "cpu"."""
+    if cfg.device != "auto":
+        return cfg.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def forward_dtype(cfg: ExtractConfig, device: str) -> Literal["bf16", "fp32"]:
+    """The dtype of the target forward: `cfg.compute_dtype`, where auto means fp32 when the stored dtype is fp32
+    (a bf16 forward stored in fp32 only costs space), else the hardware's choice (`resolve_compute_dtype`)."""
+    if cfg.compute_dtype == "auto" and cfg.dtype == "fp32":
+        return "fp32"
+    return resolve_compute_dtype(cfg.compute_dtype, device)
+
+
+def backend_settings(cfg: ExtractConfig) -> BackendSettings:
+    """The target backend's own settings from the extract section (the forward dtype resolved)."""
+    return BackendSettings(
+        model=cfg.model,
+        compute_dtype=forward_dtype(cfg, target_device(cfg)),
+        topk=cfg.topk,
+        last_hidden=cfg.last_hidden,
+        device=cfg.device,
+        topk_chunk=cfg.topk_chunk,
+        max_length=cfg.max_length,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+    )
+
+
+class Settled(NamedTuple):
+    """The settings of one extract run with their "auto" values settled (`settle_auto`)."""
+
+    cfg: ExtractConfig
+    """As recorded (extract.yaml, cache.json): length_window settled; compute_dtype as given."""
+    run_cfg: ExtractConfig
+    """What the backend runs: `cfg` with compute_dtype settled too (the dtype cache.json records)."""
+    why: str
+    """The line that says which compute dtype and why."""
+
+
+_COMPUTED: dict[str, Literal["bf16", "fp32"]] = {"bfloat16": "bf16", "float32": "fp32"}
+
+
+def settle_auto(cfg: ExtractConfig, recorded: dict[str, Any] | None, device: str) -> Settled:
+    """Settle the "auto" values of `cfg` from the cache being resumed (`recorded`: its cache.json as read once,
+    None for a new cache) and the device the target runs on. Reads nothing itself.
+
+    Under `compute_dtype: auto` a cache that already exists keeps the forward dtype it was started with (one cache
+    never mixes bf16 and fp32 forwards, whichever machine resumes it or writes another rank); otherwise
+    `forward_dtype` decides from the stored dtype and the hardware. An explicit setting is used as given (and
+    refused by `prepare_output` if the cache recorded another). An unset length_window keeps the resumed cache's
+    storage order, else takes DEFAULT_LENGTH_WINDOW.
+    """
+    chosen = forward_dtype(cfg, device)
+    kept = _COMPUTED.get(compute_dtype_in(recorded) or "") if cfg.compute_dtype == "auto" else None
+    if kept is not None:
+        line = describe_compute_dtype("auto", device, kept)
+        compute, why = kept, line[: line.index(" (")] + " (auto: kept from the cache being resumed)"
+    elif cfg.compute_dtype == "auto" and cfg.dtype == "fp32":
+        compute, why = chosen, f"compute dtype fp32 on {device} (auto: dtype is fp32)"
+    else:
+        compute, why = chosen, describe_compute_dtype(cfg.compute_dtype, device, chosen)
+    window = cfg.length_window or length_window_in(recorded) or DEFAULT_LENGTH_WINDOW
+    settled = dataclasses.replace(cfg, length_window=window)
+    return Settled(settled, dataclasses.replace(settled, compute_dtype=compute), why)
+
+
+def resolve_layers(cfg: ExtractConfig, num_hidden_layers: int) -> list[int]:
+    """Aux layer ids, ascending; BadInput when outside 0..L."""
+    ids = sorted(set(cfg.layers)) if cfg.layers else default_layer_ids(num_hidden_layers)
+    bad = [i for i in ids if not 0 <= i <= num_hidden_layers]
+    if bad:
+        raise BadInput(
+            f"layer ids {bad} outside 0..{num_hidden_layers} (the target has {num_hidden_layers} layers)"
+        )
+    return ids
+
+
+def collapsed_layers_note(cfg: ExtractConfig, num_hidden_layers: int) -> str | None:
+    """On small targets the default ids [2, L//2, L-3] coincide (L=6: [2, 3, 3]); the draft then gets fewer aux
+    hidden states than the usual 3. Not an error (tiny test models rely on it), but the user should know."""
+    L = num_hidden_layers
+    spelled = spelled_default_layer_ids(L)
+    ids = default_layer_ids(L)
+    if cfg.layers or len(ids) == len(spelled):
+        return None
+    return (
+        f"the default aux layers {DEFAULT_LAYER_RULE} of this {L}-layer target are {spelled}: the draft gets "
+        f"{len(ids)} aux hidden states instead of 3; pass --layers to choose 3 distinct ids"
+    )
