@@ -468,6 +468,7 @@ def main() -> int:
         "estimate_curve": estimate_curve(main_run),
         "speed": speed_figures(speed),
         "eval_dtype": report.get("dtype"),
+        "finished_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     summary["curve_fit"] = fit_log_curve([(c["train_tokens"], c["mtbench_al"]) for c in summary["curve"]])
     summary["estimate_fit"] = fit_log_curve(summary["estimate_curve"])
@@ -626,6 +627,7 @@ def render_doc(summary: dict[str, Any], root: Path, doc: Path) -> str:
         f"Host: {summary['host']}, bf16 units: {units}"
         + ("; the package computed in fp32 (`PEAGLE_CPU_BF16=0`)" if forced_fp32 else "")
         + f". Total stage time **{summary['total_s'] / 60:.1f} min**."
+        + (f" Finished {summary['finished_utc']}." if summary.get("finished_utc") else "")
         + (f" Data and step budgets x {s['scale']} (`--scale`)." if s.get("scale", 1.0) != 1.0 else ""),
         "",
         f"Target SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised). Sources: the first {s['source_conversations']} "

@@ -52,7 +52,8 @@ def _documented_commands() -> list[tuple[str, str]]:
             line = re.sub(r"\[[^\]]*\]", " ", line)  # optional parts
             args = [a for a in shlex.split(line)[1:] if a != "flags"]  # `extract [--config FILE] [flags]`
             if len(args) >= 2 and not args[0].startswith("-") and "--help" not in args:
-                found.append((str(doc.relative_to(REPO)), line))  # not a command merely named in prose, nor a help request
+                # not a command merely named in prose, nor a help request
+                found.append((str(doc.relative_to(REPO)), line))
     return found
 
 
