@@ -2,7 +2,8 @@
 
 YAML keys equal flag names with `-` replaced by `_` (`--draft-vocab-size` <-> `draft_vocab_size`), flat under
 `generate:` / `extract:` / `train:`. Precedence: default < pipeline file < flag, applied by `resolve()`. Each field's `help`
-metadata is its one-line documentation (the CLI help and docs/pipeline-files.md are generated from it).
+metadata is its one-line documentation (the CLI help and docs/reference/pipeline-files.md are generated from
+it).
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class GenerateConfig(TargetStageConfig):
         "turns all: an earlier generated reply with reasoning (<think>...</think>) is given to the chat template without it (strip) or whole (keep; Qwen3's template strips it anyway). The newest reply of a row keeps its thinking.",
     )
     temperature: float = _f(
-        0.7, "Sampling temperature (0 = greedy; greedy makes small models loop, see docs/generate.md)."
+        0.7, "Sampling temperature (0 = greedy; greedy makes small models loop, see docs/guides/generate.md)."
     )
     top_p: float = _f(0.95, "Nucleus sampling: keep the smallest token set of this probability mass.")
     repetition_penalty: float = _f(1.0, "Repetition penalty (1.0 = none; vLLM/transformers semantics).")
@@ -219,7 +220,7 @@ class ExtractConfig(TargetStageConfig):
     )
     dtype: Literal["bf16", "fp32", "fp8"] = _f(
         "bf16",
-        "Stored hidden-state dtype (the forward's is compute_dtype). fp8: lossy, about half the bytes of bf16 (e4m3 with an fp32 scale per token and layer, read back as bf16; see docs/cache-format.md).",
+        "Stored hidden-state dtype (the forward's is compute_dtype). fp8: lossy, about half the bytes of bf16 (e4m3 with an fp32 scale per token and layer, read back as bf16; see docs/reference/cache-format.md).",
     )
     compute_dtype: Literal["auto", "bf16", "fp32"] = _reword(
         TargetStageConfig,

@@ -1,5 +1,5 @@
-"""The output directory of `generate` (docs/generate.md): generate.json, and per rank a rows file, a rejects file
-and a state file that is the only truth about what is committed.
+"""The output directory of `generate` (docs/guides/generate.md): generate.json, and per rank a rows file, a
+rejects file and a state file that is the only truth about what is committed.
 
 A chunk commits in three steps: its rows and rejects are appended to their JSONL files and fsynced, then the
 state file (committed counts and byte lengths) is replaced atomically. Bytes past the recorded lengths are left
