@@ -89,7 +89,7 @@ test-crash: setup
 	$(PY) -m pytest -q -m "crash or crashloop" $(PYTEST_ARGS)
 
 # GPU tier (tests/gpu): skipped without CUDA. On a GPU machine without this repo's venv, scripts/gpu_tier.sh
-# installs what is missing from carried wheels and runs it in one go (docs/gpu.md).
+# installs what is missing from carried wheels and runs it in one go (docs/guides/gpus.md).
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
 
@@ -106,12 +106,12 @@ fmt: setup
 demo: setup setup-vllm demo-assets
 	$(PY) scripts/demo.py --dir $(DEMO_DIR)
 
-# The on-policy ablation measured in vLLM (experiments/quality.py -> docs/quality.md); QUALITY_SCALE=0.2 for a smoke run.
+# The on-policy ablation measured in vLLM (experiments/quality.py -> docs/results/quality.md); QUALITY_SCALE=0.2 for a smoke run.
 # auto: full size on a CPU with bf16 units, 0.65 of the data and steps on one without (sized for 90 minutes there).
 # QUALITY_DIR / QUALITY_DOC: where the run works and where its report goes (e.g. a second run beside the first).
 QUALITY_SCALE ?= auto
 QUALITY_DIR ?= .quality
-QUALITY_DOC ?= docs/quality.md
+QUALITY_DOC ?= docs/results/quality.md
 quality: setup setup-vllm demo-assets
 	$(PY) experiments/quality.py --dir $(QUALITY_DIR) --doc $(QUALITY_DOC) --scale $(QUALITY_SCALE)
 

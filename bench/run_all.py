@@ -434,7 +434,7 @@ def demo_figures() -> list[dict[str, Any]]:
                 "identical to plain decoding"
                 if row["identical"]
                 else f"parts from plain decoding on {row['mismatched_prompts']} of {row['prompts']} prompts "
-                "(near-ties under bf16, docs/evaluation.md)"
+                "(near-ties under bf16, docs/guides/evaluate.md)"
             )
             if va
             else "not measured (make setup-vllm, then make demo)",
@@ -460,7 +460,7 @@ def render(figs: list[dict[str, Any]], meta: dict[str, Any], benches: list[Bench
         "",
         f"`{meta['command']}` on {meta['date']}: {meta['machine']}; load average {meta['load_avg_start']} at "
         f"start, {meta['load_avg_end']} at end (the machine is shared). Python {meta['python']}, torch "
-        f"{meta['torch']}. Every figure is a ratio measured side by side in one process; see docs/benchmarks.md."
+        f"{meta['torch']}. Every figure is a ratio measured side by side in one process; see docs/results/benchmarks.md."
         + (" **Quick mode: smoke-test sizes, the figures are not meaningful.**" if meta["quick"] else ""),
         "",
         "| figure | measured | goal | status | source |",

@@ -1,4 +1,4 @@
-"""What top-p costs vLLM's CPU sampler: a bare `LLM.generate` of ShareGPT first turns (docs/generate.md).
+"""What top-p costs vLLM's CPU sampler: a bare `LLM.generate` of ShareGPT first turns (docs/guides/generate.md).
 
     .venv-vllm/bin/python experiments/bench_sampling.py N_PROMPTS TEMPERATURE KV_CACHE_GIB [MAX_NUM_SEQS]
     TOPP=1.0 .venv-vllm/bin/python experiments/bench_sampling.py 111 0.7 2

@@ -6,7 +6,7 @@ RUN is a `train` output folder (its latest checkpoint and train.yaml); CACHE a c
 target's own greedy replies to MT-Bench (`generate --temperature 0` on the MT-Bench questions, then `extract`).
 Every usable sample of CACHE is held out (or its first N), and only reply tokens count (`loss_positions:
 assistant`), so on the target's greedy replies the estimate reads close to what vLLM measures on them
-(docs/quality-notes.md, "What the draft does with text the context spells out": 1.301 against 1.278 in vLLM for
+(docs/results/what-we-learned.md, "What the draft does with text the context spells out": 1.301 against 1.278 in vLLM for
 `make demo`'s draft, 80 MT-Bench first turns, 64 new tokens). It takes seconds on 2 cores: a screen between vLLM
 runs, not a replacement for them.
 

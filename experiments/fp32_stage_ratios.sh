@@ -3,7 +3,7 @@
 # units) than in bf16, on this host's cores: PEAGLE_CPU_BF16=0 makes the package choose fp32. Every stage runs the
 # same slice both ways with the run's own settings. Needs a finished `make quality` in QUALITY_DIR (its sources,
 # on-multi cache, main draft).
-#   experiments/fp32_stage_ratios.sh [WORK_DIR] [QUALITY_DIR]   (about 11 minutes on 2 cores; docs/quality-notes.md)
+#   experiments/fp32_stage_ratios.sh [WORK_DIR] [QUALITY_DIR]   (about 11 minutes on 2 cores; docs/results/what-we-learned.md)
 #   SUMMARY_ONLY=1 experiments/fp32_stage_ratios.sh [WORK_DIR]    (the table again, from WORK_DIR's logs)
 set -u
 cd "$(dirname "$0")/.."

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 37's GPU profile in one go (about 4 minutes), on a GPU machine whose python3 has CUDA torch (docs/gpu.md):
+# Issue 37's GPU profile in one go (about 4 minutes), on a GPU machine whose python3 has CUDA torch (docs/guides/gpus.md):
 #   0. the zarr stack (and speculators, when carried) from .whl/ with --no-deps: the machine's torch stays; this
 #      checkout runs from its sources (PYTHONPATH), no wheel of ours is built or installed;
 #   1. experiments/gpu_profile.py: torch.profiler traces and host-sync counts of our P-EAGLE step and speculators'

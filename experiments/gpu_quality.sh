@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU quality run (issue 11, item 5; docs/gpu.md "The GPU quality run") on a lent GPU machine that has CUDA torch
+# The GPU quality run (issue 11, item 5; docs/guides/gpus.md "The GPU quality run") on a lent GPU machine that has CUDA torch
 # and transformers but no PyPI, sized for a 15-minute device budget: on-policy replies to ShareGPT first turns
 # (records below 17,000) generated with HF for a fixed time, the ShareGPT replies of the first OFF_RECORDS records
 # extracted beside them as off-policy data, a draft trained for a fixed time, and the export brought back to be
@@ -39,7 +39,7 @@ LR=${LR:-2e-3}
 DRAFT_LAYERS=${DRAFT_LAYERS:-1}  # the ablation of issue 36: 1 / 2 / 4 (the paper: 4 layers +26 % AL at its data scale)
 DEPTHS=${DEPTHS:-4}  # trained K; the export serves min(4, DEPTHS) (`export --speculative-tokens`); the paper trains at 8
 DRAFT_VOCAB=${DRAFT_VOCAB:-16384}
-LOSS_POSITIONS=${LOSS_POSITIONS:-all}  # all: prompt tokens carry loss too (+0.04 AL on the CPU quality run, docs/quality.md)
+LOSS_POSITIONS=${LOSS_POSITIONS:-all}  # all: prompt tokens carry loss too (+0.04 AL on the CPU quality run, docs/results/quality.md)
 DEVICE=${DEVICE:-cuda}
 MAX_SAMPLES=${MAX_SAMPLES:-17000}  # smaller for a smoke test of this script on a CPU (with DEVICE=cpu SKIP_INSTALL=1)
 MODEL=$WORK/models/SmolLM2-135M-Instruct
@@ -247,7 +247,7 @@ export_part() {  # the next 4 parts of the export into $OUT (the first call also
   ls -la "$OUT"
 }
 
-gen_bench() {  # there, after stage-a, carrying .gpu/b: the HF generate stage vs plain model.generate (docs/generate.md)
+gen_bench() {  # there, after stage-a, carrying .gpu/b: the HF generate stage vs plain model.generate (docs/guides/generate.md)
   cp .gpu/b/* "$WORK/" || exit 1
   if [[ ! -f $MODEL/model.safetensors ]]; then
     cat "$WORK/gguf.part0" "$WORK/gguf.part1" >"$WORK/model.gguf"

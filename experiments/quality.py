@@ -1,6 +1,6 @@
 """`make quality`: what on-policy data does to acceptance, measured in vLLM, on this machine class (CPU).
 
-    python experiments/quality.py --dir .quality [--scale auto|FACTOR] [--doc docs/quality.md] [--render]
+    python experiments/quality.py --dir .quality [--scale auto|FACTOR] [--doc docs/results/quality.md] [--render]
 
 SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised) with ShareGPT prompts. Every row of the ablation is trained at the same
 budget (steps x tokens_per_step) and measured by `peagle-pipeline evaluate` in vLLM on MT-Bench (80 first turns)
@@ -17,10 +17,10 @@ and on held-out ShareGPT prompts (records >= 17,000, never trained on), K = 4, T
 One run from nothing took 77.3 to 82.8 minutes on a 2-core host with bf16 units, against the issue's 90; 41.5 on a
 host of the same class that runs the stages 1.7x to 2.1x as fast, with the row-sparse embedding step that trains
 1.33x faster (about 74 minutes on the first host, an estimate), and 38.1 there with the sparse embedding gradient
-and blocked attention (about 1.3x the training tokens/s again). docs/quality.md gives each stage's time;
-docs/quality-notes.md says where the time goes and what a host without bf16 units changes. The first host computing
+and blocked attention (about 1.3x the training tokens/s again). docs/results/quality.md gives each stage's time;
+docs/results/what-we-learned.md says where the time goes and what a host without bf16 units changes. The first host computing
 in fp32 (PEAGLE_CPU_BF16=0, as on a host without bf16 units), where --scale auto takes 0.65 of the sizes, took 77.8
-(docs/quality-fp32.md). `--render` re-writes the doc from DIR/quality.json alone; QUALITY_DIR and QUALITY_DOC (make)
+(docs/results/quality-fp32.md). `--render` re-writes the doc from DIR/quality.json alone; QUALITY_DIR and QUALITY_DOC (make)
 put a second run beside the first.
 
 Every stage is the real CLI in a subprocess (`generate` and `evaluate` in .venv-vllm, `extract` and `train` in .venv),
@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+LEARNED = REPO / "docs" / "results" / "what-we-learned.md"  # the page the report sends readers to
 VENV_PY = REPO / ".venv" / "bin" / "python"
 VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
 MODEL = REPO / ".demo" / "models" / "SmolLM2-135M-Instruct"
@@ -55,20 +56,20 @@ CARRIER = "on-multi"
 ON_POLICY_ROWS = ("on-single", "on-multi", "on-single-greedy")
 # The main draft trains on the carrier and, through `train --extra-cache`, on the run's other caches: the other
 # on-policy ones (2.8x the carrier's tokens at no extraction cost; measured at this budget: +0.023 AL on MT-Bench,
-# +0.029 held-out; docs/quality-notes.md) and the off-policy one (+0.007 on MT-Bench, +0.016 held-out beside
+# +0.029 held-out; docs/results/what-we-learned.md) and the off-policy one (+0.007 on MT-Bench, +0.016 held-out beside
 # them). Its held-out samples stay the carrier's, and train leaves the extra caches' samples of their prompts out of
 # training, so its trainer estimate stays held-out.
 MAIN_EXTRA = ("on-single", "on-single-greedy", "off-policy")
 
-# Sizes at --scale 1 (the measured times are in docs/quality.md). `--scale auto` (the default) uses 1 on a CPU with
+# Sizes at --scale 1 (the measured times are in docs/results/quality.md). `--scale auto` (the default) uses 1 on a CPU with
 # bf16 units and SLOW_HOST_SCALE on one without: there fp32 runs every stage slower (this host's cores in fp32,
 # PEAGLE_CPU_BF16=0: generation 0.52x, extraction 0.56x, training 0.68x the tokens/s, evaluation 1.35x the time), so
-# the full sizes would take about 119 minutes; 0.65 of the data and steps took 80.4 (measured: docs/quality-fp32.md,
-# docs/quality-notes.md; experiments/fp32_stage_ratios.sh measures the ratios).
+# the full sizes would take about 119 minutes; 0.65 of the data and steps took 80.4 (measured: docs/results/quality-fp32.md,
+# docs/results/what-we-learned.md; experiments/fp32_stage_ratios.sh measures the ratios).
 SLOW_HOST_SCALE = 0.65
 BASE = {
     "source_conversations": 400,
-    "heldout_prompts": 80,  # 24 could not separate rows (docs/quality-notes.md, "The held-out rows on 200 prompts")
+    "heldout_prompts": 80,  # 24 could not separate rows (docs/results/what-we-learned.md, "The held-out rows on 200 prompts")
     "mtbench_prompts": 80,
     "max_new_tokens": 160,
     "max_prompt_tokens": 768,
@@ -84,7 +85,7 @@ BASE = {
 # faster than one prompt at a time on a CPU); the main draft is also measured at concurrency 1 (SPEC 4b: the
 # headline AL and the speedup a single user sees), which shows how close the two are.
 EVAL_CONCURRENCY = 16
-DEFAULT_DIR, DEFAULT_DOC = ".quality", "docs/quality.md"
+DEFAULT_DIR, DEFAULT_DOC = ".quality", "docs/results/quality.md"
 # The trainer's held-out estimates per training run (per saved checkpoint for the learning curve).
 EVALS_PER_RUN = 4
 TRAIN = {  # shared by every row; a row changes one thing
@@ -96,7 +97,7 @@ TRAIN = {  # shared by every row; a row changes one thing
     "loss_positions": "all",  # every cached position teaches (the "loss on the replies only" row is the ablation)
     # COD keeps 1 + 0.3 + 0.09 + 0.05 = 1.4 elements per anchor instead of the default 2.5 (0.7 / 0.2): depths >= 1
     # return little at this size, and the cheaper steps buy 1.7x the steps in the same time (+0.027 AL at equal
-    # time, docs/quality-notes.md).
+    # time, docs/results/what-we-learned.md).
     "down_sample_ratio": 0.3,
     "down_sample_ratio_min": 0.05,
     "warmup": 10,
@@ -105,11 +106,11 @@ TRAIN = {  # shared by every row; a row changes one thing
     "num_workers": 1,
     "log_every": 25,
     # The fused layer starts as the target's last layer, fc as a pass-through (the package default since
-    # 2026-11-24; +0.049 AL at the main budget, docs/quality-notes.md). Named so the report states it.
+    # 2026-11-24; +0.049 AL at the main budget, docs/results/what-we-learned.md). Named so the report states it.
     "init_from_target": True,
 }
 # top-p stays 1.0: vLLM's CPU sampler sorts the whole vocabulary of every sequence at every step for top-p < 1,
-# which made sampled regeneration ~1.7x slower here (docs/quality-notes.md).
+# which made sampled regeneration ~1.7x slower here (docs/results/what-we-learned.md).
 SAMPLED = {"temperature": 0.7, "top_p": 1.0}
 GREEDY = {"temperature": 0.0, "top_p": 1.0}
 
@@ -467,6 +468,7 @@ def main() -> int:
         "estimate_curve": estimate_curve(main_run),
         "speed": speed_figures(speed),
         "eval_dtype": report.get("dtype"),
+        "finished_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     summary["curve_fit"] = fit_log_curve([(c["train_tokens"], c["mtbench_al"]) for c in summary["curve"]])
     summary["estimate_fit"] = fit_log_curve(summary["estimate_curve"])
@@ -572,7 +574,7 @@ def fit_log_curve(points: list[tuple[int, float | None]]) -> dict[str, float] | 
 
 
 def curve_png(doc: Path) -> Path:
-    """The learning-curve image beside the doc (docs/quality.md -> docs/quality_learning_curve.png)."""
+    """The learning-curve image beside the doc (docs/results/quality.md -> docs/results/quality_learning_curve.png)."""
     return doc.with_name(f"{doc.stem}_learning_curve.png")
 
 
@@ -619,11 +621,13 @@ def render_doc(summary: dict[str, Any], root: Path, doc: Path) -> str:
         "# Quality: what the data does to acceptance (measured in vLLM)",
         "",
         "Written by `make quality` (`experiments/quality.py`); every number below comes from that one run. What the",
-        "figures mean, and measurements outside this run, are in [quality-notes.md](quality-notes.md).",
+        "figures mean, and measurements outside this run, are in "
+        f"[what-we-learned.md]({os.path.relpath(LEARNED, doc.resolve().parent)}).",
         "",
         f"Host: {summary['host']}, bf16 units: {units}"
         + ("; the package computed in fp32 (`PEAGLE_CPU_BF16=0`)" if forced_fp32 else "")
         + f". Total stage time **{summary['total_s'] / 60:.1f} min**."
+        + (f" Finished {summary['finished_utc']}." if summary.get("finished_utc") else "")
         + (f" Data and step budgets x {s['scale']} (`--scale`)." if s.get("scale", 1.0) != 1.0 else ""),
         "",
         f"Target SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised). Sources: the first {s['source_conversations']} "

@@ -196,7 +196,7 @@ def train(cfg_path: Path, paths: dict[str, Path], state: dict[str, Any]) -> None
 def evaluate(paths: dict[str, Path], state: dict[str, Any], wanted: bool | None) -> dict[str, Any] | None:
     """vLLM's acceptance length on MT-Bench (`evaluate` in .venv-vllm); reused when its report matches the export.
 
-    Returns the MT-Bench row of the report (see docs/evaluation.md), or None when skipped.
+    Returns the MT-Bench row of the report (see docs/guides/evaluate.md), or None when skipped.
     """
     if wanted is False:
         header("8/8 evaluate: skipped (--no-vllm)")
@@ -358,7 +358,7 @@ def summary(paths: dict[str, Path], state: dict[str, Any], vllm: dict[str, Any] 
         same = (
             "yes"
             if vllm["identical"]
-            else f"no, {vllm['mismatched_prompts']} prompts part (bf16 rounding, docs/evaluation.md)"
+            else f"no, {vllm['mismatched_prompts']} prompts part (bf16 rounding, docs/guides/evaluate.md)"
         )
         rows.append(
             (

@@ -1,4 +1,4 @@
-"""Generate docs/pipeline-files.md and docs/cli.md from the config dataclasses and the CLI (the one source of truth).
+"""Generate docs/reference/pipeline-files.md and docs/reference/cli.md from the config dataclasses and the CLI (the one source of truth).
 
 Usage: python scripts/gen_docs.py [--check]   (--check exits 1 when the committed docs are stale)
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from peagle_pipeline.config import ExtractConfig, GenerateConfig, TrainConfig, describe_fields, is_required
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "reference"
 
 
 def _table(cls: type) -> str:
@@ -35,7 +35,7 @@ A pipeline file is YAML with up to three sections, `generate:`, `extract:` and `
 with the closest valid name. The resolved settings are written next to the output (`generate.json` in the generate
 output, `extract.yaml` in the cache, `train.yaml` in the run directory) and are what a resume is compared against.
 
-Generated from `peagle_pipeline/config.py` by `scripts/gen_docs.py`; do not edit by hand.
+Generated from `peagle_pipeline/config/` (one module per command) by `scripts/gen_docs.py`; do not edit by hand.
 
 ```yaml
 generate:
@@ -96,14 +96,14 @@ read (the cache is not damaged; run again, `train --resume`), 130 interrupted (C
 
 | command | what it does |
 |---|---|
-| `peagle-pipeline generate [--config FILE] [flags]` | regenerate the assistant replies of chat data with the target (on-policy rows with their token ids; see [generate.md](generate.md)); write or resume (section `generate:`) |
+| `peagle-pipeline generate [--config FILE] [flags]` | regenerate the assistant replies of chat data with the target (on-policy rows with their token ids; see [generate.md](../guides/generate.md)); write or resume (section `generate:`) |
 | `peagle-pipeline extract [--config FILE] [flags]` | run the target once over chat data, write or resume a cache (flags: see [pipeline-files.md](pipeline-files.md), section `extract:`) |
 | `peagle-pipeline inspect CACHE [--sample ID] [--rows N]` | settings, samples, tokens, supervised fraction, lengths, bytes per token, store sizes; or one sample token by token |
 | `peagle-pipeline verify CACHE` | read everything back, check checksums and tables; names the store and samples of each problem (exit 4); checks what the manifests commit, so a cache still being written is reported incomplete (exit 3), not damaged |
 | `peagle-pipeline train [--config FILE] [flags]` | train a draft from a cache (section `train:`); `--resume` continues exactly |
 | `peagle-pipeline export RUN --output DIR [--checkpoint best\\|latest\\|step-N] [--force]` | speculators P-EAGLE checkpoint for vLLM (`--force`: replace another run's export) |
 | `peagle-pipeline plot RUN` | PNG curves of loss, per-depth agreement and acceptance length |
-| `peagle-pipeline evaluate DRAFT... [--prompts SET]...` | measure drafts in vLLM side by side: acceptance length, per-position acceptance, tokens/s with and without the draft; JSON report and PNG chart ([evaluation.md](evaluation.md)) |
+| `peagle-pipeline evaluate DRAFT... [--prompts SET]...` | measure drafts in vLLM side by side: acceptance length, per-position acceptance, tokens/s with and without the draft; JSON report and PNG chart ([evaluate.md](../guides/evaluate.md)) |
 | `peagle-pipeline vllm-check DRAFT --target MODEL` | load target + draft in vLLM, check greedy equality, report vLLM's acceptance |
 
 Rank and world size for `generate` and `extract` also come from `RANK`/`WORLD_SIZE` (torchrun) or `SLURM_PROCID`/`SLURM_NTASKS`.

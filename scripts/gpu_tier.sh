@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU tier in one go, on a GPU machine whose python3 already has CUDA torch (issue 12; docs/gpu.md):
+# The GPU tier in one go, on a GPU machine whose python3 already has CUDA torch (issue 12; docs/guides/gpus.md):
 #   1. `pip install` our wheel with the resolver but no index, missing dependencies from .whl/ (made by
 #      scripts/gpu_wheels.sh): it must install only what is missing and keep the machine's torch; the CLI must run;
 #   2. `pytest -m gpu tests/gpu` (flex mask = dense SDPA, bf16 + DDP of one process, CUDA extraction = CPU fp32

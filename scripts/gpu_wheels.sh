@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run HERE (a machine with PyPI): put into .whl/ what the GPU machine lacks, for scripts/gpu_tier.sh there.
 # The lent GPU machines have python3 3.12 with CUDA torch 2.11, transformers and most of our dependencies, but no
-# zarr stack and nothing can be fetched there (docs/gpu.md). --speculators adds speculators==0.9.0 and everything
+# zarr stack and nothing can be fetched there (docs/guides/gpus.md). --speculators adds speculators==0.9.0 and everything
 # its requirements pull in on Python 3.12 (resolved here), less torch with its CUDA stack and less what our package
 # requires directly (the GPU machine has those, or they are carried already); the versions there may differ, so
 # their own requirements are carried (openai 3 needs httpx2, which the GPU machine lacks).

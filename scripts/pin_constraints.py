@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HEADER = """\
 # Exact versions for this project's CPU machines (Python {py}, x86-64 Linux), used as `pip install -c` by
 # `make setup`; pyproject.toml declares the ranges a user's environment may satisfy instead.
-# torch {torch} is the local CPU wheel (pip's find-links); the GPU machines run torch 2.11 (see docs/gpu.md).
+# torch {torch} is the local CPU wheel (pip's find-links); the GPU machines run torch 2.11 (see docs/guides/gpus.md).
 # Regenerate with `.venv/bin/python scripts/pin_constraints.py` after an intended upgrade.
 """
 

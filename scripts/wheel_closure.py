@@ -24,7 +24,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-# On the GPU machine already (its CUDA torch) or never to be carried (docs/gpu.md).
+# On the GPU machine already (its CUDA torch) or never to be carried (docs/guides/gpus.md).
 MACHINE = ("torch", "torchvision", "torchaudio", "triton", "nvidia-", "cuda-")
 
 

@@ -84,7 +84,8 @@ def _cpu_workarounds(in_process: bool) -> dict[str, Any]:
     - `enforce_eager`: torch.compile/inductor warm-up takes minutes on a few cores and gains little here.
     - with `in_process`, `VLLM_ENABLE_V1_MULTIPROCESSING=0` unless the user set it: engine core and worker run in
       this process instead of two more, which on a few cores compete with this one for them (2 cores: greedy
-      generation 1.68x the tokens/s, engine start ~4 s against ~20 s; docs/quality-notes.md). Process-wide
+      generation 1.68x the tokens/s, engine start ~4 s against ~20 s; docs/results/what-we-learned.md).
+      Process-wide
       (vLLM caches its settings once an engine runs), so only for processes whose engines all want it;
       extraction does not: its hidden-states connector never delivers the files in-process.
     (The third CPU fix, the connector's host copy without CUDA streams or pinned memory, is in vllm_connector.py.)

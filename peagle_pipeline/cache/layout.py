@@ -1,6 +1,6 @@
 """The cache contract in one file: format version, file and array names, dtypes and metadata.
 
-Layout of a cache directory (see docs/cache-format.md, which mirrors this file):
+Layout of a cache directory (see docs/reference/cache-format.md, which mirrors this file):
 
     CACHE/
       cache.json                       CacheMeta (written once, atomically, by the first writer)

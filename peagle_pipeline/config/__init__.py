@@ -2,7 +2,7 @@
 
 YAML keys equal flag names with `-` replaced by `_` (`--draft-vocab-size` <-> `draft_vocab_size`), flat under
 `generate:` / `extract:` / `train:`. Precedence: default < pipeline file < flag, applied by `resolve()`. Each field's `help`
-metadata is its one-line documentation (the CLI help and docs/pipeline-files.md are generated from it).
+metadata is its one-line documentation (the CLI help and docs/reference/pipeline-files.md are generated from it).
 """
 
 from __future__ import annotations

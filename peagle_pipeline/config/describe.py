@@ -1,5 +1,5 @@
 """What a config class says about its fields: help and defaults, required fields, the choices of a `Literal` field
-(the source of the CLI help and of docs/pipeline-files.md)."""
+(the source of the CLI help and of docs/reference/pipeline-files.md)."""
 
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ class ExtractConfig(TargetStageConfig):
     )
     dtype: Literal["bf16", "fp32", "fp8"] = setting(
         "bf16",
-        "Stored hidden-state dtype (the forward's is compute_dtype). fp8: lossy, about half the bytes of bf16 (e4m3 with an fp32 scale per token and layer, read back as bf16; see docs/cache-format.md).",
+        "Stored hidden-state dtype (the forward's is compute_dtype). fp8: lossy, about half the bytes of bf16 (e4m3 with an fp32 scale per token and layer, read back as bf16; see docs/reference/cache-format.md).",
     )
     compute_dtype: Literal["auto", "bf16", "fp32"] = reword(
         TargetStageConfig,

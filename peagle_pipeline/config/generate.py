@@ -45,7 +45,7 @@ class GenerateConfig(TargetStageConfig):
         "turns all: an earlier generated reply with reasoning (<think>...</think>) is given to the chat template without it (strip) or whole (keep; Qwen3's template strips it anyway). The newest reply of a row keeps its thinking.",
     )
     temperature: float = setting(
-        0.7, "Sampling temperature (0 = greedy; greedy makes small models loop, see docs/generate.md)."
+        0.7, "Sampling temperature (0 = greedy; greedy makes small models loop, see docs/guides/generate.md)."
     )
     top_p: float = setting(0.95, "Nucleus sampling: keep the smallest token set of this probability mass.")
     repetition_penalty: float = setting(1.0, "Repetition penalty (1.0 = none; vLLM/transformers semantics).")

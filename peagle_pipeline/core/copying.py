@@ -4,8 +4,8 @@ A target that repeats itself (lists, code, a greedy small model's loops) emits m
 the context predicts: after the last two tokens (a, b), the token that followed the latest earlier (a, b). A draft
 that serves such a target should get those positions right. `bigram_copy_prediction` gives the rule's guess at
 every position, so a draft's agreement can be split into positions the rule gets right, gets wrong, and has no
-guess for (the trainer's held-out figures, `experiments/draft_on_cache.py`, docs/quality-notes.md). Pure torch, no
-I/O.
+guess for (the trainer's held-out figures, `experiments/draft_on_cache.py`, docs/results/what-we-learned.md).
+Pure torch, no I/O.
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, sc
 # sample's context: about 10 % of the pairs in a 1,024-token row of the demo's data), and the CPU kernel works on
 # every (query, key) pair it is given: each block of queries reads only the keys that one of its rows may see.
 # The demo's training step ran 1.11x as fast with bf16 blocks of 128 (32 to 256 measured) as in one call, 1.24x in
-# fp32 blocks (below; AVX512-BF16 host, docs/training.md).
+# fp32 blocks (below; AVX512-BF16 host, docs/guides/train.md).
 QUERY_BLOCK = 128
 # The keys and values a block gathers are kept for its backward. Their total grows with the context each block
 # sees: about 7 times the queries' own size in the demo's rows (chat samples of a few hundred tokens), 20 to 50 times
@@ -161,7 +161,7 @@ def attend(
     # every block (a single SDPA call accumulates in fp32). On the CPU measured the fp32 kernel was the faster one.
     # Each block expands the kv heads and casts to fp32 only the keys it reads: an fp32 copy of every key and value
     # at Hq heads, kept for backward, was the largest part of a segment's peak that grew with its context (Hq / Hkv
-    # times the keys and values themselves; 38 MiB at 8.7k elements for SmolLM2, docs/training.md).
+    # times the keys and values themselves; 38 MiB at 8.7k elements for SmolLM2, docs/guides/train.md).
     dtype = q.dtype
     q = q.float()
     starts = range(0, mask.shape[0], QUERY_BLOCK)

@@ -16,7 +16,8 @@ draft needs them. Which layer to copy was measured on SmolLM2-135M (aux layers 2
 trainer's held-out estimate after 300 steps): the last layer (29) 1.366, layer 27 (the one that reads the last
 aux state) 1.337, layer 20 1.310, fc pass-through alone 1.315, random 1.274; also copying the target's
 projections into the embedding half: 1.285. With the embedding half at zero instead of random: 1.385 against 1.379
-(a later screen on another cache). docs/quality-notes.md has the figures and vLLM's. Pure torch, no I/O.
+(a later screen on another cache). docs/results/what-we-learned.md has the figures and vLLM's. Pure torch, no
+I/O.
 """
 
 from __future__ import annotations

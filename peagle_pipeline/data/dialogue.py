@@ -89,7 +89,7 @@ class Dialogue:
         return len(self.slots) - self.turn
 
     def to_row(self) -> dict[str, Any]:
-        """The kept row (the contract of docs/generate.md): messages and ids up to the last generated reply."""
+        """The kept row (docs/guides/generate.md): messages and ids up to the last generated reply."""
         if self.turn == 0 or self.kept is None:
             raise ValueError("no reply was generated for this dialogue")
         ids, mask, messages = self.kept

@@ -1,4 +1,4 @@
-"""The on-policy data format: the output directory of `generate` (docs/generate.md), written by the `generate` stage
+"""The on-policy data format: the output directory of `generate` (docs/guides/generate.md), written by the `generate` stage
 and read back as a dataset by `formats.py`. It holds generate.json, and per rank a rows file, a rejects file and
 a state file that is the only truth about what is committed.
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = ["-m", "bench.bench_train_tps"]  # run from the repository root, as docs/training.md shows
+SCRIPT = ["-m", "bench.bench_train_tps"]  # run from the repository root, as docs/guides/train.md shows
 
 
 def _config(path: Path, cache: Path) -> Path:

@@ -1,6 +1,6 @@
 """stages.generate through the HF backend on a tiny model that ends its replies (tests/tiny.add_stop_bias).
 
-Rows follow the contract of docs/generate.md: the loss mask lies exactly on generated ids, turn j's prompt holds
+Rows follow the contract of docs/guides/generate.md: the loss mask lies exactly on generated ids, turn j's prompt holds
 the target's own earlier replies, the template text between replies is the template's; first/last options;
 same settings give the same bytes; long prompts and empty replies are recorded; resume rules.
 """

@@ -256,7 +256,7 @@ def test_a_run_shorter_than_the_default_warmup_still_reaches_the_peak_lr(
 
 
 def test_start_prints_draft_vocabulary_coverage(tiny_cache: Path, tmp_path: Path, capsys) -> None:
-    """docs/recipes.md: the coverage of the draft vocabulary is printed at the start of training (issue 15, 16)."""
+    """docs/guides/recipes.md: the coverage of the draft vocabulary is printed at the start of training (issue 15, 16)."""
     import numpy as np
 
     from peagle_pipeline.cache.reader import open_cache

@@ -1,4 +1,4 @@
-"""bench/ is a package run from the repository root (`python -m bench.bench_x`, docs/benchmarks.md): none of its
+"""bench/ is a package run from the repository root (`python -m bench.bench_x`, docs/results/benchmarks.md): none of its
 modules edits sys.path or imports from tests/ (tests import from bench, never the other way), and each one imports
 as `bench.<name>`."""
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 CONSTRAINTS = ROOT / "constraints" / "cpu.txt"
 
-# What the GPU machines lent to this project run (docs/gpu.md): python3's torch and transformers there.
+# What the GPU machines lent to this project run (docs/guides/gpus.md): python3's torch and transformers there.
 GPU_MACHINE = {"torch": ["2.11.0", "2.11.0+cu130"], "transformers": ["5.17.0"]}
 # Versions the tests were run against (transformers 4.56.2 / 4.57.6: backend, chat, extract, train, export).
 CHECKED = {"torch": ["2.13.0+cpu"], "transformers": ["4.56.2", "4.57.6", "5.16.1", "5.19.0"]}

@@ -1,6 +1,6 @@
 """Every `peagle-pipeline ...` command line shown in the docs parses with the real CLI (issue 15, item 16).
 
-Command lines are taken from fenced code blocks and inline code spans of README.md and docs/*.md. Placeholders
+Command lines are taken from fenced code blocks and inline code spans of README.md and docs/**/*.md. Placeholders
 (RUN, CACHE, ...) are ordinary arguments; optional parts in brackets, `...` elisions and trailing comments are
 dropped before parsing, so a line that omits a required option (`export RUN OUT`) fails.
 """
@@ -18,7 +18,7 @@ import typer
 from peagle_pipeline.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
 def _code_lines(text: str) -> list[str]:
@@ -52,7 +52,8 @@ def _documented_commands() -> list[tuple[str, str]]:
             line = re.sub(r"\[[^\]]*\]", " ", line)  # optional parts
             args = [a for a in shlex.split(line)[1:] if a != "flags"]  # `extract [--config FILE] [flags]`
             if len(args) >= 2 and not args[0].startswith("-") and "--help" not in args:
-                found.append((doc.name, line))  # not a command merely named in prose, nor a help request
+                # not a command merely named in prose, nor a help request
+                found.append((str(doc.relative_to(REPO)), line))
     return found
 
 

@@ -66,7 +66,7 @@ def evaluate_held_out(trainer: Any) -> dict[str, Any] | None:
         "agreement": [c / t if t else None for c, t in zip(correct.tolist(), total.tolist(), strict=True)],
         "acceptance": acc_sum / acc_n if acc_n else None,
         # the share of depth-0 positions whose next token the bigram copy rule gets right from the context,
-        # and the draft's top-1 agreement there (docs/quality-notes.md: drafts here miss most of them)
+        # and the draft's top-1 agreement there (docs/results/what-we-learned.md: drafts here miss most of them)
         "copy_share": copies / acc_n if acc_n else None,
         "copy_agreement": copies_right / copies if copies else None,
         "eval_elements": count,

@@ -1,5 +1,5 @@
 """Sequence partitioning's memory: a segment's step costs little per element of key/value context, and the KL loss
-holds one [chunk, Vd] logits buffer at a time (docs/training.md, "Sequence partitioning").
+holds one [chunk, Vd] logits buffer at a time (docs/guides/train.md, "Sequence partitioning").
 
 Each workload runs in a fresh process and reads the kernel's peak RSS (VmHWM after /proc/self/clear_refs) with a
 fixed glibc mmap threshold, so freed buffers are returned at once; the bounds leave about 2x margin both ways.
