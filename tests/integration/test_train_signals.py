@@ -39,9 +39,14 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _start(cmd: list[str]) -> subprocess.Popen[str]:
+def _start(cmd: list[str], **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd,
+        env={**_env(), **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
 
 
@@ -86,6 +91,7 @@ def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 LOG_EVERY = ("--log-every", "50")  # the stop lands inside the log window (50, 100]
+STEP_S = 0.1  # PEAGLE_TEST_STEP_SLEEP of the interrupted run (the trainer's test hook)
 TIMINGS = (
     "tokens_per_s",
     "data_wait",
@@ -101,8 +107,11 @@ def test_ctrl_c_saves_the_step_and_resume_finishes_exactly(tiny_cache: Path, tmp
     assert done.returncode == 0, done.stderr[-2000:]
 
     out = tmp_path / "run"
-    proc = _start(_cmd(tiny_cache, out, *LOG_EVERY))
+    # Steps of at least STEP_S: the record of step 50 appears while that step's bookkeeping still runs, so Ctrl-C
+    # is sent a few steps later, inside the window (50, 100], never on its boundary and never near its end.
+    proc = _start(_cmd(tiny_cache, out, *LOG_EVERY), PEAGLE_TEST_STEP_SLEEP=str(STEP_S))
     _wait_for(proc, lambda: _last_step(out) >= 50)
+    time.sleep(5 * STEP_S)
     _, stderr = _ctrl_c(proc)
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert proc.returncode == 130, stderr[-2000:]

@@ -1,6 +1,6 @@
 """This process's place in the data-parallel group: torchrun environment, process group, tiny all-reduces.
 
-Only `stages.train.run()` creates one (STYLE: process groups only in a stage's run()).
+Only `stages.train.stage.run()` creates one (STYLE: process groups only in a stage's run()).
 """
 
 from __future__ import annotations

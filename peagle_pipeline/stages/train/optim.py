@@ -25,7 +25,7 @@ class RowSparseAdamW(torch.optim.AdamW):
     parameter is plain AdamW. The state dict has AdamW's layout, so checkpoints load either way.
 
     A table's gradient may be dense or sparse (an `nn.Embedding(sparse=True)`, which spares the zero-filled
-    [R, H] gradient each step); both give the same update. A table sharded by rows (FSDP, `stages.fsdp`) is
+    [R, H] gradient each step); both give the same update. A table sharded by rows (FSDP, `stages.train.fsdp`) is
     updated shard by shard: each rank updates the rows it holds, which is the same update.
     """
 

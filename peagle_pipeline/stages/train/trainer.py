@@ -3,7 +3,7 @@
 One optimizer step, composed (each arrow a tested pure call):
 packed row -> `core.cod.build_layout` (generator seeded by (seed, epoch, row)) -> `core.partition.plan_segments`
 -> mask (`core.mask.dense_mask` on CPU, `build_block_mask` on CUDA) -> DDP-wrapped (or FSDP-sharded, `--fsdp`:
-`stages.fsdp`) `PEagleDraft` -> chunked KL `(loss_sum, count)` -> scale by world / GLOBAL count (counted before
+`stages.train.fsdp`) `PEagleDraft` -> chunked KL `(loss_sum, count)` -> scale by world / GLOBAL count (counted before
 any backward) -> backward per segment (gradients reduced on the last only) -> clip -> AdamW at `lr_at(step)`.
 Under FSDP every forward and backward is a collective, so all ranks run as many passes as the busiest one (the
 others add passes whose loss counts zero) and all ranks evaluate.
@@ -12,7 +12,10 @@ Randomness: COD draws use a fresh generator per packed row seeded by (seed, epoc
 changing how rows are spread over ranks/micro-steps give bit-identical layouts; the shuffle is seeded by
 (seed, epoch), the held-out split and the init by seed. The checkpoint keeps the data cursor and step (all a
 resume needs) plus torch's global RNG state as a guard. Process groups, logging sinks and seeding happen in
-`stages.train.run()` only. Outputs (checkpoints, metrics, export) are written by rank 0 only.
+`stages.train.stage.run()` only. Outputs (checkpoints, metrics, export) are written by rank 0 only.
+
+Test hook: PEAGLE_TEST_STEP_SLEEP=<seconds> sleeps after every step, so a signal test can land a stop inside a log
+window rather than on its boundary. Unset (always, outside tests) it does nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from peagle_pipeline.config import TrainConfig
 from peagle_pipeline.core import cod, loss, mask, partition
 from peagle_pipeline.errors import CorruptCache, NumericalFault, OutOfSpace, StoreUnreachable
 from peagle_pipeline.preemption import stop_error
-from peagle_pipeline.runtime import resolve_compute_dtype
+from peagle_pipeline.runtime import pause_for_crash_test, resolve_compute_dtype
 from peagle_pipeline.stages.train import fsdp
 from peagle_pipeline.stages.train import metrics as metrics_mod
 from peagle_pipeline.stages.train.checkpoint import CheckpointManager
@@ -48,6 +51,8 @@ from peagle_pipeline.stages.train.train_data import check_truncation, hold_out, 
 __all__ = ["Trainer"]
 
 log = logging.getLogger(__name__)
+
+STEP_SLEEP_ENV = "PEAGLE_TEST_STEP_SLEEP"  # the test hook of the module docstring
 
 
 class Trainer:
@@ -406,6 +411,7 @@ class Trainer:
         stats = self.train_step(micro)
         self.cursor, self.step = cursor, self.step + 1
         self.window.add(stats, t_data, time.perf_counter() - t0)
+        pause_for_crash_test(STEP_SLEEP_ENV)
 
     def _log_window(self) -> None:
         """Log the window of steps since the last log line (metrics and progress bar) and start a new one."""
