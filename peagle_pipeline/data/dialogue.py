@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from peagle_pipeline.data.chat import EMPTY_REPLY, ChatRenderer, RejectRow
-from peagle_pipeline.data.records import Conversation
+from peagle_pipeline.data.records import Conversation, TokenizedConversation
 
 __all__ = [
     "Dialogue",
@@ -31,6 +31,7 @@ __all__ = [
     "REASON_LENGTH",
     "REASON_NOT_PREFIX_STABLE",
     "REASON_REWRITES_REPLY",
+    "REASON_TOKEN_IDS",
 ]
 
 # Why a conversation stopped early (one fixed line each, so the summary can count them).
@@ -39,6 +40,8 @@ REASON_EMPTY = EMPTY_REPLY  # the same rule as extract's (data/chat.py)
 REASON_LENGTH = "reply hit max_new_tokens"
 REASON_NOT_PREFIX_STABLE = "chat template is not prefix-stable (it rewrites earlier turns)"
 REASON_REWRITES_REPLY = "chat template rewrites the generated reply text"
+# A row of token ids (a cache's rows, `generate`'s own output): there are no messages to prompt the target with.
+REASON_TOKEN_IDS = "token ids, not chat messages: generate prompts with the messages' text"
 
 THINK_END = "</think>"  # ends the reasoning part of a reply (Qwen3, DeepSeek-R1 and their distills)
 
@@ -159,16 +162,19 @@ class DialogueBuilder:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def start(self, conv: Conversation, index: int, sample: int = 0) -> Dialogue:
+    def start(self, conv: Conversation | TokenizedConversation, index: int, sample: int = 0) -> Dialogue:
         """The dialogue of `conv` with the prompt of its first reply to generate.
 
         A conversation with no reply after its first user turn that ends with a user turn is a prompt: its reply
         is added as the one to generate.
 
         Raises:
-            RejectRow: no user turn, no assistant turn after it (and no trailing user turn to answer), or the
-                template refuses the conversation.
+            RejectRow: a row of token ids (no messages to prompt with: a cache's or `generate`'s own output), no
+                user turn, no assistant turn after it (and no trailing user turn to answer), or the template
+                refuses the conversation.
         """
+        if isinstance(conv, TokenizedConversation):
+            raise RejectRow(REASON_TOKEN_IDS)
         msgs = [{"role": m.role, "content": m.content} for m in conv.messages]
         first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
         if first_user is None:

@@ -109,6 +109,14 @@ def test_generate_that_keeps_no_row_is_an_error_and_leaves_nothing(tiny_stop_mod
     )
     assert proc.returncode == 2  # the same file, the same answer as extract's
 
+    # generate's own output (rows of token ids) as its input: nothing to prompt with, one line naming why
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text('{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}\n' * 2)
+    proc = _generate(tiny_stop_model, ids, out, "--backend", "hf")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "every row was rejected (2 x \"token ids, not chat messages" in errors[0] and not out.exists()
+
     given = tmp_path / "given"
     given.mkdir()  # a directory the user made stays, empty
     cfg = GenerateConfig(

@@ -14,7 +14,7 @@ from peagle_pipeline.data.dialogue import (
     DialogueBuilder,
     template_end_of_turn_ids,
 )
-from peagle_pipeline.data.records import Conversation, Message
+from peagle_pipeline.data.records import Conversation, Message, TokenizedConversation
 
 END = {"chatml": "<|im_end|>", "chatml_system": "<|im_end|>", "llama3": "<|eot_id|>"}
 CONV = Conversation(
@@ -179,6 +179,13 @@ def test_rows_without_a_user_turn_are_rejected(tmp_path):
         b.start(Conversation("x", 0, [Message("assistant", "hi")]), index=0)
     with pytest.raises(RejectRow, match="no assistant turn after"):
         b.start(Conversation("x", 0, [Message("user", "q"), Message("system", "s")]), index=0)
+
+
+def test_rows_of_token_ids_are_rejected_not_a_crash(tmp_path):
+    """`generate --data` given token ids (its own output, say) has no messages to prompt with: a reject reason."""
+    b = _builder(build_tokenizer(tmp_path, "chatml"))
+    with pytest.raises(RejectRow, match="token ids, not chat messages"):
+        b.start(TokenizedConversation("x", 0, [1, 2, 3], [False, True, True]), index=0)
 
 
 def test_a_prompt_without_a_reply_gets_its_reply_slot(tmp_path):
