@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU quality run (issue 11, item 5; docs/guides/gpus.md "The GPU quality run") on a lent GPU machine that has CUDA torch
+# The GPU quality run (issue 11, item 5; docs/results/gpu-runs.md "The GPU quality run") on a lent GPU machine that has CUDA torch
 # and transformers but no PyPI, sized for a 15-minute device budget: on-policy replies to ShareGPT first turns
 # (records below 17,000) generated with HF for a fixed time, the ShareGPT replies of the first OFF_RECORDS records
 # extracted beside them as off-policy data, a draft trained for a fixed time, and the export brought back to be
