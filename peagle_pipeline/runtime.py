@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,6 +42,8 @@ __all__ = [
     "CPU_BF16_ENV",
     "cpu_has_bf16_units",
     "cpu_bf16_flags",
+    "cpu_bf16_speedup",
+    "cpu_prefers_bf16",
     "resolve_compute_dtype",
     "describe_compute_dtype",
 ]
@@ -50,6 +53,10 @@ CPU_BF16_ENV = "PEAGLE_CPU_BF16"
 # /proc/cpuinfo flags of the x86 units that run bf16 matmuls at full speed (SPEC section 7). Without them, bf16
 # matmuls are emulated: 16.8 vs 48.1 GFLOP/s in fp32 per thread on a Xeon with AVX512 but no bf16 units.
 _BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+# Having the units is not enough: on a 2-core Xeon with AVX512-BF16 and no AMX, torch's bf16 matmul ran 0.52x its
+# fp32 one (167 vs 321 GFLOP/s) and extraction and the training step 0.64x; on an AMD EPYC with AVX512-BF16 they
+# ran 2.6x and 2.0x. So `auto` measures: bf16 only where its matmul is at least this much faster than fp32's.
+BF16_MIN_SPEEDUP = 1.1
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -350,6 +357,41 @@ def cpu_bf16_flags() -> tuple[str, ...]:
     return tuple(f for f in _BF16_FLAGS if f in found)
 
 
+@functools.cache
+def cpu_bf16_speedup() -> float:
+    """bf16 over fp32 matmul throughput of torch on this CPU at its current thread count, e.g. 2.6 or 0.52.
+
+    Measured once per process (about 0.1 s): a (512, 576) x (576, 1536) product, the shape of a small model's
+    projections, timed in both dtypes in alternating rounds; the best time of each counts.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(512, 576, generator=gen), torch.randn(576, 1536, generator=gen)
+    pairs = {"fp32": (a, b), "bf16": (a.bfloat16(), b.bfloat16())}
+    best = dict.fromkeys(pairs, float("inf"))
+    for _ in range(4):
+        for name, (x, y) in pairs.items():
+            torch.mm(x, y)  # a warm-up call in every round: the first round also allocates
+            start = time.perf_counter()
+            for _ in range(3):
+                torch.mm(x, y)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best["fp32"] / max(best["bf16"], 1e-9)
+
+
+def cpu_prefers_bf16() -> bool:
+    """True when `auto` should compute in bf16 on this CPU: it has bf16 units and its bf16 matmul beats fp32's
+    by BF16_MIN_SPEEDUP (`cpu_bf16_speedup`); `PEAGLE_CPU_BF16=0|1` overrides both.
+
+    Raises:
+        BadConfig: PEAGLE_CPU_BF16 set to something other than 0 or 1.
+    """
+    if os.environ.get(CPU_BF16_ENV, "").strip():
+        return cpu_has_bf16_units()
+    return bool(cpu_bf16_flags()) and cpu_bf16_speedup() >= BF16_MIN_SPEEDUP
+
+
 def cpu_has_bf16_units() -> bool:
     """True when this CPU multiplies bf16 in hardware (AMX or AVX512-BF16); `PEAGLE_CPU_BF16=0|1` overrides.
 
@@ -364,16 +406,21 @@ def cpu_has_bf16_units() -> bool:
     return bool(cpu_bf16_flags())
 
 
-def resolve_compute_dtype(requested: str, device: str) -> Literal["bf16", "fp32"]:
+def resolve_compute_dtype(
+    requested: str, device: str, kernels: Literal["torch", "vllm"] = "torch"
+) -> Literal["bf16", "fp32"]:
     """The dtype a forward/backward computes in: `requested` unless it is `auto`.
 
-    auto: bf16 on CUDA (fp32 on a GPU older than Ampere, which has no bf16 units), bf16 on CPUs with bf16
-    units (`cpu_has_bf16_units`), fp32 on other CPUs and on any other device type. This is the compute dtype
+    auto: bf16 on CUDA (fp32 on a GPU older than Ampere, which has no bf16 units); on a CPU, bf16 where torch's
+    bf16 matmul is measured faster than its fp32 one (`cpu_prefers_bf16`), else fp32; fp32 on any other device
+    type. vLLM's CPU backend runs its own kernels, which that measurement does not speak for: for it
+    (kernels="vllm") a CPU with bf16 units (`cpu_has_bf16_units`) computes in bf16. This is the compute dtype
     only; what a stage stores is its own setting.
 
     Args:
         requested: "auto", "bf16" or "fp32".
         device: an already resolved device string ("cpu", "cuda", "cuda:1").
+        kernels: whose kernels will run: torch's (extract, train, HF generate) or vLLM's.
 
     Raises:
         BadConfig: `requested` is none of the three.
@@ -391,7 +438,8 @@ def resolve_compute_dtype(requested: str, device: str) -> Literal["bf16", "fp32"
             return "bf16" if major >= 8 else "fp32"
         return "bf16"
     if kind == "cpu":
-        return "bf16" if cpu_has_bf16_units() else "fp32"
+        units = cpu_has_bf16_units() if kernels == "vllm" else cpu_prefers_bf16()
+        return "bf16" if units else "fp32"
     return "fp32"
 
 
@@ -404,10 +452,16 @@ def describe_compute_dtype(requested: str, device: str, chosen: str) -> str:
         forced = os.environ.get(CPU_BF16_ENV, "").strip()
         if forced:
             why = f"auto: {CPU_BF16_ENV}={forced}"
-        elif chosen == "bf16":
-            why = f"auto: this CPU has bf16 units ({', '.join(cpu_bf16_flags())})"
-        else:
+        elif not cpu_bf16_flags():
             why = "auto: this CPU has no bf16 units (AMX / AVX512-BF16), so fp32 is faster"
+        else:
+            units = ", ".join(cpu_bf16_flags())
+            speed = f"bf16 matmul {cpu_bf16_speedup():.2f}x fp32 here"
+            why = (
+                f"auto: this CPU has bf16 units ({units}), {speed}"
+                if chosen == "bf16"
+                else (f"auto: this CPU has bf16 units ({units}) but {speed}, so fp32 is faster")
+            )
     else:
         why = "auto"
     return f"compute dtype {chosen} on {device} ({why})"

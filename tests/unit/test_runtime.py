@@ -1,5 +1,5 @@
-"""runtime: the compute dtype chosen from the hardware (both CPU branches, via PEAGLE_CPU_BF16), and its log line;
-claiming an output directory."""
+"""runtime: the compute dtype chosen from the hardware (both CPU branches, via PEAGLE_CPU_BF16; the measured bf16
+speed on this CPU), and its log line; claiming an output directory."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ import torch
 
 from peagle_pipeline.errors import BadConfig, OutputExists
 from peagle_pipeline.runtime import (
+    BF16_MIN_SPEEDUP,
     CPU_BF16_ENV,
     claim_output_dir,
     cpu_bf16_flags,
+    cpu_bf16_speedup,
+    cpu_prefers_bf16,
     cpu_has_bf16_units,
     describe_compute_dtype,
     resolve_compute_dtype,
@@ -40,9 +43,13 @@ def test_explicit_dtype_is_kept_on_every_device(requested, device, monkeypatch):
 
 def test_auto_on_cpu_follows_the_bf16_units(monkeypatch):
     monkeypatch.setenv(CPU_BF16_ENV, "1")
-    assert cpu_has_bf16_units() and resolve_compute_dtype("auto", "cpu") == "bf16"
+    assert cpu_has_bf16_units() and cpu_prefers_bf16() and resolve_compute_dtype("auto", "cpu") == "bf16"
+    assert resolve_compute_dtype("auto", "cpu", kernels="vllm") == "bf16"
     monkeypatch.setenv(CPU_BF16_ENV, "0")
-    assert not cpu_has_bf16_units() and resolve_compute_dtype("auto", "cpu") == "fp32"
+    assert (
+        not cpu_has_bf16_units() and not cpu_prefers_bf16() and resolve_compute_dtype("auto", "cpu") == "fp32"
+    )
+    assert resolve_compute_dtype("auto", "cpu", kernels="vllm") == "fp32"
     monkeypatch.setenv(CPU_BF16_ENV, "yes")
     with pytest.raises(BadConfig, match=CPU_BF16_ENV):
         cpu_has_bf16_units()
@@ -60,8 +67,33 @@ def test_auto_without_override_reads_this_cpu(monkeypatch):
         )
     if not proc & {"amx_bf16", "avx512_bf16"} and proc:
         assert not flags
-    expected = "bf16" if flags else "fp32"
-    assert resolve_compute_dtype("auto", "cpu") == expected
+    # vLLM's kernels follow the units; torch's also need the measured speed (a Xeon with AVX512-BF16 ran bf16 0.52x)
+    assert resolve_compute_dtype("auto", "cpu", kernels="vllm") == ("bf16" if flags else "fp32")
+    faster = bool(flags) and cpu_bf16_speedup() >= BF16_MIN_SPEEDUP
+    assert cpu_prefers_bf16() == faster
+    assert resolve_compute_dtype("auto", "cpu") == ("bf16" if faster else "fp32")
+
+
+def test_the_bf16_speed_is_measured_and_points_the_right_way():
+    import time
+
+    import torch
+
+    speedup = cpu_bf16_speedup()
+    assert 0.05 < speedup < 50 and cpu_bf16_speedup() == speedup  # measured once, then the same figure
+    a = torch.randn(512, 576)
+    b = torch.randn(576, 1536)
+    times = {}
+    for dtype in (torch.float32, torch.bfloat16) * 2:  # an independent timing, to check only the direction
+        x, y = a.to(dtype), b.to(dtype)
+        torch.mm(x, y)
+        start = time.perf_counter()
+        for _ in range(3):
+            torch.mm(x, y)
+        times[dtype] = min(times.get(dtype, float("inf")), time.perf_counter() - start)
+    independent = times[torch.float32] / times[torch.bfloat16]
+    if speedup > 1.5 or speedup < 0.67:  # clearly one way: a second timing must agree on the side of 1
+        assert (independent > 1) == (speedup > 1), (speedup, independent)
 
 
 def test_auto_on_gpus_and_other_devices(monkeypatch):
@@ -84,9 +116,13 @@ def test_describe_says_what_and_why(monkeypatch):
     )
     assert describe_compute_dtype("bf16", "cpu", "bf16") == "compute dtype bf16 on cpu (set in the config)"
     monkeypatch.delenv(CPU_BF16_ENV)
-    line = describe_compute_dtype("auto", "cpu", resolve_compute_dtype("auto", "cpu"))
+    chosen = resolve_compute_dtype("auto", "cpu")
+    line = describe_compute_dtype("auto", "cpu", chosen)
     assert ("has bf16 units" in line) == bool(cpu_bf16_flags())
     assert ("no bf16 units" in line) == (not cpu_bf16_flags())
+    if cpu_bf16_flags():  # the measured speed is the reason given, whichever way it went
+        assert f"bf16 matmul {cpu_bf16_speedup():.2f}x fp32 here" in line
+        assert line.endswith("so fp32 is faster)") == (chosen == "fp32")
 
 
 def test_create_exclusive(tmp_path):
