@@ -69,9 +69,7 @@ def bare_run(
     llm = build_llm(
         EngineSettings(
             model=cfg.model,
-            dtype=resolve_compute_dtype(
-                cfg.compute_dtype, stage._device_type("auto", "vllm"), kernels="vllm"
-            ),  # type: ignore[arg-type]
+            dtype=resolve_compute_dtype(cfg.compute_dtype, stage._device_type("auto", "vllm")),  # type: ignore[arg-type]
             max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,
         ),
         in_process_on_cpu=True,

@@ -115,7 +115,7 @@ def test_generate_that_keeps_no_row_is_an_error_and_leaves_nothing(tiny_stop_mod
     proc = _generate(tiny_stop_model, ids, out, "--backend", "hf")
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert "every row was rejected (2 x \"token ids, not chat messages" in errors[0] and not out.exists()
+    assert 'every row was rejected (2 x "token ids, not chat messages' in errors[0] and not out.exists()
 
     given = tmp_path / "given"
     given.mkdir()  # a directory the user made stays, empty

@@ -37,7 +37,9 @@ def test_no_module_is_over_the_limit():
 
 
 def test_no_function_is_over_the_limit():
-    long = [f"{p.relative_to(PKG.parent)} {f}" for p in _modules() for f in _long_functions(p, MAX_FUNCTION_LINES)]
+    long = [
+        f"{p.relative_to(PKG.parent)} {f}" for p in _modules() for f in _long_functions(p, MAX_FUNCTION_LINES)
+    ]
     assert not long, "split into named steps: " + ", ".join(long)
 
 

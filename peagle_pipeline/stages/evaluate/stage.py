@@ -84,14 +84,14 @@ def finite(obj: Any) -> Any:
 
 def engine_dtype(requested: str) -> Literal["bf16", "fp32"]:
     """The vLLM model dtype: `requested`, or for auto bf16 on a GPU and the CPU rule of
-    `runtime.resolve_compute_dtype` for vLLM's kernels on its CPU backend (fp32 where the CPU has no bf16 units)."""
+    `runtime.resolve_compute_dtype` on vLLM's CPU backend (fp32 where bf16 is not measured faster)."""
     from peagle_pipeline.runtime import resolve_compute_dtype
 
     if requested != "auto":
         return requested  # type: ignore[return-value]
     from vllm.platforms import current_platform
 
-    return resolve_compute_dtype("auto", "cpu", kernels="vllm") if current_platform.is_cpu() else "bf16"
+    return resolve_compute_dtype("auto", "cpu") if current_platform.is_cpu() else "bf16"
 
 
 def _figure_settings(opts: EvalOptions, depths: int, concurrency: int, hardware: str) -> dict[str, Any]:

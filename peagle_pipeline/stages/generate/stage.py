@@ -198,10 +198,7 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
     stops = resolve_stop_ids(cfg.model, renderer)
     builder = DialogueBuilder(renderer, cfg.turns, stops, cfg.thinking)
     backend_name = resolve_backend(cfg.backend)
-    device_type = _device_type(cfg.device, backend_name)
-    dtype = resolve_compute_dtype(
-        cfg.compute_dtype, device_type, kernels="vllm" if backend_name == "vllm" else "torch"
-    )
+    dtype = resolve_compute_dtype(cfg.compute_dtype, _device_type(cfg.device, backend_name))
     settings, sampling = _settings(cfg, dtype, max_model_len, stops)
     root = Path(cfg.output)
     summary = GenerateSummary(output=str(root), rows_file=rows_file(rank, world), backend=backend_name)
