@@ -454,6 +454,8 @@ def main() -> int:
         },
         "host": report.get("hardware"),
         "bf16_units": bf16_units(),
+        "compute_dtype": compute_dtype_line(),
+        "cpu_bf16_env": os.environ.get("PEAGLE_CPU_BF16"),
         "times_s": {k: round(v, 1) for k, v in times.items()},
         "total_s": round(sum(times.values()), 1),
         "rows": [_row(name, run, results, run / "export", steps) for name, run in rows.items()],
@@ -507,6 +509,17 @@ def bf16_units() -> list[str]:
         ).split()
     except QualityError:
         return []
+
+
+def compute_dtype_line() -> str | None:
+    """The package's `auto` choice on this CPU and its reason (e.g. "compute dtype fp32 on cpu (auto: ...)")."""
+    try:
+        return ask_package(
+            "from peagle_pipeline.runtime import describe_compute_dtype as d, resolve_compute_dtype as r; "
+            "print(d('auto', 'cpu', r('auto', 'cpu')))"
+        )
+    except QualityError:
+        return None
 
 
 def ask_package(code: str) -> str:
@@ -611,7 +624,10 @@ def render_doc(summary: dict[str, Any], root: Path, doc: Path) -> str:
     """The markdown report of a run (`summary` = DIR/quality.json; `root` = DIR, `doc` = where it goes)."""
     s = summary["settings"]
     # bf16 units, yet vLLM ran in fp32: the package was told to compute in fp32 (a stand-in for a host without them)
-    forced_fp32 = bool(summary.get("bf16_units")) and summary.get("eval_dtype") == "fp32"
+    if "cpu_bf16_env" in summary:  # runs since the measured dtype rule record whether fp32 was forced
+        forced_fp32 = summary["cpu_bf16_env"] == "0"
+    else:  # before it, bf16 units and an fp32 run meant PEAGLE_CPU_BF16=0
+        forced_fp32 = bool(summary.get("bf16_units")) and summary.get("eval_dtype") == "fp32"
     units = ", ".join(summary.get("bf16_units") or []) or "none: bf16 is emulated, fp32 is used"
     lines = [
         "# Quality: what the data does to acceptance (measured in vLLM)",
@@ -622,6 +638,7 @@ def render_doc(summary: dict[str, Any], root: Path, doc: Path) -> str:
         "",
         f"Host: {summary['host']}, bf16 units: {units}"
         + ("; the package computed in fp32 (`PEAGLE_CPU_BF16=0`)" if forced_fp32 else "")
+        + (f"; `{summary['compute_dtype']}`" if summary.get("compute_dtype") and not forced_fp32 else "")
         + f". Total stage time **{summary['total_s'] / 60:.1f} min**."
         + (f" Finished {summary['finished_utc']}." if summary.get("finished_utc") else "")
         + (f" Data and step budgets x {s['scale']} (`--scale`)." if s.get("scale", 1.0) != 1.0 else ""),

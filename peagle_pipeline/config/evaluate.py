@@ -42,7 +42,8 @@ class EvaluateConfig:
     )
     output: str | None = setting(None, "Directory for report.json and acceptance.png (default: print only).")
     dtype: Literal["auto", "bf16", "fp32"] = setting(
-        "auto", "Model dtype in vLLM; auto = bf16 on a GPU or a CPU where bf16 matmuls are measured faster, else fp32."
+        "auto",
+        "Model dtype in vLLM; auto = bf16 on a GPU or a CPU where bf16 matmuls are measured faster, else fp32.",
     )
     seed: int = setting(0, "Sampling seed of prompt i is seed + i (T > 0).")
     tensor_parallel_size: int = tensor_parallel_setting()

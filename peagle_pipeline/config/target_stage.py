@@ -37,7 +37,8 @@ class TargetStageConfig:
     )
     device: str = setting("auto", "Device for the hf backend: auto, cpu, cuda, cuda:N.")
     compute_dtype: Literal["auto", "bf16", "fp32"] = setting(
-        "auto", "Model dtype: auto = bf16 on CUDA or a CPU where bf16 matmuls are measured faster (bf16 units and >= 1.1x fp32), else fp32."
+        "auto",
+        "Model dtype: auto = bf16 on CUDA or a CPU where bf16 matmuls are measured faster (bf16 units and >= 1.1x fp32), else fp32.",
     )
     tensor_parallel_size: int = tensor_parallel_setting()
     gpu_memory_utilization: float = gpu_memory_setting()
