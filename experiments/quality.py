@@ -47,7 +47,7 @@ VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
 MODEL = REPO / ".demo" / "models" / "SmolLM2-135M-Instruct"
 SHAREGPT = REPO / ".demo" / "data" / "sharegpt.jsonl"
 HELDOUT_FIRST_RECORD = 17_000  # ShareGPT records at or after this one are never trained on
-# The data that carries the mask, layer, loss and curve rows: `generate`'s default (every reply regenerated, sampled).
+# The data that carries the layer and curve rows: `generate`'s default (every reply regenerated, sampled).
 # Fixed rather than picked from the data rows' AL, so that every draft is measured in one `evaluate` run.
 CARRIER = "on-multi"
 ON_POLICY_ROWS = ("on-single", "on-multi", "on-single-greedy")
