@@ -107,7 +107,7 @@ demo: setup setup-vllm demo-assets
 	$(PY) scripts/demo.py --dir $(DEMO_DIR)
 
 # The on-policy ablation measured in vLLM (experiments/quality.py -> docs/results/quality.md); QUALITY_SCALE=0.2 for a smoke run.
-# auto: full size on a CPU with bf16 units, 0.65 of the data and steps on one without (sized for 90 minutes there).
+# auto: the data and steps that fit an hour on this host, from a timed forward of the target (DIR/scale.json).
 # QUALITY_DIR / QUALITY_DOC: where the run works and where its report goes (e.g. a second run beside the first).
 QUALITY_SCALE ?= auto
 QUALITY_DIR ?= .quality

@@ -5,7 +5,8 @@
 
 Reads the first N records of .quality/data/train_sources.jsonl (written by `make quality`), keeps first user turns of
 at most 512 tokens, generates at most 160 tokens per prompt (per-request seeds, stop on <|im_end|>) and prints the
-generated tokens/s. TOPP (default 0.95) applies when TEMPERATURE > 0.
+generated tokens/s. TOPP (default 0.95) applies when TEMPERATURE > 0; DTYPE (default bfloat16) is the engine's dtype
+(float32 on a host where the dtype rule picks fp32).
 """
 
 import json
@@ -42,7 +43,7 @@ def main() -> None:
             prompts.append({"prompt_token_ids": ids})
     engine = dict(
         model=str(MODEL),
-        dtype="bfloat16",
+        dtype=os.environ.get("DTYPE", "bfloat16"),
         enforce_eager=True,
         kv_cache_memory_bytes=kv_gib << 30,
         skip_tokenizer_init=True,

@@ -6,20 +6,15 @@ SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised) with ShareGPT prompts. Every row 
 budget (steps x tokens_per_step) and measured by `peagle-pipeline evaluate` in vLLM on MT-Bench (80 first turns)
 and on held-out ShareGPT prompts (records >= 17,000, never trained on), K = 4, T = 0:
 
-    data        off-policy (ShareGPT's own replies) | on-policy single-turn | on-policy multi-turn, sampled and greedy
-    draft       1 vs 2 layers
+    data        off-policy (ShareGPT's own replies) | on-policy single-turn | on-policy multi-turn (sampled)
     curve       the main draft: every cache of the run (on- and off-policy), trained longer; AL against training
                 tokens (vLLM at checkpoints, trainer estimate)
     speed       the main draft at concurrency 1 (SPEC 4b): AL and tokens/s with and without it
 
-One run from nothing took 77.3 to 82.8 minutes on a 2-core host with bf16 units, against the issue's 90; 41.5 on a
-host of the same class that runs the stages 1.7x to 2.1x as fast, with the row-sparse embedding step that trains
-1.33x faster (about 74 minutes on the first host, an estimate), and 38.1 there with the sparse embedding gradient
-and blocked attention (about 1.3x the training tokens/s again). docs/results/quality.md gives each stage's time;
-docs/results/what-we-learned.md says where the time goes and what a host without bf16 units changes. The first host computing
-in fp32 (PEAGLE_CPU_BF16=0, as on a host without bf16 units), where --scale auto takes 0.65 of the sizes, took 77.8
-(docs/results/quality-fp32.md). `--render` re-writes the doc from DIR/quality.json alone; QUALITY_DIR and QUALITY_DOC (make)
-put a second run beside the first.
+The run is sized to an hour on the host it runs on (`--scale auto`: a timed forward of the target picks the factor for
+the data and step budgets; the evaluation does not scale). docs/results/quality.md gives each stage's time;
+docs/results/what-we-learned.md says where the time goes and how hosts of this class differ. `--render` re-writes the
+doc from DIR/quality.json alone; QUALITY_DIR and QUALITY_DOC (make) put a second run beside the first.
 
 Every stage is the real CLI in a subprocess (`generate` and `evaluate` in .venv-vllm, `extract` and `train` in .venv),
 and every stage resumes, so a re-run only does what is missing. The single-turn data is the first reply of each
@@ -47,23 +42,28 @@ VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
 MODEL = REPO / ".demo" / "models" / "SmolLM2-135M-Instruct"
 SHAREGPT = REPO / ".demo" / "data" / "sharegpt.jsonl"
 HELDOUT_FIRST_RECORD = 17_000  # ShareGPT records at or after this one are never trained on
-# The data that carries the layer and curve rows: `generate`'s default (every reply regenerated, sampled).
+# The data that carries the curve: `generate`'s default (every reply regenerated, sampled).
 # Fixed rather than picked from the data rows' AL, so that every draft is measured in one `evaluate` run.
 CARRIER = "on-multi"
-ON_POLICY_ROWS = ("on-single", "on-multi", "on-single-greedy")
-# The main draft trains on the carrier and, through `train --extra-cache`, on the run's other caches: the other
-# on-policy ones (2.8x the carrier's tokens at no extraction cost; measured at this budget: +0.023 AL on MT-Bench,
-# +0.029 held-out; docs/results/what-we-learned.md) and the off-policy one (+0.007 on MT-Bench, +0.016 held-out beside
-# them). Its held-out samples stay the carrier's, and train leaves the extra caches' samples of their prompts out of
+ON_POLICY_ROWS = ("on-single", "on-multi")
+# The main draft trains on the carrier and, through `train --extra-cache`, on the run's other caches: the single-turn
+# one (the carrier's first turns, at no extraction cost) and the off-policy one (+0.007 on MT-Bench, +0.016 held-out;
+# docs/results/what-we-learned.md). Its held-out samples stay the carrier's, and train leaves the extra caches' samples of their prompts out of
 # training, so its trainer estimate stays held-out.
-MAIN_EXTRA = ("on-single", "on-single-greedy", "off-policy")
+MAIN_EXTRA = ("on-single", "off-policy")
 
-# Sizes at --scale 1 (the measured times are in docs/results/quality.md). `--scale auto` (the default) uses 1 on a CPU with
-# bf16 units and SLOW_HOST_SCALE on one without: there fp32 runs every stage slower (this host's cores in fp32,
-# PEAGLE_CPU_BF16=0: generation 0.52x, extraction 0.56x, training 0.68x the tokens/s, evaluation 1.35x the time), so
-# the full sizes would take about 119 minutes; 0.65 of the data and steps took 80.4 (measured: docs/results/quality-fp32.md,
-# docs/results/what-we-learned.md; experiments/fp32_stage_ratios.sh measures the ratios).
-SLOW_HOST_SCALE = 0.65
+# Sizes at --scale 1. `--scale auto` (the default) sizes the run to BUDGET_MIN on this host: the data and step budgets
+# scale, the evaluation (a fixed count of prompts, so that rows stay comparable) does not. Hosts of one class differ
+# by 2x (35.7 min on an AMD EPYC in bf16, 68.1 on an Intel Xeon in fp32 at scale 1: docs/results/what-we-learned.md),
+# and stage times follow the target's forward speed, so `auto` times that forward (`probe_tokens_per_s`) and scales
+# the reference run's minutes by it: total(scale) = (fixed_min + per_scale_min x scale) x reference / probe.
+# Reference: the Intel host's run at scale 1 in fp32 (2026-11-26, 68.1 min; docs/results/quality.md of that date) less
+# the two rows since dropped: evaluation 15.6 min (6 drafts and the plain target at 1.74 min each, then 3.4 at
+# concurrency 1), everything else 39.0. The probe read 700 to 725 tokens/s on that host (2026-11-27).
+BUDGET_MIN = 60.0
+BUDGET_MARGIN = 0.93  # aim below the budget: stage times move by several % between runs of one host
+REFERENCE = {"probe_tokens_per_s": 715.0, "fixed_min": 15.6, "per_scale_min": 39.0}
+SCALE_RANGE = (0.3, 2.0)
 BASE = {
     "source_conversations": 400,
     "heldout_prompts": 80,  # 24 could not separate rows (docs/results/what-we-learned.md, "The held-out rows on 200 prompts")
@@ -109,7 +109,6 @@ TRAIN = {  # shared by every row; a row changes one thing
 # top-p stays 1.0: vLLM's CPU sampler sorts the whole vocabulary of every sequence at every step for top-p < 1,
 # which made sampled regeneration ~1.7x slower here (docs/results/what-we-learned.md).
 SAMPLED = {"temperature": 0.7, "top_p": 1.0}
-GREEDY = {"temperature": 0.0, "top_p": 1.0}
 
 
 class QualityError(Exception):
@@ -346,8 +345,8 @@ def main() -> int:
     ap.add_argument(
         "--scale",
         default="auto",
-        help=f"multiply data and step budgets (0.2 = a smoke run); auto: 1, or {SLOW_HOST_SCALE} on a CPU without "
-        "bf16 units",
+        help="multiply data and step budgets (0.2 = a smoke run); auto: the factor that fits "
+        f"{BUDGET_MIN:.0f} minutes on this host, from a timed forward of the target",
     )
     ap.add_argument("--doc", default=DEFAULT_DOC, help="where to write the report (markdown)")
     ap.add_argument(
@@ -364,19 +363,28 @@ def main() -> int:
         doc.write_text(render_doc(summary, root, doc))
         say(f"wrote {doc} from {root / 'quality.json'}")
         return 0
-    scale = parse_scale(args.scale)
-    s = dict(BASE)
-    s["scale"] = scale
-    for key in ("source_conversations", "heldout_prompts", "ablation_steps", "main_steps"):
-        s[key] = max(int(BASE[key] * scale), 8)
-    # Every curve point needs its own trainer estimate: main steps a multiple of curve points x estimates per point.
-    per_run = s["curve_points"] * EVALS_PER_RUN
-    s["main_steps"] = max(s["main_steps"] // per_run, 1) * per_run
     for need in (VENV_PY, VLLM_PY, MODEL, SHAREGPT):
         if not need.exists():
             raise QualityError(
                 f"{need} is missing: run `make quality` (it installs and prepares everything)", 2
             )
+    scale = parse_scale(args.scale)
+    sizing: dict[str, Any] = {"scale": scale, "budget_min": None}
+    if scale is None:
+        sizing = {**auto_scale(root), "budget_min": BUDGET_MIN}
+        scale = sizing["scale"]
+        say(
+            f"target forward {sizing['probe_tokens_per_s']:.0f} tokens/s here: data and steps x {scale}, "
+            f"about {sizing['predicted_min']:.0f} of the {BUDGET_MIN:.0f} minutes"
+        )
+    s = dict(BASE)
+    s["scale"] = scale
+    # The held-out and MT-Bench prompt counts stay: the measurement is the same at every scale.
+    for key in ("source_conversations", "ablation_steps", "main_steps"):
+        s[key] = max(int(BASE[key] * scale), 8)
+    # Every curve point needs its own trainer estimate: main steps a multiple of curve points x estimates per point.
+    per_run = s["curve_points"] * EVALS_PER_RUN
+    s["main_steps"] = max(s["main_steps"] // per_run, 1) * per_run
     # Stage times persist in DIR/times.json, so an interrupted and re-run `make quality` reports the time of all
     # the work (a stage that was complete adds only the seconds it took to notice that).
     times_file = root / "times.json"
@@ -395,26 +403,20 @@ def main() -> int:
     multi = timed(
         "generate: on-policy multi-turn, sampled", generate, root, "multi-sampled", sources, SAMPLED, "all", s
     )
-    greedy = timed(
-        "generate: on-policy single-turn, greedy", generate, root, "first-greedy", sources, GREEDY, "first", s
-    )
     single = first_turn_rows(multi, root / "onpolicy" / "first-sampled.jsonl")
     caches = {
         "off-policy": timed("extract: off-policy", extract, root, "off-policy", sources, s),
         "on-single": timed("extract: on-policy single-turn", extract, root, "on-single", single, s),
         "on-multi": timed("extract: on-policy multi-turn", extract, root, "on-multi", multi, s),
-        "on-single-greedy": timed("extract: on-policy greedy", extract, root, "on-greedy", greedy, s),
     }
-    # Ablation at equal budget: the data rows, then the draft's depth on the carrier data. Two settled questions left
-    # the run to keep it within the hour on a slower host (docs/results/what-we-learned.md): the mask token
-    # (<|im_end|> against SPEC 5.3's rule, +0.004) and the loss on the replies only (-0.035 MT-Bench AL).
+    # Ablation at equal budget: the data rows. Settled questions left the run to keep it within the hour on a slower
+    # host (their figures: docs/results/what-we-learned.md): the mask token (<|im_end|> against SPEC 5.3's rule,
+    # +0.004), the loss on the replies only (-0.035 MT-Bench AL), greedy regeneration (-0.002 against sampled) and a
+    # second draft layer (-0.010 at equal steps); the time they took buys more data and steps for every row.
     steps = s["ablation_steps"]
     rows: dict[str, Path] = {}
     for name, cache in caches.items():
         rows[name] = timed(f"train: {name}", train, root, name, cache, steps)
-    rows["2 layers"] = timed(
-        "train: 2 layers", train, root, "two-layers", caches[CARRIER], steps, draft_layers=2
-    )
     # The learning curve: the carrier data trained longer, exported at evenly spaced checkpoints.
     main_steps = s["main_steps"]
     every = max(main_steps // s["curve_points"], 1)
@@ -448,10 +450,10 @@ def main() -> int:
             **s,
             "train": TRAIN,
             "sampled": SAMPLED,
-            "greedy": GREEDY,
             "carrier": CARRIER,
             "main_extra": list(MAIN_EXTRA),
         },
+        "sizing": sizing,
         "host": report.get("hardware"),
         "bf16_units": bf16_units(),
         "compute_dtype": compute_dtype_line(),
@@ -477,13 +479,10 @@ def main() -> int:
     return 0
 
 
-def parse_scale(text: str) -> float:
-    """--scale: a positive factor, or `auto` (1, or SLOW_HOST_SCALE where the package computes in fp32 on this CPU)."""
+def parse_scale(text: str) -> float | None:
+    """--scale: a positive factor, or None for `auto` (sized to the budget by `auto_scale`)."""
     if text == "auto":
-        if host_computes_bf16():
-            return 1.0
-        say(f"no bf16 units on this CPU (or PEAGLE_CPU_BF16=0): fp32 everywhere, sizes x {SLOW_HOST_SCALE}")
-        return SLOW_HOST_SCALE
+        return None
     try:
         value = float(text)
     except ValueError:
@@ -493,12 +492,53 @@ def parse_scale(text: str) -> float:
     return value
 
 
-def host_computes_bf16() -> bool:
-    """The package's own rule (`runtime.cpu_has_bf16_units`, which honours PEAGLE_CPU_BF16)."""
-    return (
-        ask_package("from peagle_pipeline.runtime import cpu_has_bf16_units; print(cpu_has_bf16_units())")
-        == "True"
-    )
+def auto_scale(root: Path) -> dict[str, float]:
+    """The scale that fits BUDGET_MIN x BUDGET_MARGIN on this host, from a timed target forward (`probe`).
+
+    Kept in DIR/scale.json: a re-run (after an interruption) keeps the sizes its finished stages were made with.
+    E.g. a probe of 1,430 tokens/s, twice the reference's, predicts (15.6 + 39.0 x s) / 2 minutes: the largest
+    scale, 2.0, fills 46.8 of them.
+    """
+    path = root / "scale.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    speed = probe()
+    ratio = REFERENCE["probe_tokens_per_s"] / speed  # > 1: this host is slower than the reference
+    room = BUDGET_MIN * BUDGET_MARGIN / ratio - REFERENCE["fixed_min"]
+    scale = min(max(room / REFERENCE["per_scale_min"], SCALE_RANGE[0]), SCALE_RANGE[1])
+    predicted = (REFERENCE["fixed_min"] + REFERENCE["per_scale_min"] * scale) * ratio
+    out = {
+        "scale": round(scale, 3),
+        "probe_tokens_per_s": round(speed, 1),
+        "predicted_min": round(predicted, 1),
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    _write_atomic(path, json.dumps(out, indent=2) + "\n")
+    return out
+
+
+# The target's forward in the package's compute dtype: 4 x 512 random tokens, best of six after a warm-up.
+PROBE = f"""
+import time, torch
+from transformers import AutoModelForCausalLM
+from peagle_pipeline.runtime import resolve_compute_dtype
+dtype = {{"bf16": torch.bfloat16, "fp32": torch.float32}}[resolve_compute_dtype("auto", "cpu")]
+model = AutoModelForCausalLM.from_pretrained({str(MODEL)!r}, dtype=dtype).eval()
+ids = torch.randint(100, 40000, (4, 512), generator=torch.Generator().manual_seed(0))
+best = float("inf")
+with torch.inference_mode():
+    model(ids[:1, :256])
+    for _ in range(6):
+        start = time.perf_counter()
+        model(ids)
+        best = min(best, time.perf_counter() - start)
+print(ids.numel() / best)
+"""
+
+
+def probe() -> float:
+    """Tokens/s of the target's forward on this host (about 10 s with the model load)."""
+    return float(ask_package(PROBE).splitlines()[-1])
 
 
 def bf16_units() -> list[str]:
@@ -528,6 +568,17 @@ def ask_package(code: str) -> str:
     if out.returncode != 0:
         raise QualityError(f"could not ask the package: {(out.stderr.strip().splitlines() or ['?'])[-1]}", 2)
     return out.stdout.strip()
+
+
+def _sizing_text(sizing: dict[str, Any], scale: float) -> str:
+    """The report's sentence on the run's size: the factor, and how `auto` chose it."""
+    if sizing.get("budget_min"):
+        return (
+            f" Data and step budgets x {scale} (`--scale auto`: the target's forward ran "
+            f"{sizing['probe_tokens_per_s']:.0f} tokens/s here, which predicted {sizing['predicted_min']:.0f} "
+            f"minutes for {sizing['budget_min']:.0f} of budget)."
+        )
+    return f" Data and step budgets x {scale} (`--scale`)." if scale != 1.0 else ""
 
 
 def _row(name: str, run: Path, results: dict, export: Path, steps: int) -> dict[str, Any]:
@@ -641,7 +692,7 @@ def render_doc(summary: dict[str, Any], root: Path, doc: Path) -> str:
         + (f"; `{summary['compute_dtype']}`" if summary.get("compute_dtype") and not forced_fp32 else "")
         + f". Total stage time **{summary['total_s'] / 60:.1f} min**."
         + (f" Finished {summary['finished_utc']}." if summary.get("finished_utc") else "")
-        + (f" Data and step budgets x {s['scale']} (`--scale`)." if s.get("scale", 1.0) != 1.0 else ""),
+        + _sizing_text(summary.get("sizing") or {}, s.get("scale", 1.0)),
         "",
         f"Target SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised). Sources: the first {s['source_conversations']} "
         f"ShareGPT records; held-out prompts: the first {s['heldout_prompts']} first user turns of records >= "
@@ -672,7 +723,7 @@ def render_doc(summary: dict[str, Any], root: Path, doc: Path) -> str:
     off = by_name.get("off-policy")
     lines += [
         "",
-        f"The layer and curve rows train on **{s['carrier']}** data (`generate`'s default: every reply "
+        f"The curve's draft trains on **{s['carrier']}** data (`generate`'s default: every reply "
         "regenerated, sampled).",
     ]
     if off:
