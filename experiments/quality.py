@@ -411,8 +411,9 @@ def main() -> int:
     }
     # Ablation at equal budget: the data rows. Settled questions left the run to keep it within the hour on a slower
     # host (their figures: docs/results/what-we-learned.md): the mask token (<|im_end|> against SPEC 5.3's rule,
-    # +0.004), the loss on the replies only (-0.035 MT-Bench AL), greedy regeneration (-0.002 against sampled) and a
-    # second draft layer (-0.010 at equal steps); the time they took buys more data and steps for every row.
+    # +0.004), the loss on the replies only (-0.035 MT-Bench AL), greedy regeneration (-0.009 and -0.002 MT-Bench AL
+    # against sampled in the last two runs) and a second draft layer (-0.002 and
+    # -0.010 at equal steps); the time they took buys more data and steps for every row.
     steps = s["ablation_steps"]
     rows: dict[str, Path] = {}
     for name, cache in caches.items():
