@@ -48,8 +48,8 @@ CARRIER = "on-multi"
 ON_POLICY_ROWS = ("on-single", "on-multi")
 # The main draft trains on the carrier and, through `train --extra-cache`, on the run's other caches: the single-turn
 # one (the carrier's first turns, at no extraction cost) and the off-policy one (+0.007 on MT-Bench, +0.016 held-out;
-# docs/results/what-we-learned.md). Its held-out samples stay the carrier's, and train leaves the extra caches' samples of their prompts out of
-# training, so its trainer estimate stays held-out.
+# docs/results/what-we-learned.md). Its held-out samples stay the carrier's, and train leaves the extra caches'
+# samples of their prompts out of training, so its trainer estimate stays held-out.
 MAIN_EXTRA = ("on-single", "off-policy")
 
 # Sizes at --scale 1. `--scale auto` (the default) sizes the run to BUDGET_MIN on this host: the data and step budgets
@@ -538,7 +538,7 @@ print(ids.numel() / best)
 
 
 def probe() -> float:
-    """Tokens/s of the target's forward on this host (about 10 s with the model load)."""
+    """Tokens/s of the target's forward on this host (about 23 s with the model load on 2 cores)."""
     return float(ask_package(PROBE).splitlines()[-1])
 
 
