@@ -6,8 +6,8 @@ OUT/report.md and OUT/report.json with each figure, its goal, and whether it is 
 Each script runs as a subprocess (its own tables go to the terminal) and writes OUT/<name>.json; this script only
 reads those files. Figures are ratios measured side by side in the same process on this machine, never absolute
 times. The speculators comparison runs in `.venv-bench` (`make setup-bench`), the generate and vLLM-extraction benchmarks in
-`.venv-vllm` (`make setup-vllm`); the quality figures come from the latest `make demo` (read from .demo, not re-run
-here). A script that fails is reported as such, the others still run, and the exit code is non-zero. Sizes are chosen
+`.venv-vllm` (`make setup-vllm`); the quality figures come from the latest `make demo` (read from --demo-dir, default .demo,
+not re-run here). A script that fails is reported as such, the others still run, and the exit code is non-zero. Sizes are chosen
 so the whole run stays around 20-30 minutes on 2 CPU cores (the generate benchmark starts three vLLM engines); --quick shrinks every benchmark to a smoke test (its figures are not meaningful).
 """
 
@@ -157,8 +157,9 @@ def _fig(
     }
 
 
-def figures(out: Path) -> list[dict[str, Any]]:
-    """Each SPEC §8 figure from the scripts' JSON (None values = not measured in this run)."""
+def figures(out: Path, demo: Path | None = None) -> list[dict[str, Any]]:
+    """Each SPEC §8 figure from the scripts' JSON (None values = not measured in this run), and the quality
+    figures of the `make demo` in `demo` (default DEMO)."""
     figs: list[dict[str, Any]] = []
     missing = "not measured (script failed or not run)"
 
@@ -387,15 +388,17 @@ def figures(out: Path) -> list[dict[str, Any]]:
             "measures the CPU it runs on; a host without AMX / AVX512-BF16 picks fp32",
         )
     )
-    figs += demo_figures()
+    figs += demo_figures(demo)
     return figs
 
 
-def demo_figures() -> list[dict[str, Any]]:
-    """Quality figures from the latest `make demo` (not re-run here)."""
+def demo_figures(demo: Path | None = None) -> list[dict[str, Any]]:
+    """Quality figures from the latest `make demo` in `demo` (default DEMO; not re-run here)."""
     from peagle_pipeline.stages.train.metrics import read_metrics
 
-    evals = [r for r in read_metrics(DEMO / "run") if r.get("kind") == "eval"]
+    demo = demo or DEMO
+    made_by = "make demo" if demo == DEMO else f"make demo DEMO_DIR={demo.name}"
+    evals = [r for r in read_metrics(demo / "run") if r.get("kind") == "eval"]
     ev = evals[-1] if evals else None
     acc = ev and ev.get("acceptance")
     agree = ", ".join("-" if a is None else f"{a:.2f}" for a in ev["agreement"]) if ev else ""
@@ -403,7 +406,7 @@ def demo_figures() -> list[dict[str, Any]]:
         _fig(
             "Demo: estimated acceptance length on held-out samples (per-depth agreement)",
             "well above 1",
-            "make demo",
+            made_by,
             acc,
             f"{acc:.3f} (agreement per depth: {agree}; step {ev['step']})"
             if acc
@@ -412,7 +415,7 @@ def demo_figures() -> list[dict[str, Any]]:
             "'well above 1' read as >= 1.5",
         )
     ]
-    row = demo_vllm_row()
+    row = demo_vllm_row(demo)
     va = row and row.get("acceptance_length")
     per_pos = " / ".join(f"{a:.2f}" for a in row["acceptance_per_position"]) if va else ""
     speed = row and (row.get("throughput") or [None])[0]
@@ -420,7 +423,7 @@ def demo_figures() -> list[dict[str, Any]]:
         _fig(
             "Demo: vLLM-measured acceptance length on MT-Bench (the export loaded by vLLM's parallel drafting)",
             "loads; reported",
-            "make demo (evaluate)",
+            f"{made_by} (evaluate)",
             va,
             f"{va:.3f} (per position {per_pos}; {row['prompts']} prompts x {row['max_tokens']} new tokens, "
             f"K = {row['depths']}, T = {row['temperature']:g}; trainer estimate {row.get('trainer_estimate') or 0:.3f}"
@@ -444,10 +447,10 @@ def demo_figures() -> list[dict[str, Any]]:
     return figs
 
 
-def demo_vllm_row() -> dict[str, Any] | None:
-    """The MT-Bench row of the latest `make demo` evaluation (DEMO/eval/report.json), or None."""
+def demo_vllm_row(demo: Path) -> dict[str, Any] | None:
+    """The MT-Bench row of the latest `make demo` evaluation (DEMO_DIR/eval/report.json), or None."""
     try:
-        rows = json.loads((DEMO / "eval" / "report.json").read_text())["results"]
+        rows = json.loads((demo / "eval" / "report.json").read_text())["results"]
     except (OSError, ValueError, KeyError):
         return None
     return next((r for r in rows if r.get("prompt_set") == "mt-bench"), None)
@@ -489,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only", default="", help="comma-separated benchmark names to run (the report reads all)"
     )
+    ap.add_argument(
+        "--demo-dir", default=str(DEMO), help="the `make demo` directory whose figures the report quotes"
+    )
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -521,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.perf_counter() - t0, 1),
         "quick": args.quick,
     }
-    figs = figures(out)
+    figs = figures(out, Path(args.demo_dir).resolve())
     (out / "report.json").write_text(
         json.dumps({"meta": meta, "figures": figs, "scripts": {b.name: b.ran for b in BENCHES}}, indent=2)
         + "\n"

@@ -90,3 +90,16 @@ def test_demo_row_reads_the_demo_evaluation_report(run_all: ModuleType) -> None:
     text = vllm["measured"]
     assert "1.250" in text and "0.20 / 0.04 / 0.01 / 0.00" in text and "trainer estimate 1.310" in text
     assert "0.45x" in text and "3 of 80 prompts" in text
+
+
+def test_the_report_quotes_the_demo_directory_it_is_given(run_all: ModuleType, tmp_path: Path) -> None:
+    other = tmp_path / ".demo-fp32"  # `make bench DEMO_DIR=.demo-fp32`
+    (other / "eval").mkdir(parents=True)
+    row = {"prompt_set": "mt-bench", "acceptance_length": 1.27, "acceptance_per_position": [0.25, 0.02, 0, 0]}
+    row |= {"prompts": 80, "max_tokens": 64, "depths": 4, "temperature": 0.0, "identical": True}
+    (other / "eval" / "report.json").write_text(json.dumps({"results": [row]}))
+    (vllm,) = [f for f in run_all.demo_figures(other) if f["source"].endswith("(evaluate)")]
+    assert vllm["value"] == 1.27 and vllm["source"] == "make demo DEMO_DIR=.demo-fp32 (evaluate)"
+    assert "identical to plain decoding" in vllm["measured"]
+    (default,) = [f for f in run_all.demo_figures() if f["source"].endswith("(evaluate)")]
+    assert default["value"] is None and default["source"] == "make demo (evaluate)"  # nothing in DEMO

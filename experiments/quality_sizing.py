@@ -1,0 +1,123 @@
+"""How large `make quality` runs: `--scale`, and `auto`, which sizes the run to the hour on the host it runs on from
+a timed forward of the target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from quality_settings import (
+    BUDGET_MARGIN,
+    BUDGET_MIN,
+    MODEL,
+    REFERENCE,
+    SCALE_RANGE,
+    QualityError,
+    ask_package,
+    write_atomic,
+)
+
+
+def parse_scale(text: str) -> float | None:
+    """--scale: a positive factor, or None for `auto` (sized to the budget by `auto_scale`)."""
+    if text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise QualityError(f"--scale must be 'auto' or a positive number, got {text!r}", 2)
+    return value
+
+
+def scale_for(probe_tokens_per_s: float) -> dict[str, float]:
+    """The scale that fits BUDGET_MIN x BUDGET_MARGIN on a host whose target forward runs `probe_tokens_per_s`.
+
+    The reference run's minutes scale with the forward's speed: total(scale) = (fixed_min + per_scale_min x scale) x
+    reference / probe. E.g. a probe of 1,430 tokens/s, twice the reference's, predicts (15.6 + 39.0 x s) / 2
+    minutes: the largest scale, 2.0, fills 46.8 of them. At the reference's speed, 715, the scale is 1.031 and the
+    prediction 55.8 minutes (93 % of 60).
+    """
+    ratio = (
+        REFERENCE["probe_tokens_per_s"] / probe_tokens_per_s
+    )  # > 1: this host is slower than the reference
+    room = BUDGET_MIN * BUDGET_MARGIN / ratio - REFERENCE["fixed_min"]
+    scale = min(max(room / REFERENCE["per_scale_min"], SCALE_RANGE[0]), SCALE_RANGE[1])
+    predicted = (REFERENCE["fixed_min"] + REFERENCE["per_scale_min"] * scale) * ratio
+    return {
+        "scale": round(scale, 3),
+        "probe_tokens_per_s": round(probe_tokens_per_s, 1),
+        "predicted_min": round(predicted, 1),
+    }
+
+
+def auto_scale(root: Path) -> dict[str, float]:
+    """`scale_for` this host, from a timed target forward (`probe`).
+
+    Kept in DIR/scale.json: a re-run (after an interruption) keeps the sizes its finished stages were made with.
+    """
+    path = root / "scale.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    out = scale_for(probe())
+    root.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(out, indent=2) + "\n")
+    return out
+
+
+# The target's forward in the package's compute dtype: 4 x 512 random tokens, best of six after a warm-up.
+PROBE = f"""
+import time, torch
+from transformers import AutoModelForCausalLM
+from peagle_pipeline.runtime import resolve_compute_dtype
+dtype = {{"bf16": torch.bfloat16, "fp32": torch.float32}}[resolve_compute_dtype("auto", "cpu")]
+model = AutoModelForCausalLM.from_pretrained({str(MODEL)!r}, dtype=dtype).eval()
+ids = torch.randint(100, 40000, (4, 512), generator=torch.Generator().manual_seed(0))
+best = float("inf")
+with torch.inference_mode():
+    model(ids[:1, :256])
+    for _ in range(6):
+        start = time.perf_counter()
+        model(ids)
+        best = min(best, time.perf_counter() - start)
+print(ids.numel() / best)
+"""
+
+
+def probe() -> float:
+    """Tokens/s of the target's forward on this host (about 23 s with the model load on 2 cores)."""
+    return float(ask_package(PROBE).splitlines()[-1])
+
+
+def bf16_units() -> list[str]:
+    """This CPU's bf16 units as the package sees them (empty: a host where bf16 is emulated and slow)."""
+    try:  # only for the report: an unanswered question must not cost the run's doc
+        return ask_package(
+            "from peagle_pipeline.runtime import cpu_bf16_flags; print(*cpu_bf16_flags())"
+        ).split()
+    except QualityError:
+        return []
+
+
+def compute_dtype_line() -> str | None:
+    """The package's `auto` choice on this CPU and its reason (e.g. "compute dtype fp32 on cpu (auto: ...)")."""
+    try:
+        return ask_package(
+            "from peagle_pipeline.runtime import describe_compute_dtype as d, resolve_compute_dtype as r; "
+            "print(d('auto', 'cpu', r('auto', 'cpu')))"
+        )
+    except QualityError:
+        return None
+
+
+def sizing_text(sizing: dict[str, Any], scale: float) -> str:
+    """The report's sentence on the run's size: the factor, and how `auto` chose it."""
+    if sizing.get("budget_min"):
+        return (
+            f" Data and step budgets x {scale} (`--scale auto`: the target's forward ran "
+            f"{sizing['probe_tokens_per_s']:.0f} tokens/s here, which predicted {sizing['predicted_min']:.0f} "
+            f"minutes for {sizing['budget_min']:.0f} of budget)."
+        )
+    return f" Data and step budgets x {scale} (`--scale`)." if scale != 1.0 else ""
