@@ -89,7 +89,7 @@ test: setup demo-assets
 	$(MAKE) test-vllm
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not real and not vllm and not crashloop" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not real and not vllm and not crashloop and not speculators" $(PYTEST_ARGS)
 
 test-crash: setup
 	$(PY) -m pytest -q -m "crash or crashloop" $(PYTEST_ARGS)
@@ -103,7 +103,7 @@ test-gpu: setup
 # older versions lack fails here instead of on the GPU. The other pins are $(CONSTRAINTS)' less those two's own
 # (transformers 5.17 wants huggingface-hub < 2, torch 2.11 setuptools < 82; >= 77 reads the SPDX license).
 test-gpu-versions: $(GPUVER_STAMP) demo-assets
-	$(GPUVER_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/vllm -m "not crashloop" $(PYTEST_ARGS)
+	$(GPUVER_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/vllm -m "not crashloop and not speculators" $(PYTEST_ARGS)
 
 $(GPUVER_STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv --clear $(GPUVER_VENV)
