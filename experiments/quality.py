@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from quality_report import (
+    draft_row,
     estimate_curve,
     fit_log_curve,
     plot,
     render_doc,
     results_by_draft,
-    row,
     speed_figures,
 )
 from quality_settings import (
@@ -361,9 +361,9 @@ def main() -> int:
         "cpu_bf16_env": os.environ.get("PEAGLE_CPU_BF16"),
         "times_s": {k: round(v, 1) for k, v in times.items()},
         "total_s": round(sum(times.values()), 1),
-        "rows": [row(name, run, results, run / "export", steps) for name, run in rows.items()],
+        "rows": [draft_row(name, run, results, run / "export", steps) for name, run in rows.items()],
         "curve": [
-            row(f"main @ {st} steps", main_run, results, exp, st)
+            draft_row(f"main @ {st} steps", main_run, results, exp, st)
             for st, exp in zip(curve_steps, curve_exports, strict=True)
         ],
         "estimate_curve": estimate_curve(main_run),

@@ -61,7 +61,8 @@ def estimate_curve(run: Path) -> list[tuple[int, float]]:
     return out
 
 
-def row(name: str, run: Path, results: dict, export: Path, steps: int) -> dict[str, Any]:
+def draft_row(name: str, run: Path, results: dict, export: Path, steps: int) -> dict[str, Any]:
+    """One draft's figures for quality.json: its vLLM AL on both prompt sets, the trainer's estimate at `steps`."""
     mt = results.get(draft_name(export), {}).get("mt-bench") or {}
     ho = results.get(draft_name(export), {}).get("heldout") or {}
     return {
