@@ -491,6 +491,19 @@ def render(figs: list[dict[str, Any]], meta: dict[str, Any], benches: list[Bench
     return "\n".join(lines) + "\n"
 
 
+def write_report(out: Path, meta: dict[str, Any], demo: Path) -> str:
+    """OUT/report.json and OUT/report.md from the scripts' JSON files in OUT, the run's `meta` and each Bench's
+    `ran`; returns the markdown."""
+    figs = figures(out, demo)
+    (out / "report.json").write_text(
+        json.dumps({"meta": meta, "figures": figs, "scripts": {b.name: b.ran for b in BENCHES}}, indent=2)
+        + "\n"
+    )
+    report = render(figs, meta, BENCHES)
+    (out / "report.md").write_text(report)
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -501,8 +514,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--demo-dir", default=str(DEMO), help="the `make demo` directory whose figures the report quotes"
     )
+    ap.add_argument(
+        "--render",
+        action="store_true",
+        help="run nothing: re-write the report from OUT's JSON files and the run OUT/report.json records",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
+    demo = Path(args.demo_dir).resolve()
+    if args.render:
+        try:
+            saved = json.loads((out / "report.json").read_text())
+        except (OSError, ValueError) as err:
+            print(f"error: cannot re-write the report: {out / 'report.json'}: {err}", file=sys.stderr)
+            return 2
+        for b in BENCHES:
+            b.ran = saved.get("scripts", {}).get(b.name, {"status": "not run"})
+        print(write_report(out, saved["meta"], demo))
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     only = {s for s in args.only.split(",") if s}
     unknown = only - {b.name for b in BENCHES}
@@ -533,13 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.perf_counter() - t0, 1),
         "quick": args.quick,
     }
-    figs = figures(out, Path(args.demo_dir).resolve())
-    (out / "report.json").write_text(
-        json.dumps({"meta": meta, "figures": figs, "scripts": {b.name: b.ran for b in BENCHES}}, indent=2)
-        + "\n"
-    )
-    report = render(figs, meta, BENCHES)
-    (out / "report.md").write_text(report)
+    report = write_report(out, meta, demo)
     print(
         "\n" + report + f"\nwritten to {out / 'report.md'} and report.json ({meta['seconds'] / 60:.1f} min)"
     )

@@ -103,3 +103,28 @@ def test_the_report_quotes_the_demo_directory_it_is_given(run_all: ModuleType, t
     assert "identical to plain decoding" in vllm["measured"]
     (default,) = [f for f in run_all.demo_figures() if f["source"].endswith("(evaluate)")]
     assert default["value"] is None and default["source"] == "make demo (evaluate)"  # nothing in DEMO
+
+
+def test_render_rewrites_the_report_from_the_results_and_the_recorded_run(
+    run_all: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "results"
+    out.mkdir()
+    meta = {"command": "make bench", "date": "2026-11-27 04:48", "machine": "2 CPU cores", "python": "3.11"}
+    meta |= {"torch": "2.13.0", "load_avg_start": 0.8, "load_avg_end": 2.2, "quick": False, "seconds": 900.0}
+    extract = {"ratio": 0.91, "extract_tokens_per_s": 579.0, "bare_tokens_per_s": 636.0, "tokens": 21325}
+    extract |= {"rounds": 3, "round_ratios": [0.944, 0.881, 0.894]}
+    (out / "extract.json").write_text(json.dumps(extract))
+    ran = {"status": "ok", "seconds": 230.1, "command": "python -m bench.bench_extract --rounds 3"}
+    (out / "report.json").write_text(json.dumps({"meta": meta, "scripts": {"extract": ran}}))
+    assert run_all.main(["--out", str(out), "--render"]) == 0
+    report = (out / "report.md").read_text()
+    assert "`make bench` on 2026-11-27 04:48" in report
+    assert "0.910x (579 vs 636 tokens/s, 21325 tokens x 3 rounds: 0.944x / 0.881x / 0.894x)" in report
+    assert "| bench_extract.py | ok | 230.1 |" in report
+    assert "| bench_cache.py | not run |" in report  # a script the recorded run did not run
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["meta"] == meta and saved["scripts"]["extract"] == ran
+    capsys.readouterr()
+    assert run_all.main(["--out", str(tmp_path / "nothing"), "--render"]) == 2  # no recorded run: one line
+    assert "cannot re-write the report" in capsys.readouterr().err
