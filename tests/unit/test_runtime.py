@@ -81,7 +81,7 @@ def test_the_bf16_speed_is_measured_and_points_the_right_way():
     a = torch.randn(512, 576)
     b = torch.randn(576, 1536)
     times = {}
-    for dtype in (torch.float32, torch.bfloat16) * 2:  # an independent timing, to check only the direction
+    for dtype in (torch.float32, torch.bfloat16) * 6:  # an independent timing, to check only the direction
         x, y = a.to(dtype), b.to(dtype)
         torch.mm(x, y)
         start = time.perf_counter()
@@ -89,7 +89,14 @@ def test_the_bf16_speed_is_measured_and_points_the_right_way():
             torch.mm(x, y)
         times[dtype] = min(times.get(dtype, float("inf")), time.perf_counter() - start)
     independent = times[torch.float32] / times[torch.bfloat16]
-    if speedup > 1.5 or speedup < 0.67:  # clearly one way: a second timing must agree on the side of 1
+
+    def clear(ratio: float) -> bool:
+        return ratio > 1.5 or ratio < 0.67
+
+    # Where both timings are clearly one way, they must agree on the side of 1 (a ratio turned upside down reads
+    # 1.9 against 0.53). Only clear cases count: under a parallel test worker one timing can read 1.09 where the
+    # other reads 0.51 on a host whose bf16 runs at about half fp32's speed.
+    if clear(speedup) and clear(independent):
         assert (independent > 1) == (speedup > 1), (speedup, independent)
 
 
