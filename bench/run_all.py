@@ -467,7 +467,8 @@ def render(figs: list[dict[str, Any]], meta: dict[str, Any], benches: list[Bench
     lines = [
         "# Benchmark report (SPEC §8)",
         "",
-        f"`{meta['command']}` on {meta['date']}: {meta['machine']}; load average {meta['load_avg_start']} at "
+        f"`{meta['command']}` started {meta['date']}, ran {meta.get('seconds', 0) / 60:.1f} min: "
+        f"{meta['machine']}; load average {meta['load_avg_start']} at "
         f"start, {meta['load_avg_end']} at end (the machine is shared). Python {meta['python']}, torch "
         f"{meta['torch']}. Every figure is a ratio measured side by side in one process; see docs/results/benchmarks.md."
         + (" **Quick mode: smoke-test sizes, the figures are not meaningful.**" if meta["quick"] else ""),
@@ -541,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    load0, t0 = os.getloadavg()[0], time.perf_counter()
+    load0, t0, started = os.getloadavg()[0], time.perf_counter(), time.gmtime()
     for b in BENCHES:
         if not only or b.name in only:
             run_bench(b, out, args.quick)
@@ -553,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "make bench" + (" (--quick)" if args.quick else "")
         if not only
         else f"run_all.py --only {args.only}",
-        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", started),  # when the run started
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, {platform.system()}",
         "python": platform.python_version(),
         "torch": torch.__version__,

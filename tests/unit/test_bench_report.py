@@ -119,7 +119,7 @@ def test_render_rewrites_the_report_from_the_results_and_the_recorded_run(
     (out / "report.json").write_text(json.dumps({"meta": meta, "scripts": {"extract": ran}}))
     assert run_all.main(["--out", str(out), "--render"]) == 0
     report = (out / "report.md").read_text()
-    assert "`make bench` on 2026-11-27 04:48" in report
+    assert "`make bench` started 2026-11-27 04:48, ran 15.0 min: 2 CPU cores" in report
     assert "0.910x (579 vs 636 tokens/s, 21325 tokens x 3 rounds: 0.944x / 0.881x / 0.894x)" in report
     assert "| bench_extract.py | ok | 230.1 |" in report
     assert "| bench_cache.py | not run |" in report  # a script the recorded run did not run
