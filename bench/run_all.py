@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import ROOT
+from bench.report_chart import write_chart
 
 BENCH_PY = ROOT / ".venv-bench" / "bin" / "python"
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -493,7 +494,7 @@ def render(figs: list[dict[str, Any]], meta: dict[str, Any], benches: list[Bench
 
 
 def write_report(out: Path, meta: dict[str, Any], demo: Path) -> str:
-    """OUT/report.json and OUT/report.md from the scripts' JSON files in OUT, the run's `meta` and each Bench's
+    """OUT/report.json, OUT/report.md and its chart OUT/report.png from the scripts' JSON files in OUT, the run's `meta` and each Bench's
     `ran`; returns the markdown."""
     figs = figures(out, demo)
     (out / "report.json").write_text(
@@ -501,6 +502,9 @@ def write_report(out: Path, meta: dict[str, Any], demo: Path) -> str:
         + "\n"
     )
     report = render(figs, meta, BENCHES)
+    title = f"`{meta['command']}`, {meta['date']}: {meta['machine']}"
+    if write_chart(figs, out / "report.png", title.replace("`", "")) is not None:
+        report += "\n![each figure against its goal](report.png)\n"
     (out / "report.md").write_text(report)
     return report
 

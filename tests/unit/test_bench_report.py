@@ -123,8 +123,40 @@ def test_render_rewrites_the_report_from_the_results_and_the_recorded_run(
     assert "0.910x (579 vs 636 tokens/s, 21325 tokens x 3 rounds: 0.944x / 0.881x / 0.894x)" in report
     assert "| bench_extract.py | ok | 230.1 |" in report
     assert "| bench_cache.py | not run |" in report  # a script the recorded run did not run
+    assert "![each figure against its goal](report.png)" in report
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the chart, from the one figure
     saved = json.loads((out / "report.json").read_text())
     assert saved["meta"] == meta and saved["scripts"]["extract"] == ran
     capsys.readouterr()
     assert run_all.main(["--out", str(tmp_path / "nothing"), "--render"]) == 2  # no recorded run: one line
     assert "cannot re-write the report" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("value", "goal", "margin"),
+    [
+        (0.907, ">= 0.90x", 0.907 / 0.90),
+        (0.78, "<= 0.80x, aux bit-exact", 0.80 / 0.78),
+        (0.0042, "< 5 %", 0.05 / 0.0042),
+        (0.41, ">= 1.0x", 0.41),
+        (2.52, ">= 2.5x lower", 2.52 / 2.5),
+    ],
+)
+def test_goal_margin_is_times_over_the_goal_in_its_direction(value: float, goal: str, margin: float) -> None:
+    from bench.report_chart import goal_margin
+
+    assert goal_margin(value, goal) == pytest.approx(margin)
+
+
+@pytest.mark.parametrize(("value", "goal"), [(1.27, "loads; reported"), (None, ">= 1.0x"), (0.0, "< 5 %")])
+def test_a_goal_or_value_without_a_number_has_no_margin(value: float | None, goal: str) -> None:
+    from bench.report_chart import goal_margin
+
+    assert goal_margin(value, goal) is None
+
+
+def test_no_chart_without_a_numeric_goal(tmp_path: Path) -> None:
+    from bench.report_chart import write_chart
+
+    figure = {"figure": "Demo", "goal": "loads; reported", "value": 1.27}
+    assert write_chart([figure], tmp_path / "c.png", "t") is None and not (tmp_path / "c.png").exists()
