@@ -494,8 +494,8 @@ def render(figs: list[dict[str, Any]], meta: dict[str, Any], benches: list[Bench
 
 
 def write_report(out: Path, meta: dict[str, Any], demo: Path) -> str:
-    """OUT/report.json, OUT/report.md and its chart OUT/report.png from the scripts' JSON files in OUT, the run's `meta` and each Bench's
-    `ran`; returns the markdown."""
+    """OUT/report.json, OUT/report.md and its chart OUT/report.png from the scripts' JSON files in OUT, the run's
+    `meta` and each Bench's `ran`; returns the markdown."""
     figs = figures(out, demo)
     (out / "report.json").write_text(
         json.dumps({"meta": meta, "figures": figs, "scripts": {b.name: b.ran for b in BENCHES}}, indent=2)
@@ -505,6 +505,8 @@ def write_report(out: Path, meta: dict[str, Any], demo: Path) -> str:
     title = f"`{meta['command']}`, {meta['date']}: {meta['machine']}"
     if write_chart(figs, out / "report.png", title.replace("`", "")) is not None:
         report += "\n![each figure against its goal](report.png)\n"
+    else:  # no figure with a numeric goal: leave no chart of an older run behind
+        (out / "report.png").unlink(missing_ok=True)
     (out / "report.md").write_text(report)
     return report
 

@@ -66,6 +66,9 @@ def test_report_with_no_results_says_not_measured(run_all: ModuleType, tmp_path:
     for b in run_all.BENCHES:
         assert b.script in report
     assert report.count("not measured") >= len(figs)
+    (tmp_path / "report.png").write_bytes(b"an older run's chart")
+    written = run_all.write_report(tmp_path, meta, tmp_path / "no-demo")
+    assert "report.png" not in written and not (tmp_path / "report.png").exists()  # nothing to draw: no chart
 
 
 def test_demo_row_reads_the_demo_evaluation_report(run_all: ModuleType) -> None:
