@@ -21,8 +21,9 @@ def make_random_draft(
     depths: int = 3,
     draft_vocab_size: int | None = None,
     seed: int = 0,
+    draft_layers: int = 1,
 ) -> Path:
-    """Export a random 1-layer P-EAGLE draft for `target` (embeddings/lm_head/norm from the target) to `out`.
+    """Export a random P-EAGLE draft of `draft_layers` layers for `target` (embeddings/lm_head/norm from the target) to `out`.
 
     Args:
         target: HF model directory of the target.
@@ -48,7 +49,7 @@ def make_random_draft(
         verifier_name_or_path=str(target),
         verifier_architectures=list(info.architectures),
         aux_layer_ids=sorted(layer_ids),
-        draft_layers=1,
+        draft_layers=draft_layers,
         draft_vocab_size=Vd,
         mask_token_id=mask_token_id,
         norm_before_residual=False,
@@ -58,7 +59,7 @@ def make_random_draft(
     )
     cfg = DraftConfig.from_target_config(
         info.config,
-        num_layers=1,
+        num_layers=draft_layers,
         num_aux=len(layer_ids),
         draft_vocab_size=Vd,
         mask_token_id=mask_token_id,

@@ -1,0 +1,72 @@
+"""vLLM drafts exactly the tokens our draft model computes (SPEC §5: training must match the serving runtime).
+
+`proposals.compare_proposals` records every K-token proposal of vLLM's drafter on greedy replies and looks up the
+argmax of `PEagleDraft.forward_layout` at the same anchor and depth (the forward `train` optimises): they must be
+equal at every depth, for a 4-layer draft of the real SmolLM2 and a 2-layer draft of a Qwen3 (QK-norm) target. The
+acceptance that the walk over the replies implies must equal vLLM's own counters (but for the tokens a step
+accepted past `max_tokens`, which the reply does not show), so the recorded proposals are the ones vLLM verified.
+
+The drafts are random, with `mask_hidden` zeroed and the layers' and fc's matrices scaled up: the tokens at depths
+>= 1 then depend on the context through attention (a random draft's mask state would otherwise fix them), and the
+test checks that every depth drafted several different tokens. Trained drafts were checked the same way with the
+script form of `proposals.py` (docs/guides/serve.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SMOLLM2
+from drafts import make_random_draft
+from proposals import chat_prompts, compare_proposals
+
+K = 4
+
+
+def _sharpen(export: Path, scale: float) -> None:
+    """Zero the draft's `mask_hidden` and scale its layers' and fc's matrices by `scale`, in place."""
+    from safetensors.torch import load_file, save_file
+
+    path = export / "model.safetensors"
+    weights = load_file(str(path))
+    for name, w in weights.items():
+        if name == "mask_hidden":
+            weights[name] = torch.zeros_like(w)
+        elif w.dim() == 2 and name.startswith(("layers.", "fc.")):
+            weights[name] = w * scale
+    save_file(weights, str(path), metadata={"format": "pt"})
+
+
+def _check(target: Path, export: Path) -> None:
+    c = compare_proposals(target, export, chat_prompts(target), K, max_tokens=40)
+    assert c.mismatches == [] and c.equal_per_depth == c.compared_per_depth
+    assert c.compared >= 0.9 * c.drafted > 0  # all but the chains that run past the end of a reply
+    assert min(c.compared_per_depth) > 0
+    assert min(c.distinct_per_depth) >= 3, (
+        f"too few different tokens to tell drafts apart: {c.distinct_per_depth}"
+    )
+    assert c.steps == c.vllm_drafts
+    for walk, vllm in zip(c.accepted_per_position, c.vllm_accepted_per_position, strict=True):
+        assert walk <= vllm <= walk + c.truncated_steps
+
+
+@pytest.mark.real
+@pytest.mark.skipif(not SMOLLM2.is_dir(), reason="SmolLM2 demo assets missing: run `make demo-assets`")
+def test_four_layer_draft_of_smollm2(tmp_path: Path) -> None:
+    """SmolLM2-135M (30 layers; aux ids 2, 15, 27), a 4-layer draft over an 8,192-token draft vocabulary."""
+    export = make_random_draft(
+        SMOLLM2, tmp_path / "draft", [2, 15, 27], depths=K, draft_vocab_size=8192, draft_layers=4
+    )
+    _sharpen(export, 3.0)
+    _check(SMOLLM2, export)
+
+
+def test_two_layer_draft_of_qwen3(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """The tiny Qwen3 (QK-norm in the draft layers too), a 2-layer draft over a 300-token draft vocabulary."""
+    export = make_random_draft(
+        tiny_qwen3, tmp_path / "draft", [1, 2, 3], depths=K, draft_vocab_size=300, draft_layers=2
+    )
+    _sharpen(export, 3.0)
+    _check(tiny_qwen3, export)
