@@ -10,8 +10,9 @@ assistant`), so on the target's greedy replies the estimate reads close to what 
 `make demo`'s draft, 80 MT-Bench first turns, 64 new tokens). It takes seconds on 2 cores: a screen between vLLM
 runs, not a replacement for them.
 
-Printed: the estimate (mean over anchors of 1 + the leading correct depths of a full-depth chain), per-depth top-1
-agreement, and both split by the bigram copy rule (`core/copying.py`): positions whose next token the rule gets
+Printed: the estimate (mean over anchors of 1 + the leading correct depths of a full-depth chain), vLLM's walk over
+the same replies (`core.loss.acceptance_walk`: on the target's greedy replies, the AL vLLM measures, 1.406 against
+1.404 in bench/results/cod-cpu-2026-11-27), per-depth top-1 agreement, and both split by the bigram copy rule (`core/copying.py`): positions whose next token the rule gets
 right from the context, gets wrong, or has no guess for. A class without positions (e.g. replies that never repeat
 a pair of tokens of their context) prints `-` for its figures (null in --json).
 """
@@ -32,7 +33,7 @@ if str(REPO) not in sys.path:
 
 from peagle_pipeline.cache.reader import open_cache  # noqa: E402
 from peagle_pipeline.config import TrainConfig, resolve  # noqa: E402
-from peagle_pipeline.core import partition  # noqa: E402
+from peagle_pipeline.core import loss, partition  # noqa: E402
 from peagle_pipeline.core.copying import COPY_NONE, COPY_RIGHT, COPY_WRONG, copy_classes  # noqa: E402
 from peagle_pipeline.core.heldout import DataSplit  # noqa: E402
 from peagle_pipeline.errors import PeagleError  # noqa: E402
@@ -63,6 +64,7 @@ def measure(trainer: Trainer) -> dict[str, object]:
     d0 = {c: 0 for c in CLASSES}
     accepted = {c: 0 for c in CLASSES}
     correct, total = torch.zeros(K, dtype=torch.long), torch.zeros(K, dtype=torch.long)
+    walk_accepted, walk_steps = 0, 0
     budget = max(64, trainer.cfg.tokens_per_step // max(1, K // 2))
     plans = pack_rows(trainer.eval_set.eval_ids, trainer.eval_set.eval_lengths, budget)
     for i, plan in enumerate(plans):
@@ -75,25 +77,23 @@ def measure(trainer: Trainer) -> dict[str, object]:
         out = trainer.forward_segment(p, whole, model)
         correct += out.correct.cpu()
         total += out.total.cpu()
-        ok = (out.element_correct & out.element_valid).long()
-        table = torch.zeros(lay.rows, K, dtype=torch.long)
-        keep = lay.depth < K
-        table[lay.anchor[keep], lay.depth[keep]] = ok[keep]
-        # leading correct depths per anchor, as loss.acceptance_estimate counts them
-        run = table.cumprod(dim=1).sum(dim=1)
+        run = loss.leading_correct(lay, out.element_correct, out.element_valid, K)  # per anchor
+        a, st = loss.acceptance_walk(lay, out.element_correct & out.element_valid, p.valid, K)
+        walk_accepted, walk_steps = walk_accepted + a, walk_steps + st
         anchors = out.element_valid[: lay.rows] & (lay.depth[: lay.rows] == 0)
         # shifted row r of a sample holds token x_{r+1} and predicts x_{r+2}: the rule's verdict at that row
         cls = copy_classes(batch.input_ids, batch.doc_lengths)
         for c, name in zip((COPY_RIGHT, COPY_WRONG, COPY_NONE), CLASSES, strict=True):
             sel = anchors & (cls == c)
             n[name] += int(sel.sum())
-            d0[name] += int(table[sel, 0].sum())
+            d0[name] += int((run[sel] > 0).sum())
             accepted[name] += int(run[sel].sum())
     anchors_total = sum(n.values())
     return {
         "samples": len(trainer.eval_set.eval_ids),
         "anchors": anchors_total,
         "acceptance": 1 + sum(accepted.values()) / max(anchors_total, 1),
+        "acceptance_walk": 1 + walk_accepted / walk_steps if walk_steps else None,
         "agreement": [c / t if t else None for c, t in zip(correct.tolist(), total.tolist(), strict=True)],
         "by_copy_rule": {
             name: {
@@ -134,7 +134,10 @@ def main() -> int:
         f"{args.run} (step {trainer.step}) on {args.cache}: {fig['samples']} samples, {fig['anchors']} anchors"
     )
     agreement = " ".join(map(_figure, fig["agreement"]))  # type: ignore[call-overload]
-    print(f"estimated acceptance length {fig['acceptance']:.3f}; agreement per depth {agreement}")
+    print(
+        f"estimated acceptance length {fig['acceptance']:.3f} (vLLM's walk {_figure(fig['acceptance_walk'])}); "  # type: ignore[arg-type]
+        f"agreement per depth {agreement}"
+    )
     print("bigram copy rule   share  depth-0 agreement  estimated AL")
     for name, row in fig["by_copy_rule"].items():  # type: ignore[union-attr]
         # a class with no anchors (e.g. replies that never repeat a pair of the context) has no figures: "-"

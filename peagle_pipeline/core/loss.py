@@ -16,7 +16,15 @@ import torch
 from peagle_pipeline.core.cod import CODLayout
 from peagle_pipeline.core.vocab import DraftVocab
 
-__all__ = ["LossOutput", "kl_topk", "kl_exact", "topk_targets", "acceptance_estimate"]
+__all__ = [
+    "LossOutput",
+    "kl_topk",
+    "kl_exact",
+    "topk_targets",
+    "leading_correct",
+    "acceptance_estimate",
+    "acceptance_walk",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,22 +244,71 @@ def kl_exact(
     return _summarise(loss, argmax == target_top, valid, torch.zeros_like(valid), depth, num_depths)
 
 
+def leading_correct(
+    layout: CODLayout, element_correct: torch.Tensor, element_weight: torch.Tensor, num_depths: int
+) -> torch.Tensor:
+    """LongTensor[L]: per packed row (anchor), the number of leading depths 0, 1, ... whose elements exist, are
+    weighted and are correct (use a `full=True` layout; a chain cut short by the end of a supervised span stops
+    there)."""
+    table = torch.zeros(layout.rows, num_depths, dtype=torch.long, device=element_correct.device)
+    ok = (element_correct & element_weight).long()
+    keep = layout.depth < num_depths
+    table[layout.anchor[keep], layout.depth[keep]] = ok[keep]
+    return table.cumprod(dim=1).sum(dim=1)
+
+
 def acceptance_estimate(
     layout: CODLayout, element_correct: torch.Tensor, element_weight: torch.Tensor, num_depths: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum and count of the estimated acceptance length over anchors (use a `full=True` layout).
 
-    For each anchor a whose depth-0 element is weighted: 1 + the number of leading depths 0, 1, ... whose
-    elements exist and are correct (a chain cut short by the end of a supervised span stops there).
+    For each anchor a whose depth-0 element is weighted: 1 + `leading_correct` at a.
 
     Returns:
         (sum FloatTensor scalar, count LongTensor scalar).
     """
     L = layout.rows
-    table = torch.zeros(L, num_depths, dtype=torch.long, device=element_correct.device)
-    ok = (element_correct & element_weight).long()
-    keep = layout.depth < num_depths
-    table[layout.anchor[keep], layout.depth[keep]] = ok[keep]
-    run = table.cumprod(dim=1).sum(dim=1)  # leading correct depths per anchor
+    run = leading_correct(layout, element_correct, element_weight, num_depths)
     anchors = element_weight[:L] & (layout.depth[:L] == 0)
     return (1 + run[anchors]).sum().float(), anchors.sum()
+
+
+def acceptance_walk(
+    layout: CODLayout, element_correct: torch.Tensor, element_weight: torch.Tensor, num_depths: int
+) -> tuple[int, int]:
+    """Accepted tokens and speculative steps of greedy decoding as vLLM walks it (use a `full=True` layout).
+
+    Each run of weighted rows of one sample is a reply [s, e): vLLM's first proposal pairs the row before the
+    reply's first token with that token (row s), a proposal at row a has its leading correct depths accepted
+    (n, only tokens inside the reply), and the next one is made at row a + n + 1. The proposal made after the
+    reply's last token (row e - 1) is never verified. So where the rows are the target's own greedy replies
+    and correct means "equals the target's top-1", 1 + accepted / steps is the acceptance length vLLM measures
+    at T = 0 (`tests/vllm/proposals.py` checks that vLLM drafts what the model computes).
+
+    Worked example: weight [0, 1, 1, 1, 1, 1, 0] (a reply in rows 1..5, s = 1, e = 6), leading correct depths per
+    row [., 2, 0, 3, 2, 0, .]: the proposal at row 1 accepts 2; the next, at row 4, accepts min(2, e - 1 - 4) = 1
+    (its depth 1 would predict the token after the reply); row 5's is never verified: 3 accepted in 2 steps, AL
+    2.5. (The anchor mean of `acceptance_estimate` over rows 1..5 reads 1 + 7 / 5 = 2.4.)
+
+    Returns:
+        (accepted, steps).
+    """
+    L = layout.rows
+    run = leading_correct(layout, element_correct, element_weight, num_depths).tolist()
+    weighted = (element_weight[:L] & (layout.depth[:L] == 0)).tolist()
+    doc = layout.doc[:L].tolist()
+    accepted = steps = 0
+    s = 0
+    while s < L:
+        if not weighted[s]:
+            s += 1
+            continue
+        e = s
+        while e < L and weighted[e] and doc[e] == doc[s]:
+            e += 1
+        a = s
+        while a <= e - 2:
+            n = min(run[a], e - 1 - a)
+            accepted, steps, a = accepted + n, steps + 1, a + n + 1
+        s = e
+    return accepted, steps

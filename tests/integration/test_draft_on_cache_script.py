@@ -47,6 +47,9 @@ def test_the_estimate_is_the_trainers_own_on_the_same_samples(run: Path) -> None
     fig = _script_module().measure(trainer)  # the run's held-out samples, as `evaluate` reads them
     assert own is not None and fig["samples"] == own["eval_samples"] == 6
     assert fig["acceptance"] == pytest.approx(own["acceptance"], abs=1e-9)
+    assert own["acceptance_walk"] is not None and fig["acceptance_walk"] == pytest.approx(
+        own["acceptance_walk"]
+    )
     assert fig["agreement"] == pytest.approx(own["agreement"])
     split = fig["by_copy_rule"]
     assert sum(c["share"] for c in split.values()) == pytest.approx(1.0)
@@ -69,7 +72,10 @@ def test_the_script_holds_out_every_sample_of_the_cache(
     assert proc.returncode == 0, proc.stderr
     fig = json.loads(out.read_text())
     assert fig["samples"] == 24 and fig["step"] == 3 and fig["anchors"] > 0
-    assert f"estimated acceptance length {fig['acceptance']:.3f}" in proc.stdout
+    assert (
+        f"estimated acceptance length {fig['acceptance']:.3f} (vLLM's walk {fig['acceptance_walk']:.3f})"
+        in (proc.stdout)
+    )
     assert all(name in proc.stdout for name in ("copy right", "copy wrong", "no copy guess"))
     first = subprocess.run([*cmd[:4], "--samples", "5"], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0 and "5 samples" in first.stdout

@@ -53,6 +53,9 @@ class Comparison:
     shows (it cuts the reply there), so its counters may exceed the walk's by one token per such step."""
     accepted_per_position: list[int] = field(default_factory=list)
     """Accepted tokens per position, by the walk."""
+    core_walk_accepted: int = 0
+    core_walk_steps: int = 0
+    """`core.loss.acceptance_walk` over the same replies with our proposals (what the trainer reports)."""
     vllm_drafts: int = 0
     """vLLM's own counters over the same requests."""
     vllm_accepted_per_position: list[int] = field(default_factory=list)
@@ -144,6 +147,26 @@ def our_proposals(target: Path, export: Path, tokens: list[int], depths: int) ->
     return {(int(a), int(d)): int(t) for a, d, t in zip(layout.anchor, layout.depth, best, strict=True)}
 
 
+def core_walk(
+    tokens: list[int], prompt_len: int, ours: dict[tuple[int, int], int], depths: int
+) -> tuple[int, int]:
+    """(accepted, steps) of `core.loss.acceptance_walk` (the trainer's `acceptance_walk`) over one reply, from our
+    proposals: the reply's rows weighted, an element correct when it drafts the reply's token."""
+    from peagle_pipeline.core import cod, loss
+
+    n = len(tokens) - 1
+    weight = torch.arange(n) >= prompt_len - 1  # row i is weighted when x_{i+1} is a reply token
+    layout = cod.build_layout([n], weight, cod.CODConfig(depths=depths), None, full=True)
+    correct = torch.tensor(
+        [
+            int(a) + int(d) + 2 < len(tokens) and ours[(int(a), int(d))] == tokens[int(a) + int(d) + 2]
+            for a, d in zip(layout.anchor, layout.depth, strict=True)
+        ],
+        dtype=torch.bool,
+    )
+    return loss.acceptance_walk(layout, correct, layout.element_weight(weight), depths)
+
+
 def compare_proposals(
     target: str | Path, export: str | Path, prompts: list[list[int]], depths: int, max_tokens: int = 40
 ) -> Comparison:
@@ -161,6 +184,8 @@ def compare_proposals(
     for prompt, (output, proposals) in zip(prompts, runs, strict=True):
         tokens = prompt + output
         ours = our_proposals(target, export, tokens, depths)
+        accepted, steps = core_walk(tokens, len(prompt), ours, depths)
+        c.core_walk_accepted, c.core_walk_steps = c.core_walk_accepted + accepted, c.core_walk_steps + steps
         anchor = len(prompt) - 1  # the first draft pairs the prefill's last state with the first output token
         for i, proposal in enumerate(proposals):
             if anchor > len(tokens) - 2:  # drafted after the step that reached max_tokens: never verified

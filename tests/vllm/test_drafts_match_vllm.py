@@ -4,7 +4,9 @@
 argmax of `PEagleDraft.forward_layout` at the same anchor and depth (the forward `train` optimises): they must be
 equal at every depth, for a 4-layer draft of the real SmolLM2 and a 2-layer draft of a Qwen3 (QK-norm) target. The
 acceptance that the walk over the replies implies must equal vLLM's own counters (but for the tokens a step
-accepted past `max_tokens`, which the reply does not show), so the recorded proposals are the ones vLLM verified.
+accepted past `max_tokens`, which the reply does not show), so the recorded proposals are the ones vLLM verified;
+and `core.loss.acceptance_walk`, which the trainer reports as `acceptance_walk`, must count the same steps and
+accepted tokens from our proposals.
 
 The drafts are random, with `mask_hidden` zeroed and the layers' and fc's matrices scaled up: the tokens at depths
 >= 1 then depend on the context through attention (a random draft's mask state would otherwise fix them), and the
@@ -50,6 +52,8 @@ def _check(target: Path, export: Path) -> None:
     assert c.steps == c.vllm_drafts
     for walk, vllm in zip(c.accepted_per_position, c.vllm_accepted_per_position, strict=True):
         assert walk <= vllm <= walk + c.truncated_steps
+    # the trainer's `acceptance_walk` (core.loss) walks the replies as vLLM did
+    assert c.core_walk_steps == c.steps and c.core_walk_accepted == sum(c.accepted_per_position)
 
 
 @pytest.mark.real

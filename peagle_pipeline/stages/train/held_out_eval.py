@@ -1,4 +1,4 @@
-"""The held-out figures of a run: loss, per-depth top-1 agreement and estimated acceptance length.
+"""The held-out figures of a run: loss, per-depth top-1 agreement and estimated acceptance lengths.
 
 Every held-out sample is laid out at full depth (`core.cod.build_layout(full=True)`) and run through the draft in
 one piece; the figures are the trainer's `evaluate` record (`kind: eval` in metrics.jsonl). Reads the held-out
@@ -31,6 +31,7 @@ def evaluate_held_out(trainer: Any) -> dict[str, Any] | None:
     budget = max(64, trainer.cfg.tokens_per_step // max(1, K // 2))
     plans = pack_rows(trainer.eval_set.eval_ids, trainer.eval_set.eval_lengths, budget)
     loss_sum, count, acc_sum, acc_n = 0.0, 0, 0.0, 0
+    walk_accepted, walk_steps = 0, 0  # greedy decoding as vLLM walks it (`loss.acceptance_walk`)
     correct, total = torch.zeros(K, dtype=torch.long), torch.zeros(K, dtype=torch.long)
     # depth-0 elements whose next token the context spells out (core/copying.py), and those the draft got right
     copies, copies_right = 0, 0
@@ -52,6 +53,10 @@ def evaluate_held_out(trainer: Any) -> dict[str, Any] | None:
         total += out.total.cpu()
         s, n = loss.acceptance_estimate(p.layout, out.element_correct, out.element_valid, K)
         acc_sum, acc_n = acc_sum + float(s), acc_n + int(n)
+        # replies are the weighted rows (`p.valid`); a row whose target has no draft-vocabulary token is a miss
+        right = out.element_correct & out.element_valid
+        accepted, steps = loss.acceptance_walk(p.layout, right, p.valid, K)
+        walk_accepted, walk_steps = walk_accepted + accepted, walk_steps + steps
         rows = p.layout.rows  # depth-0 elements come first, one per packed row
         copy = out.element_valid[:rows].cpu() & (
             copy_classes(batch.input_ids, batch.doc_lengths) == COPY_RIGHT
@@ -65,6 +70,9 @@ def evaluate_held_out(trainer: Any) -> dict[str, Any] | None:
         "loss": loss_sum / max(count, 1),
         "agreement": [c / t if t else None for c, t in zip(correct.tolist(), total.tolist(), strict=True)],
         "acceptance": acc_sum / acc_n if acc_n else None,
+        # vLLM's walk over the same rows: on an eval cache of the target's greedy replies (`train --eval-cache`),
+        # the acceptance length vLLM measures on those prompts at T = 0 (docs/guides/train.md)
+        "acceptance_walk": 1 + walk_accepted / walk_steps if walk_steps else None,
         # the share of depth-0 positions whose next token the bigram copy rule gets right from the context,
         # and the draft's top-1 agreement there (docs/results/what-we-learned.md: drafts here miss most of them)
         "copy_share": copies / acc_n if acc_n else None,

@@ -228,6 +228,11 @@ class RunSink:
         if r.get("kind") == "eval":
             agree = " ".join(num(a, ".2f") for a in r.get("agreement", []))
             copies = ""
+            walk = (
+                ""
+                if r.get("acceptance_walk") is None
+                else f" (vLLM's walk {num(r['acceptance_walk'], '.3f')})"
+            )
             if r.get("copy_share") is not None:
                 copies = (
                     f"; {100 * r['copy_share']:.0f} % of positions copy the context, depth-0 agreement there "
@@ -235,7 +240,7 @@ class RunSink:
                 )
             line = (
                 f"eval at step {step}: loss {num(r.get('loss'), '.4f')}, acceptance length "
-                f"{num(r.get('acceptance'), '.3f')}, agreement per depth [{agree}]{copies}"
+                f"{num(r.get('acceptance'), '.3f')}{walk}, agreement per depth [{agree}]{copies}"
             )
         elif self._printed and step < self._total and now - self._last_line < LINE_EVERY_S:
             return
@@ -375,11 +380,17 @@ def _plot_agreement(ax: Any, train: list[dict[str, Any]], evals: list[dict[str, 
 
 
 def _plot_acceptance(ax: Any, evals: list[dict[str, Any]]) -> None:
-    """The estimated acceptance length of every evaluation."""
-    pts = [(r["step"], r["acceptance"]) for r in evals if r.get("acceptance") is not None]
-    if pts:
-        ax.plot(*zip(*pts, strict=True), "o-", color="tab:green")
+    """The estimated acceptance lengths of every evaluation (mean over anchors; vLLM's walk where recorded)."""
+    for key, label, color in (
+        ("acceptance", "mean over anchors", "tab:green"),
+        ("acceptance_walk", "vLLM's walk", "tab:purple"),
+    ):
+        pts = [(r["step"], r[key]) for r in evals if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), "o-", color=color, label=label)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    if any(r.get("acceptance_walk") is not None for r in evals):
+        ax.legend(fontsize="small")
     ax.set(
         xlabel="optimizer step",
         ylabel="tokens per verification (est.)",

@@ -186,10 +186,11 @@ def _finish(cfg: TrainConfig, final: dict[str, Any], sink: Any) -> None:
     if cfg.export:
         sink.write(f"exported draft to {export_run(cfg.output, Path(cfg.output) / EXPORT_DIR, 'best')}")
     if final:
-        acc = final.get("acceptance")
+        acc, walk = final.get("acceptance"), final.get("acceptance_walk")
+        walked = "" if walk is None else f" (vLLM's walk {walk:.3f})"
         sink.write(
             f"held-out: loss {final['loss']:.4f}, acceptance length "
-            f"{'-' if acc is None else f'{acc:.3f}'}, agreement per depth "
+            f"{'-' if acc is None else f'{acc:.3f}'}{walked}, agreement per depth "
             f"{[format_figure(a) for a in final['agreement']]}"
         )
 

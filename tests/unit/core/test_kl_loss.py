@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from peagle_pipeline.core.cod import CODConfig, build_layout
-from peagle_pipeline.core.loss import acceptance_estimate, kl_exact, kl_topk
+from peagle_pipeline.core.loss import acceptance_estimate, acceptance_walk, kl_exact, kl_topk, leading_correct
 from peagle_pipeline.core.vocab import build_draft_vocab
 
 
@@ -115,3 +115,61 @@ def test_acceptance_estimate_on_full_layout():
     wrong_depth1 = correct & ~((lay.depth == 1) & (lay.anchor == 1))
     s2, _ = acceptance_estimate(lay, wrong_depth1, ew, 3)
     assert float(s2) == float(s) - 2  # anchor 1 now stops after depth 0
+
+
+def _correct_for(lay, leading: dict[int, int]) -> torch.Tensor:
+    """element_correct where anchor a's first `leading[a]` depths are right and the next one wrong."""
+    return torch.tensor(
+        [d < leading.get(int(a), 0) for a, d in zip(lay.anchor, lay.depth, strict=True)], dtype=torch.bool
+    )
+
+
+def test_acceptance_walk_worked_example():
+    weight = torch.tensor([0, 1, 1, 1, 1, 1, 0], dtype=torch.bool)
+    lay = build_layout([7], weight, CODConfig(depths=3), None, full=True)
+    ew = lay.element_weight(weight)
+    correct = _correct_for(lay, {1: 2, 2: 0, 3: 3, 4: 2, 5: 0})
+    assert leading_correct(lay, correct, ew, 3).tolist() == [0, 2, 0, 3, 2, 0, 0]
+    assert acceptance_walk(lay, correct, ew, 3) == (
+        3,
+        2,
+    )  # rows 1 (+2) and 4 (+1: row 5's target is past the reply)
+    s, n = acceptance_estimate(lay, correct, ew, 3)
+    assert (float(s), int(n)) == (5 + 7, 5)  # the anchor mean counts every row, row 5 included
+
+
+def test_acceptance_walk_equals_stepping_through_each_reply():
+    """Against a plain re-implementation: per sample and reply, step from the reply's first row by accepted + 1."""
+    g = torch.Generator().manual_seed(0)
+    K = 4
+    for trial in range(30):
+        lengths = torch.randint(3, 30, (3,), generator=g).tolist()
+        weight = torch.rand(sum(lengths), generator=g) < 0.8
+        lay = build_layout(lengths, weight, CODConfig(depths=K), None, full=True)
+        ew = lay.element_weight(weight)
+        correct = torch.rand(len(lay), generator=g) < 0.7
+        # reference: a {(anchor, depth): right} table, walked reply by reply
+        right = {
+            (int(a), int(d)): bool(c and w)
+            for a, d, c, w in zip(lay.anchor, lay.depth, correct, ew, strict=True)
+        }
+        accepted = steps = start = 0
+        for n_rows in lengths:
+            rows = list(range(start, start + n_rows))
+            replies, cur = [], []
+            for r in rows:
+                if weight[r]:
+                    cur.append(r)
+                elif cur:
+                    replies, cur = replies + [cur], []
+            replies += [cur] if cur else []
+            for reply in replies:
+                last = reply[-1]
+                a = reply[0]
+                while a < last:  # the proposal made at the reply's last row is never verified
+                    n = 0
+                    while n < K and a + n < last and right.get((a, n), False):
+                        n += 1
+                    accepted, steps, a = accepted + n, steps + 1, a + n + 1
+            start += n_rows
+        assert acceptance_walk(lay, correct, ew, K) == (accepted, steps), trial

@@ -105,11 +105,24 @@ def test_plain_progress_lines_when_there_is_no_terminal(tmp_path, capsys) -> Non
     for step in (1, 2, 3):
         sink.log({"step": step, "kind": "train", "loss": 1.5, "lr": 1e-3, "tokens_per_s": 100.0})
     sink.log({"step": 3, "kind": "eval", "loss": 1.4, "acceptance": 1.25, "agreement": [0.5, None]})
+    sink.log(
+        {
+            "step": 3,
+            "kind": "eval",
+            "loss": 1.4,
+            "acceptance": 1.25,
+            "acceptance_walk": 1.2,
+            "agreement": [0.5],
+        }
+    )
     sink.close()
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith("step 1/3 (33%): loss 1.5000, lr 0.001, 100 tok/s")
     assert lines[1].startswith("step 3/3 (100%)")  # step 2 came within LINE_EVERY_S of step 1
     assert lines[2] == "eval at step 3: loss 1.4000, acceptance length 1.250, agreement per depth [0.50 -]"
+    assert lines[3] == (
+        "eval at step 3: loss 1.4000, acceptance length 1.250 (vLLM's walk 1.200), agreement per depth [0.50]"
+    )
 
 
 def test_plot_parts_draw_what_the_records_hold() -> None:
