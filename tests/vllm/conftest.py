@@ -75,6 +75,9 @@ def vllm_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env.pop("PEAGLE_DEBUG", None)
+    env.pop(
+        "VLLM_ENABLE_V1_MULTIPROCESSING", None
+    )  # each CLI decides (an in-process engine here may have set it)
     return env
 
 

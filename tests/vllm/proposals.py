@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,7 +28,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["PROMPTS", "Comparison", "compare_proposals"]
+__all__ = [
+    "PROMPTS",
+    "Comparison",
+    "recorded_proposals",
+    "chat_prompts",
+    "our_proposals",
+    "core_walk",
+    "compare_proposals",
+]
 
 PROMPTS = ("What is the capital of France?", "Write a short poem about the sea.", "Explain quicksort.")
 
@@ -50,7 +59,7 @@ class Comparison:
     """Steps the walk says vLLM verified."""
     truncated_steps: int = 0
     """Of those, steps whose accepted tokens reached `max_tokens`: vLLM may have accepted more than the output
-    shows (it cuts the reply there), so its counters may exceed the walk's by one token per such step."""
+    shows (it cuts the reply there), so at each position its counter may exceed the walk's by one per such step."""
     accepted_per_position: list[int] = field(default_factory=list)
     """Accepted tokens per position, by the walk."""
     core_walk_accepted: int = 0
@@ -85,6 +94,18 @@ def recorded_proposals() -> Iterator[list[list[int]]]:
         cls.propose = propose  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def environment_restored() -> Iterator[None]:
+    """os.environ as it was on entry, on exit: an in-process engine sets vLLM variables (VLLM_ENABLE_V1_MULTIPROCESSING
+    = 0 among them) that would change how later engines and CLI subprocesses of a test session run."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def chat_prompts(target: str | Path, texts: tuple[str, ...] = PROMPTS) -> list[list[int]]:
     """Each text as one user turn in the target's chat template, ending with the generation prompt (token ids)."""
     from transformers import AutoTokenizer
@@ -105,7 +126,7 @@ def _vllm_run(target: Path, export: Path, prompts: list[list[int]], depths: int,
     from peagle_pipeline.stages.evaluate.acceptance import engine, read_counters, speculative_config
 
     runs = []
-    with recorded_proposals() as calls:
+    with environment_restored(), recorded_proposals() as calls:
         settings = EngineSettings(model=str(target), dtype="fp32")
         with engine(settings, speculative_config(export, depths)) as (llm, _):
             before = read_counters(llm)
