@@ -12,9 +12,10 @@ runs, not a replacement for them.
 
 Printed: the estimate (mean over anchors of 1 + the leading correct depths of a full-depth chain), vLLM's walk over
 the same replies (`core.loss.acceptance_walk`: on the target's greedy replies, the AL vLLM measures, 1.406 against
-1.404 in bench/results/cod-cpu-2026-11-27), per-depth top-1 agreement, and both split by the bigram copy rule (`core/copying.py`): positions whose next token the rule gets
-right from the context, gets wrong, or has no guess for. A class without positions (e.g. replies that never repeat
-a pair of tokens of their context) prints `-` for its figures (null in --json).
+1.404 in bench/results/cod-cpu-2026-11-27), per-depth top-1 agreement, and the estimate and depth-0 agreement split
+by the bigram copy rule (`core/copying.py`): positions whose next token the rule gets right from the context, gets
+wrong, or has no guess for. A class without positions (e.g. replies that never repeat a pair of tokens of their
+context) prints `-` for its figures (null in --json).
 """
 
 from __future__ import annotations

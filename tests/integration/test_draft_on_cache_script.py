@@ -72,10 +72,10 @@ def test_the_script_holds_out_every_sample_of_the_cache(
     assert proc.returncode == 0, proc.stderr
     fig = json.loads(out.read_text())
     assert fig["samples"] == 24 and fig["step"] == 3 and fig["anchors"] > 0
-    assert (
+    printed = (
         f"estimated acceptance length {fig['acceptance']:.3f} (vLLM's walk {fig['acceptance_walk']:.3f})"
-        in (proc.stdout)
     )
+    assert printed in proc.stdout
     assert all(name in proc.stdout for name in ("copy right", "copy wrong", "no copy guess"))
     first = subprocess.run([*cmd[:4], "--samples", "5"], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0 and "5 samples" in first.stdout
