@@ -14,7 +14,15 @@ from peagle_pipeline.errors import BadInput
 from peagle_pipeline.stages.evaluate.acceptance import draft_depths, read_draft_config
 from peagle_pipeline.stages.run_layout import EXPORT_DIR
 
-__all__ = ["Draft", "find_run", "exported_step", "trainer_estimate", "estimate_of_export", "resolve_draft"]
+__all__ = [
+    "Draft",
+    "find_run",
+    "exported_step",
+    "trainer_estimate",
+    "estimate_of_export",
+    "walk_of_export",
+    "resolve_draft",
+]
 
 
 @dataclass
@@ -73,7 +81,8 @@ def exported_step(export_dir: str | Path, run_dir: Path) -> int | None:
 def trainer_estimate(run_dir: Path, step: int | None = None) -> dict[str, Any] | None:
     """The trainer's held-out acceptance estimates: the last one, the best one (what `export` takes by default) and,
     given the exported checkpoint's `step`, the one of that step (`exported_acceptance_length`, None when the run
-    did not evaluate at that step)."""
+    did not evaluate at that step). Beside each anchor mean, `*_walk` is the same evaluation's acceptance walked as
+    vLLM walks a reply (`core.loss.acceptance_walk`; None for runs made before it was recorded)."""
     from peagle_pipeline.stages.evaluate.prompts import read_train_settings
     from peagle_pipeline.stages.train.metrics import read_metrics
 
@@ -89,11 +98,13 @@ def trainer_estimate(run_dir: Path, step: int | None = None) -> dict[str, Any] |
         depths: int | None = int(read_train_settings(run_dir)["depths"])
     except (BadInput, KeyError, TypeError, ValueError):
         depths = None
-    at_step = [r["acceptance"] for r in evals if step is not None and r.get("step") == step]
+    at_step = [r for r in evals if step is not None and r.get("step") == step]
     return {
         "acceptance_length": evals[-1]["acceptance"],
+        "acceptance_walk": _walk(evals[-1]),
         "step": evals[-1]["step"],
-        "exported_acceptance_length": at_step[-1] if at_step else None,
+        "exported_acceptance_length": at_step[-1]["acceptance"] if at_step else None,
+        "exported_acceptance_walk": _walk(at_step[-1]) if at_step else None,
         "exported_step": step,
         "best_acceptance_length": best["acceptance"],
         "best_step": best["step"],
@@ -102,12 +113,26 @@ def trainer_estimate(run_dir: Path, step: int | None = None) -> dict[str, Any] |
     }
 
 
+def _walk(record: dict[str, Any]) -> float | None:
+    walk = record.get("acceptance_walk")
+    return float(walk) if isinstance(walk, int | float) and not isinstance(walk, bool) else None
+
+
 def estimate_of_export(estimate: dict[str, Any] | None) -> float | None:
     """The estimate that belongs beside vLLM's AL: that of the exported checkpoint's step, else the run's last."""
     if estimate is None:
         return None
     exported = estimate.get("exported_acceptance_length")
     return exported if exported is not None else estimate["acceptance_length"]
+
+
+def walk_of_export(estimate: dict[str, Any] | None) -> float | None:
+    """The walk of the evaluation `estimate_of_export` takes (None where that evaluation recorded none)."""
+    if estimate is None:
+        return None
+    if estimate.get("exported_acceptance_length") is not None:
+        return estimate.get("exported_acceptance_walk")
+    return estimate.get("acceptance_walk")
 
 
 def resolve_draft(path: str, depths: int | None) -> Draft:

@@ -28,6 +28,11 @@ def _greedy_check(r: dict[str, Any]) -> str:
     return "yes" if r["identical"] else f"NO ({r['mismatched_prompts']}/{r['prompts']} differ)"
 
 
+def _estimate_cell(estimate: float | None, walk: float | None) -> str:
+    """The trainer's anchor mean, and beside it the walk of the same evaluation where the run recorded one."""
+    return _f(estimate) if walk is None else f"{_f(estimate)} (walk {_f(walk)})"
+
+
 def _acceptance_rows(report: dict[str, Any]) -> list[list[str]]:
     """One row per draft and prompt set: K, prompts, AL, per-position acceptance, trainer estimate, = plain."""
     acc_rows = []
@@ -41,7 +46,7 @@ def _acceptance_rows(report: dict[str, Any]) -> list[list[str]]:
                 str(r["prompts"]),
                 _f(r["acceptance_length"]),
                 " ".join(_f(p, ".2f") for p in per) if per else "-",
-                _f(r["trainer_estimate"]),
+                _estimate_cell(r["trainer_estimate"], r.get("trainer_walk")),
                 _greedy_check(r),
             ]
         )
@@ -75,10 +80,15 @@ def _estimate_lines(report: dict[str, Any]) -> list[str]:
         e = d["trainer_estimate"]
         if e is not None:
             exported = e.get("exported_acceptance_length")
-            at_export = f"exported step {e['exported_step']} {_f(exported)}, " if exported is not None else ""
+            at_export = (
+                f"exported step {e['exported_step']} {_estimate_cell(exported, e.get('exported_acceptance_walk'))}, "
+                if exported is not None
+                else ""
+            )
+            last = _estimate_cell(e["acceptance_length"], e.get("acceptance_walk"))
             lines.append(
                 f"trainer estimate for {d['name']} (held-out, K={e['depths']}): {at_export}last "
-                f"{_f(e['acceptance_length'])} at step {e['step']}, best {_f(e['best_acceptance_length'])} at step "
+                f"{last} at step {e['step']}, best {_f(e['best_acceptance_length'])} at step "
                 f"{e['best_step']} ({e['run']})"
             )
         else:

@@ -33,7 +33,7 @@ from peagle_pipeline.stages.evaluate.acceptance import (
     run_prompts,
     speculative_config,
 )
-from peagle_pipeline.stages.evaluate.drafts import Draft, estimate_of_export, resolve_draft
+from peagle_pipeline.stages.evaluate.drafts import Draft, estimate_of_export, resolve_draft, walk_of_export
 from peagle_pipeline.stages.evaluate.prompts import PromptSet, load_prompt_set
 
 if TYPE_CHECKING:
@@ -158,6 +158,7 @@ def _result_row(
         "mismatched_prompts": len(diff) if greedy else None,
         "mismatches": diff[:MAX_MISMATCHES],
         "trainer_estimate": estimate_of_export(draft.estimate),
+        "trainer_walk": walk_of_export(draft.estimate),
         "throughput": _throughput(opts, draft, prompt_set, plain, spec, hardware),
     }
 

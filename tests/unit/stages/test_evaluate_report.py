@@ -19,6 +19,7 @@ from peagle_pipeline.stages.evaluate.drafts import (
     exported_step,
     find_run,
     trainer_estimate,
+    walk_of_export,
 )
 from peagle_pipeline.stages.evaluate.prompts import PromptSet
 from peagle_pipeline.stages.evaluate.report import format_table, plot_acceptance
@@ -69,8 +70,9 @@ def _report(temperature: float = 0.0) -> dict:
         ("b", "p", 1): EngineRun([[7, 8, 0, 0], [11, 12]], 4.0, SpecCounters(per_pos=(0, 0))),
         ("b", "p", 4): EngineRun([[7, 8, 0, 0], [11, 12]], 4.0, SpecCounters(per_pos=(0, 0)), concurrency=4),
     }
-    est = {"acceptance_length": 1.5, "step": 10, "best_acceptance_length": 1.6, "best_step": 5, "depths": 2,
-           "exported_acceptance_length": 1.6, "exported_step": 5, "run": "/r"}  # fmt: skip
+    est = {"acceptance_length": 1.5, "acceptance_walk": 1.45, "step": 10, "best_acceptance_length": 1.6,
+           "best_step": 5, "depths": 2, "exported_acceptance_length": 1.6, "exported_acceptance_walk": 1.55,
+           "exported_step": 5, "run": "/r"}  # fmt: skip
     return build_report(
         opts,
         target="/t",
@@ -91,6 +93,7 @@ def test_report_figures() -> None:
     assert a["acceptance_length"] == pytest.approx(1.75) and a["acceptance_per_position"] == [0.5, 0.25]
     assert a["identical"] is True and a["mismatched_prompts"] == 0
     assert a["trainer_estimate"] == 1.6  # the exported step's, not the last (1.5)
+    assert a["trainer_walk"] == 1.55  # the walk of that same evaluation
     assert [t["concurrency"] for t in a["throughput"]] == [1, 4]
     t1, t4 = a["throughput"]
     assert (t1["tokens_per_s"], t1["plain_tokens_per_s"], t1["speedup"]) == (6.0, 3.0, 2.0)
@@ -108,13 +111,15 @@ def test_report_figures() -> None:
         and b["mismatched_prompts"] == 1
         and b["mismatches"][0]["first_difference"] == 2
     )
-    assert b["trainer_estimate"] is None
+    assert b["trainer_estimate"] is None and b["trainer_walk"] is None
     assert _report(temperature=0.7)["results"][0]["identical"] is None  # no equality claim when sampling
 
     table = format_table(report)
     assert "1.750  0.50 0.25" in table and "2.00x" in table and "NO (1/2 differ)" in table
     assert (
-        "exported step 5 1.600, last 1.500 at step 10, best 1.600 at step 5" in table
+        "exported step 5 1.600 (walk 1.550), last 1.500 (walk 1.450) at step 10, best 1.600 at step 5"
+        in table
+        and "1.600 (walk 1.550)  yes" in table
         and "T=0, max 4 new tokens" in table
     )
     assert "--dtype fp32 checks exact equality" in table  # bf16 with a mismatch: the note
@@ -125,11 +130,13 @@ def test_chart_is_a_png(tmp_path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
 
 
-def _write_run(run: Path, accs: list[float | None]) -> None:
+def _write_run(run: Path, accs: list[float | None], walks: list[float | None] | None = None) -> None:
     run.mkdir(parents=True)
     (run / "train.yaml").write_text("train:\n  cache: c\n  seed: 0\n  eval_samples: 4\n  depths: 3\n")
     lines = [{"kind": "train", "step": 1, "loss": 1.0}]
     lines += [{"kind": "eval", "step": 10 * (i + 1), "acceptance": a} for i, a in enumerate(accs)]
+    for line, walk in zip(lines[1:], walks or [], strict=False):
+        line["acceptance_walk"] = walk
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
 
 
@@ -168,10 +175,24 @@ def test_find_run_and_trainer_estimate(tmp_path: Path) -> None:
     assert exported_step(elsewhere, run) is None
     (elsewhere / EXPORT_MARKER).write_text("{not json")
     assert exported_step(elsewhere, run) is None and find_run(elsewhere) is None
-    assert estimate_of_export(None) is None
+    assert est["acceptance_walk"] is None and walk_of_export(est) is None  # a run from before the walk
+    assert estimate_of_export(None) is None and walk_of_export(None) is None
     assert estimate_of_export({"acceptance_length": 1.4, "exported_acceptance_length": None}) == 1.4
     _write_run(tmp_path / "empty", [None])
     assert trainer_estimate(tmp_path / "empty") is None
+
+
+def test_trainer_walk_follows_the_estimate(tmp_path: Path) -> None:
+    """The walk shown beside an estimate is that of the same evaluation: the exported step's, else the last's."""
+    run = tmp_path / "run"
+    _write_run(run, [1.2, 1.5, 1.4], walks=[1.18, None, 1.37])
+    last = trainer_estimate(run)
+    assert (last["acceptance_walk"], walk_of_export(last)) == (1.37, 1.37)
+    at_10 = trainer_estimate(run, 10)
+    assert (at_10["exported_acceptance_walk"], walk_of_export(at_10)) == (1.18, 1.18)
+    at_20 = trainer_estimate(run, 20)  # that evaluation walked nothing: no walk, not the last one's
+    assert estimate_of_export(at_20) == 1.5 and walk_of_export(at_20) is None
+    assert walk_of_export(trainer_estimate(run, 99)) == 1.37  # an unevaluated step: the last evaluation
 
 
 def test_bad_options_are_one_line() -> None:
