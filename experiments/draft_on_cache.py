@@ -1,6 +1,6 @@
 """A trained draft on another cache: the trainer's acceptance estimate, and how it copies from the context.
 
-    python experiments/draft_on_cache.py RUN CACHE [--samples N] [--json OUT]
+    python experiments/draft_on_cache.py RUN CACHE [--samples N] [--depths K] [--json OUT]
 
 RUN is a `train` output folder (its latest checkpoint and train.yaml); CACHE a cache of the same target, e.g. the
 target's own greedy replies to MT-Bench (`generate --temperature 0` on the MT-Bench questions, then `extract`).
@@ -14,7 +14,8 @@ Printed: the estimate (mean over anchors of 1 + the leading correct depths of a 
 the same replies (`core.loss.acceptance_walk`: on the target's greedy replies, the AL vLLM measures, 1.406 against
 1.404 in bench/results/cod-cpu-2026-11-27), per-depth top-1 agreement, and the estimate and depth-0 agreement split
 by the bigram copy rule (`core/copying.py`): positions whose next token the rule gets right from the context, gets
-wrong, or has no guess for. A class without positions (e.g. replies that never repeat a pair of tokens of their
+wrong, or has no guess for. `--depths K` measures a draft trained at more depths as vLLM serving K speculative
+tokens does (`export --speculative-tokens K`): only its depths 0..K-1 count. A class without positions (e.g. replies that never repeat a pair of tokens of their
 context) prints `-` for its figures (null in --json).
 """
 
@@ -57,9 +58,11 @@ def held_out_everything(cache: object, samples: int | None) -> DataSplit:
 
 
 @torch.no_grad()
-def measure(trainer: Trainer) -> dict[str, object]:
-    """Per copy class: anchors, depth-0 agreement and the acceptance estimate; and per-depth agreement overall."""
+def measure(trainer: Trainer, depths: int | None = None) -> dict[str, object]:
+    """Per copy class: anchors, depth-0 agreement and the acceptance estimate; and per-depth agreement overall.
+    The estimate and the walk count the first `depths` depths (default: all the draft's)."""
     K = trainer.cfg.depths
+    served = K if depths is None else depths
     model = trainer.model.eval()
     n = {c: 0 for c in CLASSES}
     d0 = {c: 0 for c in CLASSES}
@@ -78,8 +81,8 @@ def measure(trainer: Trainer) -> dict[str, object]:
         out = trainer.forward_segment(p, whole, model)
         correct += out.correct.cpu()
         total += out.total.cpu()
-        run = loss.leading_correct(lay, out.element_correct, out.element_valid, K)  # per anchor
-        a, st = loss.acceptance_walk(lay, out.element_correct & out.element_valid, p.valid, K)
+        run = loss.leading_correct(lay, out.element_correct, out.element_valid, served)  # per anchor
+        a, st = loss.acceptance_walk(lay, out.element_correct & out.element_valid, p.valid, served)
         walk_accepted, walk_steps = walk_accepted + a, walk_steps + st
         anchors = out.element_valid[: lay.rows] & (lay.depth[: lay.rows] == 0)
         # shifted row r of a sample holds token x_{r+1} and predicts x_{r+2}: the rule's verdict at that row
@@ -91,6 +94,7 @@ def measure(trainer: Trainer) -> dict[str, object]:
             accepted[name] += int(run[sel].sum())
     anchors_total = sum(n.values())
     return {
+        "depths": served,
         "samples": len(trainer.eval_set.eval_ids),
         "anchors": anchors_total,
         "acceptance": 1 + sum(accepted.values()) / max(anchors_total, 1),
@@ -118,21 +122,28 @@ def main() -> int:
     ap.add_argument("cache", help="a cache of the same target (every usable sample is held out)")
     ap.add_argument("--samples", type=int, default=None, help="only the first N usable samples")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    ap.add_argument(
+        "--depths", type=int, default=None, help="count only depths 0..K-1 (vLLM serving K tokens)"
+    )
     args = ap.parse_args()
     cfg = resolve(
         TrainConfig,
         Path(args.run) / "train.yaml",
         {"eval_cache": args.cache, "loss_positions": "assistant", "device": "cpu", "export": False},
     )
+    if args.depths is not None and not 1 <= args.depths <= cfg.depths:
+        print(f"error: --depths {args.depths}: the draft was trained at K = {cfg.depths}", file=sys.stderr)
+        return 2
     trainer = Trainer(cfg, Dist.setup("cpu"))
     if not trainer.restore():
         print(f"error: {args.run} has no complete checkpoint", file=sys.stderr)
         return 2
     trainer.eval_cache = open_cache(args.cache, check=True)
     trainer.eval_set = held_out_everything(trainer.eval_cache, args.samples)
-    fig = measure(trainer)
+    fig = measure(trainer, args.depths)
     print(
-        f"{args.run} (step {trainer.step}) on {args.cache}: {fig['samples']} samples, {fig['anchors']} anchors"
+        f"{args.run} (step {trainer.step}, K {fig['depths']} of {cfg.depths}) on {args.cache}: "
+        f"{fig['samples']} samples, {fig['anchors']} anchors"
     )
     agreement = " ".join(map(_figure, fig["agreement"]))  # type: ignore[call-overload]
     print(

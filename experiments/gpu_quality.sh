@@ -19,9 +19,9 @@
 # Sizes and times come from the environment (defaults below). VARIANTS trains further drafts beside the main one, on
 # the same caches and clock (issue 36's ablation), e.g. VARIANTS="l4k8=--draft-layers 4 --depths 8;lr1e-3=--lr 1e-3":
 # each name's flags override the main run's. Beside training, the target's greedy replies to EVAL_SETS (MT-Bench first
-# turns, HumanEval) are generated and extracted there, and every draft is walked over them as vLLM walks a reply
-# (experiments/draft_on_cache.py: `acceptance_walk`, vLLM's AL on those replies at K = min(4, DEPTHS) is measured
-# here in vLLM on the export brought back); the walks come back in logs.txt and the go output.
+# turns, HumanEval) are generated and extracted there, and every draft is walked over them as vLLM serving
+# min(4, its K) tokens walks a reply (experiments/draft_on_cache.py, `acceptance_walk`: on the target's greedy
+# replies, the AL vLLM measures); the walks come back in logs.txt and in go's output.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-/tmp/gq}
@@ -219,13 +219,17 @@ eval_replies() {  # the target's greedy replies to each of EVAL_SETS, extracted 
   done
 }
 
-walks() {  # walks NAME...: each draft over each set's greedy replies, as vLLM walks them, into walks.txt (and go's output)
-  local name s
+walks() {  # walks NAME...: each draft over each set's greedy replies, as vLLM serving min(4, its K) tokens walks them
+  local name s k r
   for name in "$@"; do
+    r=$(run_dir "$name")
+    [[ -d $r/checkpoints ]] || continue
+    k=$(awk '$1 == "depths:" {print $2; exit}' "$r/train.yaml")
+    k=$((k < 4 ? k : 4))
     for s in $EVAL_SETS; do
-      [[ -d $(run_dir "$name")/checkpoints ]] || continue
-      echo "== $name on $s ($EVAL_NEW new tokens, greedy)"
-      timeout 300 "$PY" experiments/draft_on_cache.py "$(run_dir "$name")" "$WORK/cache-greedy-$s" --json "$WORK/walk-$name-$s.json" 2>&1 | tail -n 6
+      echo "== $name on $s (K = $k, $EVAL_NEW new tokens, greedy)"
+      timeout 300 "$PY" experiments/draft_on_cache.py "$r" "$WORK/cache-greedy-$s" --depths "$k" \
+        --json "$WORK/walk-$name-$s.json" 2>&1 | tail -n 6
     done
   done | tee "$WORK/walks.txt"
 }

@@ -63,6 +63,27 @@ def test_the_estimate_is_the_trainers_own_on_the_same_samples(run: Path) -> None
     assert last["copy_share"] == pytest.approx(own["copy_share"])
 
 
+def test_fewer_served_depths_count_only_the_first_ones(
+    run: Path, other_tiny_cache: Path, tmp_path: Path
+) -> None:
+    """`--depths K` measures the K = 3 draft as vLLM serving fewer tokens would: with one depth the estimate is
+    1 + depth-0 agreement, and neither the estimate nor the walk grows when depths are taken away."""
+    trainer = Trainer(resolve(TrainConfig, run / "train.yaml"), Dist.setup("cpu"))
+    assert trainer.restore()
+    module = _script_module()
+    full, two, one = (module.measure(trainer, k) for k in (None, 2, 1))
+    assert (full["depths"], two["depths"], one["depths"]) == (3, 2, 1)
+    assert one["acceptance"] == pytest.approx(1 + full["agreement"][0])
+    assert one["acceptance"] <= two["acceptance"] <= full["acceptance"]
+    assert one["acceptance_walk"] <= two["acceptance_walk"] <= full["acceptance_walk"]
+    assert two["agreement"] == full["agreement"]  # agreement stays per trained depth
+    cmd = [sys.executable, str(SCRIPT), str(run), str(other_tiny_cache)]
+    proc = subprocess.run([*cmd, "--depths", "2"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "K 2 of 3" in proc.stdout, proc.stderr
+    bad = subprocess.run([*cmd, "--depths", "4"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --depths 4: the draft was trained at K = 3"
+
+
 def test_the_script_holds_out_every_sample_of_the_cache(
     run: Path, other_tiny_cache: Path, tmp_path: Path
 ) -> None:
