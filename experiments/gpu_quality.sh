@@ -196,11 +196,12 @@ pipeline() {  # the whole run, in order, each stage bounded in time; each stage 
     r=$(run_dir "${names[i]}")
     # the last checkpoint, also where train finished and exported its best: the weights the walks measure
     "${CLI[@]}" export "$r" --output "$r/export" --checkpoint latest >>"$(train_log "${names[i]}")" 2>&1 ||
-      { say "train failed: ${names[i]}"; ((i == 0)) && exit 1; }
+      { ((i == 0)) && say "train failed" && exit 1; say "variant ${names[i]}: no export (train-${names[i]}.log)"; }
   done
   stamp trained
   if [[ -n $eval_pid ]]; then
-    wait "$eval_pid" && walks "${names[@]}" || say "greedy eval replies failed: $(tail -n 2 "$WORK/eval-sets.log" | tr '\n' ' ')"
+    # (no "failed" in this line: `ended` reads that word as the pipeline's end)
+    wait "$eval_pid" && walks "${names[@]}" || say "no walks, the greedy replies did not come: $(tail -n 2 "$WORK/eval-sets.log" | tr '\n' ' ')"
     stamp walked
   fi
   say "done"
