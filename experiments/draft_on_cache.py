@@ -40,8 +40,8 @@ from peagle_pipeline.core.copying import COPY_NONE, COPY_RIGHT, COPY_WRONG, copy
 from peagle_pipeline.core.heldout import DataSplit  # noqa: E402
 from peagle_pipeline.errors import PeagleError  # noqa: E402
 from peagle_pipeline.stages.train.distributed import Dist  # noqa: E402
+from peagle_pipeline.stages.train.held_out_eval import eval_plans  # noqa: E402
 from peagle_pipeline.stages.train.packed_batch import read_packed  # noqa: E402
-from peagle_pipeline.stages.train.packing import pack_rows  # noqa: E402
 from peagle_pipeline.stages.train.trainer import Trainer  # noqa: E402
 
 CLASSES = ("copy right", "copy wrong", "no copy guess")
@@ -69,8 +69,7 @@ def measure(trainer: Trainer, depths: int | None = None) -> dict[str, object]:
     accepted = {c: 0 for c in CLASSES}
     correct, total = torch.zeros(K, dtype=torch.long), torch.zeros(K, dtype=torch.long)
     walk_accepted, walk_steps = 0, 0
-    budget = max(64, trainer.cfg.tokens_per_step // max(1, K // 2))
-    plans = pack_rows(trainer.eval_set.eval_ids, trainer.eval_set.eval_lengths, budget)
+    plans = eval_plans(trainer)  # the trainer's own packing of held-out samples
     for i, plan in enumerate(plans):
         batch = read_packed(trainer.eval_cache, plan, -1, i, trainer.cfg.target == "exact", False)
         p = trainer.prepare(batch, full=True)

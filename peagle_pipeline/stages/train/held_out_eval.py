@@ -14,9 +14,20 @@ import torch
 from peagle_pipeline.core import loss, partition
 from peagle_pipeline.core.copying import COPY_RIGHT, copy_classes
 from peagle_pipeline.stages.train.packed_batch import read_packed
-from peagle_pipeline.stages.train.packing import pack_rows
+from peagle_pipeline.stages.train.packing import RowPlan, pack_rows
 
-__all__ = ["evaluate_held_out"]
+__all__ = ["eval_plans", "evaluate_held_out"]
+
+
+def eval_plans(trainer: Any) -> list[RowPlan]:
+    """The held-out samples packed for a full-depth evaluation. A full-depth layout holds up to K elements per
+    token, so rows pack about tokens_per_step / (K // 2) tokens; a longer sample fills a row alone, cut where
+    training cuts it (tokens_per_step), never at the row size: its last tokens, often the reply, are counted too."""
+    K, tokens = trainer.cfg.depths, trainer.cfg.tokens_per_step
+    budget = max(64, tokens // max(1, K // 2))
+    return pack_rows(
+        trainer.eval_set.eval_ids, trainer.eval_set.eval_lengths, budget, longest=max(budget, tokens)
+    )
 
 
 @torch.no_grad()
@@ -28,8 +39,7 @@ def evaluate_held_out(trainer: Any) -> dict[str, Any] | None:
         return None
     trainer.model.eval()
     K = trainer.cfg.depths
-    budget = max(64, trainer.cfg.tokens_per_step // max(1, K // 2))
-    plans = pack_rows(trainer.eval_set.eval_ids, trainer.eval_set.eval_lengths, budget)
+    plans = eval_plans(trainer)
     loss_sum, count, acc_sum, acc_n = 0.0, 0, 0.0, 0
     walk_accepted, walk_steps = 0, 0  # greedy decoding as vLLM walks it (`loss.acceptance_walk`)
     correct, total = torch.zeros(K, dtype=torch.long), torch.zeros(K, dtype=torch.long)

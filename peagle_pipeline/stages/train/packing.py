@@ -43,17 +43,20 @@ def truncation(split: DataSplit, budget: int) -> tuple[int, int, int, int]:
     return int(len(over)), int((over - budget).sum()), int(lengths.sum()), longest
 
 
-def pack_rows(ids: np.ndarray, lengths: np.ndarray, budget: int) -> list[RowPlan]:
-    """Greedy packing in the given order: append to the open row while it fits, else start a new row.
+def pack_rows(ids: np.ndarray, lengths: np.ndarray, budget: int, longest: int | None = None) -> list[RowPlan]:
+    """Greedy packing in the given order: append to the open row while it fits, else start a new row. Each sample
+    is cut to `longest` rows (default `budget`); one longer than `budget` fills a row alone.
 
-    Example: budget 10, lengths [4, 5, 3, 12] -> rows [4, 5], [3], [10 (truncated from 12)].
+    Example: budget 10, lengths [4, 5, 3, 12] -> rows [4, 5], [3], [10 (truncated from 12)]; with longest 16 the
+    last row is [12].
     """
+    cut = budget if longest is None else longest
     rows: list[RowPlan] = []
     cur_ids: list[int] = []
     cur_len: list[int] = []
     used = 0
     for sid, n in zip(ids.tolist(), lengths.tolist(), strict=True):
-        n = min(n, budget)
+        n = min(n, cut)
         if used + n > budget and cur_ids:
             rows.append(RowPlan(tuple(cur_ids), tuple(cur_len)))
             cur_ids, cur_len, used = [], [], 0

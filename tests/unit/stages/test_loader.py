@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -10,6 +12,7 @@ import torch
 from peagle_pipeline.cache.reader import SampleArrays
 from peagle_pipeline.core.heldout import split_samples
 from peagle_pipeline.errors import BadConfig, CorruptCache
+from peagle_pipeline.stages.train.held_out_eval import eval_plans
 from peagle_pipeline.stages.train.loader import Cursor, LoaderSettings, TrainLoader, ahead_to_device
 from peagle_pipeline.stages.train.packed_batch import into_shared_memory, read_packed, shift_sample
 from peagle_pipeline.stages.train.packing import RowPlan, pack_epoch, pack_rows, truncation
@@ -35,6 +38,22 @@ def test_pack_rows_greedy_with_truncation() -> None:
     rows = pack_rows(np.array([7, 8, 9, 10]), np.array([4, 5, 3, 12]), budget=10)
     assert [(r.sample_ids, r.lengths) for r in rows] == [((7, 8), (4, 5)), ((9,), (3,)), ((10,), (10,))]
     assert all(r.tokens <= 10 for r in rows)
+
+
+def test_pack_rows_cuts_at_longest_not_at_the_row_budget() -> None:
+    rows = pack_rows(np.array([7, 8, 9, 10]), np.array([4, 5, 3, 12]), budget=10, longest=16)
+    assert [(r.sample_ids, r.lengths) for r in rows] == [((7, 8), (4, 5)), ((9,), (3,)), ((10,), (12,))]
+    assert pack_rows(np.array([1, 2]), np.array([20, 2]), budget=10, longest=16)[0].lengths == (16,)
+
+
+def test_held_out_rows_keep_what_training_keeps() -> None:
+    """At K = 8 the evaluation packs rows of tokens_per_step / 4 tokens, but a longer held-out sample is evaluated
+    up to tokens_per_step, as training reads it, not cut at the row size (which dropped its reply's end)."""
+    split = SimpleNamespace(eval_ids=np.array([1, 2, 3]), eval_lengths=np.array([40, 100, 300]))
+    trainer = SimpleNamespace(cfg=SimpleNamespace(depths=8, tokens_per_step=256), eval_set=split)
+    assert [r.lengths for r in eval_plans(trainer)] == [(40,), (100,), (256,)]
+    trainer.cfg.depths = 2  # rows of tokens_per_step: the samples that fit share one
+    assert [r.lengths for r in eval_plans(trainer)] == [(40, 100), (256,)]
 
 
 def test_truncation_counts_what_the_budget_cuts() -> None:
