@@ -15,8 +15,8 @@ the same replies (`core.loss.acceptance_walk`: on the target's greedy replies, t
 1.404 in bench/results/cod-cpu-2026-11-27), per-depth top-1 agreement, and the estimate and depth-0 agreement split
 by the bigram copy rule (`core/copying.py`): positions whose next token the rule gets right from the context, gets
 wrong, or has no guess for. `--depths K` measures a draft trained at more depths as vLLM serving K speculative
-tokens does (`export --speculative-tokens K`): only its depths 0..K-1 count. A class without positions (e.g. replies that never repeat a pair of tokens of their
-context) prints `-` for its figures (null in --json).
+tokens does (`export --speculative-tokens K`): only its depths 0..K-1 count. A class without positions (e.g.
+replies that never repeat a pair of tokens of their context) prints `-` for its figures (null in --json).
 """
 
 from __future__ import annotations

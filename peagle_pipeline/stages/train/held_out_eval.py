@@ -22,12 +22,15 @@ __all__ = ["eval_plans", "evaluate_held_out"]
 def eval_plans(trainer: Any) -> list[RowPlan]:
     """The held-out samples packed for a full-depth evaluation. A full-depth layout holds up to K elements per
     token, so rows pack about tokens_per_step / (K // 2) tokens; a longer sample fills a row alone, cut where
-    training cuts it (tokens_per_step), never at the row size: its last tokens, often the reply, are counted too."""
+    training cuts it (tokens_per_step), not at the row size: its last tokens, often the reply, are counted too.
+
+    A run that splits its rows into sequence partitions to fit memory keeps the row size as the cut: the
+    evaluation runs a row in one piece, and a whole tokens_per_step row at K elements per token may not fit.
+    """
     K, tokens = trainer.cfg.depths, trainer.cfg.tokens_per_step
     budget = max(64, tokens // max(1, K // 2))
-    return pack_rows(
-        trainer.eval_set.eval_ids, trainer.eval_set.eval_lengths, budget, longest=max(budget, tokens)
-    )
+    longest = budget if trainer.cfg.sequence_partitions > 1 else max(budget, tokens)
+    return pack_rows(trainer.eval_set.eval_ids, trainer.eval_set.eval_lengths, budget, longest=longest)
 
 
 @torch.no_grad()

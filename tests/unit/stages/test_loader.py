@@ -50,9 +50,12 @@ def test_held_out_rows_keep_what_training_keeps() -> None:
     """At K = 8 the evaluation packs rows of tokens_per_step / 4 tokens, but a longer held-out sample is evaluated
     up to tokens_per_step, as training reads it, not cut at the row size (which dropped its reply's end)."""
     split = SimpleNamespace(eval_ids=np.array([1, 2, 3]), eval_lengths=np.array([40, 100, 300]))
-    trainer = SimpleNamespace(cfg=SimpleNamespace(depths=8, tokens_per_step=256), eval_set=split)
+    cfg = SimpleNamespace(depths=8, tokens_per_step=256, sequence_partitions=1)
+    trainer = SimpleNamespace(cfg=cfg, eval_set=split)
     assert [r.lengths for r in eval_plans(trainer)] == [(40,), (100,), (256,)]
-    trainer.cfg.depths = 2  # rows of tokens_per_step: the samples that fit share one
+    cfg.sequence_partitions = 4  # a run that partitions to fit memory: rows stay at the row size
+    assert [r.lengths for r in eval_plans(trainer)] == [(40,), (64,), (64,)]
+    cfg.depths, cfg.sequence_partitions = 2, 1  # rows of tokens_per_step: the samples that fit share one
     assert [r.lengths for r in eval_plans(trainer)] == [(40, 100), (256,)]
 
 
