@@ -75,9 +75,8 @@ def vllm_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env.pop("PEAGLE_DEBUG", None)
-    env.pop(
-        "VLLM_ENABLE_V1_MULTIPROCESSING", None
-    )  # each CLI decides (an in-process engine here may have set it)
+    # each CLI decides whether vLLM runs in-process (an in-process engine of this session may have set it)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     return env
 
 
