@@ -45,7 +45,7 @@ def truncation(split: DataSplit, budget: int) -> tuple[int, int, int, int]:
 
 def pack_rows(ids: np.ndarray, lengths: np.ndarray, budget: int, longest: int | None = None) -> list[RowPlan]:
     """Greedy packing in the given order: append to the open row while it fits, else start a new row. Each sample
-    is cut to `longest` rows (default `budget`); one longer than `budget` fills a row alone.
+    is cut to `longest` tokens (default `budget`); one longer than `budget` fills a row alone.
 
     Example: budget 10, lengths [4, 5, 3, 12] -> rows [4, 5], [3], [10 (truncated from 12)]; with longest 16 the
     last row is [12].
