@@ -6,8 +6,8 @@ SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised) with ShareGPT prompts. Every row 
 budget (steps x tokens_per_step) and measured by `peagle-pipeline evaluate` in vLLM on MT-Bench (80 first turns)
 and on held-out ShareGPT prompts (records >= 17,000, never trained on), K = 4, T = 0:
 
-    data        off-policy (ShareGPT's own replies) | on-policy single-turn | on-policy multi-turn (sampled)
-    curve       the main draft: every cache of the run (on- and off-policy), trained longer; AL against training
+    data        off-policy (ShareGPT's own replies) | on-policy multi-turn (every reply regenerated, sampled)
+    curve       the main draft: both caches of the run (on- and off-policy), trained longer; AL against training
                 tokens (vLLM at checkpoints, trainer estimate)
     speed       the main draft at concurrency 1 (SPEC 4b): AL and tokens/s with and without it
 
@@ -17,9 +17,8 @@ docs/results/what-we-learned.md says where the time goes and how hosts of this c
 doc from DIR/quality.json alone; QUALITY_DIR and QUALITY_DOC (make) put a second run beside the first.
 
 Every stage is the real CLI in a subprocess (`generate` and `evaluate` in .venv-vllm, `extract` and `train` in .venv),
-and every stage resumes, so a re-run only does what is missing. The single-turn data is the first reply of each
-multi-turn conversation (`generate` draws each reply from its own seed, so turn 1 is the same either way): cut from
-the multi-turn rows instead of generated twice. Writes DIR/quality.json (every figure), DIR/*.png and the doc.
+and every stage resumes, so a re-run only does what is missing. Writes DIR/quality.json (every figure), DIR/*.png and
+the doc.
 """
 
 from __future__ import annotations
@@ -113,24 +112,6 @@ def write_sources(root: Path, n_train: int, n_heldout: int) -> tuple[Path, Path]
             break
     write_atomic(heldout, "".join(prompts))
     return train, heldout
-
-
-def first_turn_rows(multi: Path, out: Path) -> Path:
-    """Single-turn on-policy rows: each multi-turn row cut right after its first generated reply."""
-    if out.exists():
-        return out
-    rows = []
-    for file in sorted(multi.glob("rows-rank*.jsonl")):
-        for line in file.read_text(encoding="utf-8").splitlines():
-            row = json.loads(line)
-            ids, mask = row["input_ids"], row["loss_mask"]
-            start = mask.index(1)
-            end = start
-            while end < len(mask) and mask[end]:
-                end += 1
-            rows.append(json.dumps({"input_ids": ids[:end], "loss_mask": mask[:end]}) + "\n")
-    write_atomic(out, "".join(rows))
-    return out
 
 
 def generate(root: Path, name: str, sources: Path, sampling: dict[str, Any], turns: str, s: dict) -> Path:
@@ -303,17 +284,16 @@ def main() -> int:
     multi = timed(
         "generate: on-policy multi-turn, sampled", generate, root, "multi-sampled", sources, SAMPLED, "all", s
     )
-    single = first_turn_rows(multi, root / "onpolicy" / "first-sampled.jsonl")
     caches = {
         "off-policy": timed("extract: off-policy", extract, root, "off-policy", sources, s),
-        "on-single": timed("extract: on-policy single-turn", extract, root, "on-single", single, s),
         "on-multi": timed("extract: on-policy multi-turn", extract, root, "on-multi", multi, s),
     }
     # Ablation at equal budget: the data rows. Settled questions left the run to keep it within the hour on a slower
     # host (their figures: docs/results/what-we-learned.md): the mask token (<|im_end|> against SPEC 5.3's rule,
     # +0.004), the loss on the replies only (-0.035 MT-Bench AL), greedy regeneration (-0.009 and -0.002 MT-Bench AL
-    # against sampled in the last two runs) and a second draft layer (-0.002 and
-    # -0.010 at equal steps); the time they took buys more data and steps for every row.
+    # against sampled in the last two runs), a second draft layer (-0.002 and -0.010 at equal steps) and single-turn
+    # regeneration (-0.006 and +0.004 MT-Bench AL against multi-turn in the last two runs, from a second extraction
+    # of the multi-turn cache's first turns); the time they took buys more data and steps for every row.
     steps = s["ablation_steps"]
     rows: dict[str, Path] = {}
     for name, cache in caches.items():

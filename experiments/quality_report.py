@@ -15,7 +15,6 @@ from quality_settings import (
     EVAL_CONCURRENCY,
     HELDOUT_FIRST_RECORD,
     LEARNED,
-    ON_POLICY_ROWS,
     REPO,
     SAMPLED,
     TRAIN,
@@ -209,7 +208,7 @@ def render_doc(summary: dict[str, Any], root: Path, doc: Path) -> str:
     ]
     if off:
         lines += ["", "On-policy against off-policy, same prompts and budget, in vLLM:", ""]
-        lines += [on_vs_off(r, off) for r in summary["rows"] if r["name"] in ON_POLICY_ROWS]
+        lines += [on_vs_off(r, off) for r in summary["rows"] if r is not off]  # every other row is on-policy
     extra = s.get("main_extra") or []  # absent in the reports of runs before the main draft took extra caches
     lines += [
         "",
@@ -226,8 +225,11 @@ def render_doc(summary: dict[str, Any], root: Path, doc: Path) -> str:
         lines += [
             f"The main draft trains on the {s['carrier']} cache and, beside it (`train --extra-cache`), on the "
             + (", ".join(extra[:-1]) + " and " + extra[-1] if len(extra) > 1 else extra[0])
-            + " caches, at no extra extraction. Its trainer estimates use the held-out samples of "
-            f"{s['carrier']}; `train` leaves the samples of those prompts in the other caches out of training.",
+            + (" caches" if len(extra) > 1 else " cache")
+            + ", the same run's data. Its trainer estimates use the held-out samples of "
+            f"{s['carrier']}; `train` leaves the samples of those prompts in the "
+            + ("other caches" if len(extra) > 1 else "other cache")
+            + " out of training.",
             "",
         ]
     lines += [

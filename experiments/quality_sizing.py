@@ -36,8 +36,8 @@ def scale_for(probe_tokens_per_s: float) -> dict[str, float]:
     """The scale that fits BUDGET_MIN x BUDGET_MARGIN on a host whose target forward runs `probe_tokens_per_s`.
 
     The reference run's minutes scale with the forward's speed: total(scale) = (fixed_min + per_scale_min x scale) x
-    reference / probe. E.g. a probe of 1,430 tokens/s, twice the reference's, predicts (15.6 + 39.0 x s) / 2
-    minutes: the largest scale, 2.0, fills 46.8 of them. At the reference's speed, 715, the scale is 1.031 and the
+    reference / probe. E.g. a probe of 2,145 tokens/s, three times the reference's, predicts (13.9 + 34.0 x s) / 3
+    minutes: the largest scale, 3.0, fills 38.6 of them. At the reference's speed, 715, the scale is 1.232 and the
     prediction 55.8 minutes (93 % of 60).
     """
     ratio = (
@@ -53,15 +53,22 @@ def scale_for(probe_tokens_per_s: float) -> dict[str, float]:
     }
 
 
-def auto_scale(root: Path) -> dict[str, float]:
-    """`scale_for` this host, from a timed target forward (`probe`).
+PROBES = 2  # timed forwards per sizing; the faster one sizes the run
 
+
+def auto_scale(root: Path) -> dict[str, Any]:
+    """`scale_for` this host, from the faster of PROBES timed target forwards (`probe`).
+
+    One probe can read low: on 2026-11-27 one read 887 tokens/s at the start of a run on a host where three later
+    probes read 1,001 to 1,017 and the run's stages ran at the speed of a 1,000 tokens/s host (49.4 minutes where 887
+    predicted 55.8). Whatever else runs only slows a probe down, so the faster reading is the host's.
     Kept in DIR/scale.json: a re-run (after an interruption) keeps the sizes its finished stages were made with.
     """
     path = root / "scale.json"
     if path.exists():
         return json.loads(path.read_text())
-    out = scale_for(probe())
+    readings = [probe() for _ in range(PROBES)]
+    out: dict[str, Any] = {**scale_for(max(readings)), "probe_readings": [round(r, 1) for r in readings]}
     root.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(out, indent=2) + "\n")
     return out
