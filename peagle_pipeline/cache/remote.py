@@ -50,6 +50,26 @@ def describe_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
+class _AbandonedTasks(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" records (a traceback each).
+
+    When the link drops mid-upload, s3fs's requests fail on fsspec's event loop; botocore retries and then raises
+    one error, which `RemoteCache._errors` turns into the one line the user sees, but the failed requests' aiohttp
+    tasks are collected along the way, before or after that line, and asyncio would print each of them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "exception was never retrieved" not in record.getMessage()
+
+
+def _quiet_abandoned_tasks() -> None:
+    """Install `_AbandonedTasks` on the asyncio logger once; PEAGLE_DEBUG=1 keeps the records."""
+    asyncio_log = logging.getLogger("asyncio")
+    if os.environ.get("PEAGLE_DEBUG") != "1" and not any(
+        isinstance(f, _AbandonedTasks) for f in asyncio_log.filters
+    ):
+        asyncio_log.addFilter(_AbandonedTasks())
+
+
 class RemoteCache:
     """The cache at `url` on an object store, written through the local `staging` directory.
 
@@ -59,6 +79,7 @@ class RemoteCache:
 
     def __init__(self, url: str, staging: str | os.PathLike[str] | None = None) -> None:
         self.url = url.rstrip("/")
+        _quiet_abandoned_tasks()
         try:
             import fsspec
 
@@ -95,9 +116,8 @@ class RemoteCache:
         except (BadInput, Busy, OutputExists, ResumeMismatch, IncompatibleCache):
             raise
         except Exception as err:  # s3fs/aiohttp/botocore raise many types
-            # The failed call leaves its other requests' tasks behind on fsspec's event loop; when they are
-            # collected, asyncio would print "Task exception was never retrieved" and a traceback for each (seen
-            # when the link drops mid-upload). The one line below says what happened.
+            # The one line below says what happened: asyncio's later complaints about the failed call's other
+            # requests (unclosed sessions, abandoned tasks) would only repeat it. Earlier ones: `_AbandonedTasks`.
             logging.getLogger("asyncio").disabled = True
             raise BadInput(f"cannot {doing} {self.url}: {describe_error(err)}{after}") from None
 
