@@ -175,8 +175,8 @@ def render_doc(summary: dict[str, Any], root: Path, doc: Path) -> str:
         + sizing_text(summary.get("sizing") or {}, s.get("scale", 1.0)),
         "",
         f"Target SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised). Sources: the first {s['source_conversations']} "
-        f"ShareGPT records; held-out prompts: the first {s['heldout_prompts']} first user turns of records >= "
-        f"{HELDOUT_FIRST_RECORD}. Draft: {s['train']['draft_layers']} layer, K = {s['train']['depths']}, "
+        f"ShareGPT records{_sources_note(s)}; held-out prompts: the first {s['heldout_prompts']} first user turns of "
+        f"records >= {HELDOUT_FIRST_RECORD}. Draft: {s['train']['draft_layers']} layer, K = {s['train']['depths']}, "
         f"Vd = {s['train']['draft_vocab_size']}, {s['train']['tokens_per_step']} tokens per step, lr "
         f"{s['train']['lr']}, COD ratio {s['train']['down_sample_ratio']} / floor "
         f"{s['train']['down_sample_ratio_min']}, loss on {_LOSS[s['train']['loss_positions']]} unless a row says "
@@ -226,6 +226,11 @@ def render_doc(summary: dict[str, Any], root: Path, doc: Path) -> str:
             f"The main draft trains on the {s['carrier']} cache and, beside it (`train --extra-cache`), on the "
             + (", ".join(extra[:-1]) + " and " + extra[-1] if len(extra) > 1 else extra[0])
             + (" caches" if len(extra) > 1 else " cache")
+            + (
+                f" (the next {s['source_conversations']} records' original replies)"
+                if "off-policy-more" in extra
+                else ""
+            )
             + ", the same run's data. Its trainer estimates use the held-out samples of "
             f"{s['carrier']}; `train` leaves the samples of those prompts in the "
             + ("other caches" if len(extra) > 1 else "other cache")
@@ -274,6 +279,17 @@ def render_doc(summary: dict[str, Any], root: Path, doc: Path) -> str:
 
 
 _LOSS = {"all": "every position (`--loss-positions all`)", "assistant": "the replies"}
+
+
+def _sources_note(s: dict[str, Any]) -> str:
+    """How the off-policy caches were cut, for runs that cut them shorter than the on-policy rows."""
+    off_len = s.get("off_policy_max_length")  # absent in the reports of runs before 2026-11-28
+    if off_len is None or off_len == s["max_length"]:
+        return ""
+    return (
+        f" (and, for the main draft's second off-policy cache, the next {s['source_conversations']}); "
+        f"on-policy rows cut at {s['max_length']} tokens, off-policy ones at {off_len}"
+    )
 
 
 def on_vs_off(on: dict[str, Any], off: dict[str, Any]) -> str:

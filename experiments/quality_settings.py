@@ -18,13 +18,17 @@ HELDOUT_FIRST_RECORD = 17_000  # ShareGPT records at or after this one are never
 # The data that carries the curve: `generate`'s default (every reply regenerated, sampled).
 # Fixed rather than picked from the data rows' AL, so that every draft is measured in one `evaluate` run.
 CARRIER = "on-multi"
-# The main draft trains on the carrier and, through `train --extra-cache`, on the off-policy cache (+0.007 on MT-Bench,
-# +0.016 held-out; docs/results/what-we-learned.md). Its held-out samples stay the carrier's, and train leaves the extra
-# cache's samples of their prompts out of training, so its trainer estimate stays held-out. The single-turn row left
-# the run on 2026-11-27: its cache is the carrier's first turns again (3.6 of the hour's minutes to extract them a
-# second time), and it read within the noise of the multi-turn row (-0.006 and +0.004 MT-Bench AL in the last two
-# runs); the minutes go to data and steps.
-MAIN_EXTRA = ("off-policy",)
+# The main draft trains on the carrier and, through `train --extra-cache`, on the off-policy caches (+0.007 on MT-Bench,
+# +0.016 held-out for the first one; docs/results/what-we-learned.md). Its held-out samples stay the carrier's, and
+# train leaves the extra caches' samples of their prompts out of training, so its trainer estimate stays held-out.
+# The off-policy caches keep each conversation's first `off_policy_max_length` tokens (BASE): "off-policy" holds the
+# carrier's records (the ablation's off-policy row, same prompts), "off-policy-more" the next `source_conversations`
+# records, for the main draft only. Twice the prompts in about the tokens and minutes that the carrier's records took
+# at 1,024 tokens: MT-Bench and the held-out set measure a first turn and 64 new tokens (positions below about 400),
+# and more distinct data is the one lever that has moved this draft (what-we-learned.md). The single-turn row left
+# the run on 2026-11-27: its cache is the carrier's first turns again, and it read within the noise of the multi-turn
+# row (-0.006 and +0.004 MT-Bench AL in its last two runs).
+MAIN_EXTRA = ("off-policy", "off-policy-more")
 
 # Sizes at --scale 1. `--scale auto` (the default) sizes the run to BUDGET_MIN on this host: the data and step budgets
 # scale, the evaluation (a fixed count of prompts, so that rows stay comparable) does not. Hosts of one class differ
@@ -45,7 +49,8 @@ BASE = {
     "mtbench_prompts": 80,
     "max_new_tokens": 160,
     "max_prompt_tokens": 768,
-    "max_length": 1024,
+    "max_length": 1024,  # the on-policy cache's rows (a prompt of up to 768 tokens and its replies)
+    "off_policy_max_length": 512,  # see MAIN_EXTRA
     "ablation_steps": 200,
     "main_steps": 1800,
     "curve_points": 3,

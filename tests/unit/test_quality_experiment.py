@@ -1,8 +1,10 @@
-"""`make quality`'s own arithmetic (experiments/quality_sizing.py, quality_report.py): the size `--scale auto` picks
-for a host, `--scale`'s parsing and the learning curve's log fit. The run itself takes an hour (`make quality`)."""
+"""`make quality`'s own arithmetic (experiments/quality_sizing.py, quality_report.py, quality.py): the size `--scale auto`
+picks for a host, `--scale`'s parsing, the learning curve's log fit and which records feed which cache. The run itself
+takes an hour (`make quality`)."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -11,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
 
+import quality  # noqa: E402
 from quality_report import fit_log_curve  # noqa: E402
 from quality_settings import BUDGET_MARGIN, BUDGET_MIN, REFERENCE, SCALE_RANGE, QualityError  # noqa: E402
 from quality_sizing import parse_scale, scale_for  # noqa: E402
@@ -57,3 +60,35 @@ def test_log_fit_recovers_an_exact_curve() -> None:
 def test_log_fit_needs_two_measured_points() -> None:
     assert fit_log_curve([(1e6, 1.4), (2e6, None)]) is None
     assert fit_log_curve([(1e6, 1.4), (1e6, 1.41)]) is None  # one x: no slope
+
+
+def _sharegpt(path: Path, n: int) -> None:
+    """`n` one-exchange ShareGPT records: record i asks "question i"."""
+    records = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"question {i}"},
+                {"from": "gpt", "value": f"answer {i}"},
+            ]
+        }
+        for i in range(n)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_the_second_off_policy_cache_gets_the_next_records_and_never_held_out_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _sharegpt(tmp_path / "sharegpt.jsonl", 40)
+    monkeypatch.setattr(quality, "SHAREGPT", tmp_path / "sharegpt.jsonl")
+    monkeypatch.setattr(quality, "HELDOUT_FIRST_RECORD", 30)
+    train, more, heldout = quality.write_sources(tmp_path / "run", 12, 5)
+    questions = [json.loads(line)["conversations"][0]["value"] for line in train.read_text().splitlines()]
+    assert questions == [f"question {i}" for i in range(12)]
+    questions = [json.loads(line)["conversations"][0]["value"] for line in more.read_text().splitlines()]
+    assert questions == [f"question {i}" for i in range(12, 24)]
+    assert [json.loads(line)["prompt"] for line in heldout.read_text().splitlines()] == [
+        f"question {i}" for i in range(30, 35)
+    ]
+    with pytest.raises(QualityError, match="held-out"):
+        quality.write_sources(tmp_path / "too-many", 16, 5)
