@@ -290,14 +290,14 @@ def main() -> int:
     multi = timed(
         "generate: on-policy multi-turn, sampled", generate, root, "multi-sampled", sources, SAMPLED, "all", s
     )
-    off_len = s["off_policy_max_length"]
+    cut = s["max_length"]
     caches = {
-        "off-policy": timed("extract: off-policy", extract, root, "off-policy", sources, off_len),
-        "on-multi": timed("extract: on-policy multi-turn", extract, root, "on-multi", multi, s["max_length"]),
+        "off-policy": timed("extract: off-policy", extract, root, "off-policy", sources, cut),
+        "on-multi": timed("extract: on-policy multi-turn", extract, root, "on-multi", multi, cut),
     }
     main_only = {
         "off-policy-more": timed(
-            "extract: off-policy, the next records", extract, root, "off-policy-more", more_sources, off_len
+            "extract: off-policy, the next records", extract, root, "off-policy-more", more_sources, cut
         )
     }
     # Ablation at equal budget: the data rows. Settled questions left the run to keep it within the hour on a slower

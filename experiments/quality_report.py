@@ -207,7 +207,13 @@ def render_doc(summary: dict[str, Any], root: Path, doc: Path) -> str:
         "regenerated, sampled).",
     ]
     if off:
-        lines += ["", "On-policy against off-policy, same prompts and budget, in vLLM:", ""]
+        cut = s.get("off_policy_max_length")
+        cut_note = (
+            f" (the off-policy row's samples cut at {cut} tokens, the on-policy rows' at {s['max_length']})"
+            if cut and cut != s["max_length"]
+            else ""
+        )
+        lines += ["", f"On-policy against off-policy, same prompts and budget{cut_note}, in vLLM:", ""]
         lines += [on_vs_off(r, off) for r in summary["rows"] if r is not off]  # every other row is on-policy
     extra = s.get("main_extra") or []  # absent in the reports of runs before the main draft took extra caches
     lines += [
@@ -282,13 +288,17 @@ _LOSS = {"all": "every position (`--loss-positions all`)", "assistant": "the rep
 
 
 def _sources_note(s: dict[str, Any]) -> str:
-    """How the off-policy caches were cut, for runs that cut them shorter than the on-policy rows."""
-    off_len = s.get("off_policy_max_length")  # absent in the reports of runs before 2026-11-28
-    if off_len is None or off_len == s["max_length"]:
+    """The main draft's second off-policy cache and where samples were cut (runs since 2026-11-27 evening)."""
+    if "off-policy-more" not in (s.get("main_extra") or []):
         return ""
+    off_len = s.get("off_policy_max_length", s["max_length"])
+    cut = (
+        f"samples cut at {s['max_length']} tokens"
+        if off_len == s["max_length"]
+        else f"on-policy samples cut at {s['max_length']} tokens, off-policy ones at {off_len}"
+    )
     return (
-        f" (and, for the main draft's second off-policy cache, the next {s['source_conversations']}); "
-        f"on-policy rows cut at {s['max_length']} tokens, off-policy ones at {off_len}"
+        f" (and, for the main draft's second off-policy cache, the next {s['source_conversations']}); {cut}"
     )
 
 

@@ -21,11 +21,10 @@ CARRIER = "on-multi"
 # The main draft trains on the carrier and, through `train --extra-cache`, on the off-policy caches (+0.007 on MT-Bench,
 # +0.016 held-out for the first one; docs/results/what-we-learned.md). Its held-out samples stay the carrier's, and
 # train leaves the extra caches' samples of their prompts out of training, so its trainer estimate stays held-out.
-# The off-policy caches keep each conversation's first `off_policy_max_length` tokens (BASE): "off-policy" holds the
-# carrier's records (the ablation's off-policy row, same prompts), "off-policy-more" the next `source_conversations`
-# records, for the main draft only. Twice the prompts in about the tokens and minutes that the carrier's records took
-# at 1,024 tokens: MT-Bench and the held-out set measure a first turn and 64 new tokens (positions below about 400),
-# and more distinct data is the one lever that has moved this draft (what-we-learned.md). The single-turn row left
+# "off-policy" holds the carrier's records (the ablation's off-policy row, same prompts), "off-policy-more" the next
+# `source_conversations` records, for the main draft only: twice the off-policy prompts in about the minutes that the
+# carrier's records took at 1,024 tokens, and +0.026 MT-Bench AL for the main draft at equal steps (2026-11-27). Every
+# cache keeps each conversation's first `max_length` tokens (BASE). The single-turn row left
 # the run on 2026-11-27: its cache is the carrier's first turns again, and it read within the noise of the multi-turn
 # row (-0.006 and +0.004 MT-Bench AL in its last two runs).
 MAIN_EXTRA = ("off-policy", "off-policy-more")
@@ -49,8 +48,10 @@ BASE = {
     "mtbench_prompts": 80,
     "max_new_tokens": 160,
     "max_prompt_tokens": 768,
-    "max_length": 1024,  # the on-policy cache's rows (a prompt of up to 768 tokens and its replies)
-    "off_policy_max_length": 512,  # see MAIN_EXTRA
+    # Every cache's samples cut here. MT-Bench and the held-out set measure a first turn and 64 new tokens (positions
+    # below about 400); at equal steps the on-policy row at 512 read +0.024 / +0.026 AL over the same data at 1,024
+    # (2026-11-27, bench/results/quality-amd-2026-11-27c/on-multi-512/), and extraction is 1.5x faster.
+    "max_length": 512,
     "ablation_steps": 200,
     "main_steps": 1800,
     "curve_points": 3,
