@@ -24,9 +24,9 @@ CARRIER = "on-multi"
 # "off-policy" holds the carrier's records (the ablation's off-policy row, same prompts), "off-policy-more" the next
 # `source_conversations` records, for the main draft only: twice the off-policy prompts in about the minutes that the
 # carrier's records took at 1,024 tokens, and +0.026 MT-Bench AL for the main draft at equal steps (2026-11-27). Every
-# cache keeps each conversation's first `max_length` tokens (BASE). The single-turn row left
-# the run on 2026-11-27: its cache is the carrier's first turns again, and it read within the noise of the multi-turn
-# row (-0.006 and +0.004 MT-Bench AL in its last two runs).
+# cache keeps each conversation's first `max_length` tokens (BASE). The single-turn row left the run on 2026-11-27: its
+# cache is the carrier's first turns again, and it read within the noise of the multi-turn row (-0.006 and +0.004
+# MT-Bench AL in its last two runs).
 MAIN_EXTRA = ("off-policy", "off-policy-more")
 
 # Sizes at --scale 1. `--scale auto` (the default) sizes the run to BUDGET_MIN on this host: the data and step budgets
@@ -50,7 +50,8 @@ BASE = {
     "max_prompt_tokens": 768,
     # Every cache's samples cut here. MT-Bench and the held-out set measure a first turn and 64 new tokens (positions
     # below about 400); at equal steps the on-policy row at 512 read +0.024 / +0.026 AL over the same data at 1,024
-    # (2026-11-27, bench/results/quality-amd-2026-11-27c/on-multi-512/), and extraction is 1.5x faster.
+    # (2026-11-27, bench/results/quality-amd-2026-11-27c/on-multi-512/). A conversation whose first reply starts past
+    # this cut leaves no sample (501 of 582 on-policy samples kept at x 1.926).
     "max_length": 512,
     "ablation_steps": 200,
     "main_steps": 1800,
