@@ -12,7 +12,8 @@ and on held-out ShareGPT prompts (records >= 17,000, never trained on), K = 4, T
     speed       the main draft at concurrency 1 (SPEC 4b): AL and tokens/s with and without it
 
 The run is sized to an hour on the host it runs on (`--scale auto`: a timed forward of the target picks the factor for
-the data and step budgets; the evaluation does not scale). docs/results/quality.md gives each stage's time;
+the data and the ablation's steps, the main run's steps fill the minutes left after them; the evaluation does not
+scale). docs/results/quality.md gives each stage's time;
 docs/results/what-we-learned.md says where the time goes and how hosts of this class differ. `--render` re-writes the
 doc from DIR/quality.json alone; QUALITY_DIR and QUALITY_DOC (make) put a second run beside the first.
 
@@ -63,7 +64,7 @@ from quality_settings import (
     say,
     write_atomic,
 )
-from quality_sizing import auto_scale, bf16_units, compute_dtype_line, parse_scale
+from quality_sizing import auto_scale, bf16_units, compute_dtype_line, parse_scale, size_main_run
 
 
 def cli(python: Path, *args: str) -> None:
@@ -93,8 +94,8 @@ def flags(**opts: Any) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------- data
-def write_sources(root: Path, n_train: int, n_heldout: int) -> tuple[Path, Path, Path]:
-    """The first `n_train` ShareGPT records (training sources), the next `n_train` (the second off-policy cache's)
+def write_sources(root: Path, n_train: int, n_more: int, n_heldout: int) -> tuple[Path, Path, Path]:
+    """The first `n_train` ShareGPT records (training sources), the next `n_more` (the second off-policy cache's)
     and the first `n_heldout` first user turns of records >= 17,000 (held-out prompts)."""
     data = root / "data"
     data.mkdir(parents=True, exist_ok=True)
@@ -107,10 +108,10 @@ def write_sources(root: Path, n_train: int, n_heldout: int) -> tuple[Path, Path,
         return train, more, heldout
     with open(SHAREGPT, encoding="utf-8") as f:
         lines = f.readlines()
-    if 2 * n_train > HELDOUT_FIRST_RECORD:
-        raise QualityError(f"{2 * n_train} training records would reach the held-out records", 2)
+    if n_train + n_more > HELDOUT_FIRST_RECORD:
+        raise QualityError(f"{n_train + n_more} training records would reach the held-out records", 2)
     write_atomic(train, "".join(lines[:n_train]))
-    write_atomic(more, "".join(lines[n_train : 2 * n_train]))
+    write_atomic(more, "".join(lines[n_train : n_train + n_more]))
     prompts = []
     for line in lines[HELDOUT_FIRST_RECORD:]:
         turns = json.loads(line).get("conversations") or []
@@ -134,7 +135,8 @@ def generate(root: Path, name: str, sources: Path, sampling: dict[str, Any], tur
             backend="vllm",
             turns=turns,
             max_new_tokens=s["max_new_tokens"],
-            max_prompt_tokens=s["max_prompt_tokens"],
+            # A reply that starts past the cut leaves nothing in the cache: the conversation ends there.
+            max_prompt_tokens=s["max_length"],
             seed=0,
             chunk_size=s["generate_chunk"],
             **sampling,
@@ -255,23 +257,6 @@ def main() -> int:
             raise QualityError(
                 f"{need} is missing: run `make quality` (it installs and prepares everything)", 2
             )
-    scale = parse_scale(args.scale)
-    sizing: dict[str, Any] = {"scale": scale, "budget_min": None}
-    if scale is None:
-        sizing = {**auto_scale(root), "budget_min": BUDGET_MIN}
-        scale = sizing["scale"]
-        say(
-            f"target forward {sizing['probe_tokens_per_s']:.0f} tokens/s here: data and steps x {scale}, "
-            f"about {sizing['predicted_min']:.0f} of the {BUDGET_MIN:.0f} minutes"
-        )
-    s = dict(BASE)
-    s["scale"] = scale
-    # The held-out and MT-Bench prompt counts stay: the measurement is the same at every scale.
-    for key in ("source_conversations", "ablation_steps", "main_steps"):
-        s[key] = max(int(BASE[key] * scale), 8)
-    # Every curve point needs its own trainer estimate: main steps a multiple of curve points x estimates per point.
-    per_run = s["curve_points"] * EVALS_PER_RUN
-    s["main_steps"] = max(s["main_steps"] // per_run, 1) * per_run
     # Stage times persist in DIR/times.json, so an interrupted and re-run `make quality` reports the time of all
     # the work (a stage that was complete adds only the seconds it took to notice that).
     times_file = root / "times.json"
@@ -282,11 +267,31 @@ def main() -> int:
         start = time.time()
         out = fn(*a, **k)
         times[label] = times.get(label, 0.0) + time.time() - start
+        root.mkdir(parents=True, exist_ok=True)
         write_atomic(times_file, json.dumps(times, indent=2) + "\n")
         return out
 
+    scale = parse_scale(args.scale)
+    sizing: dict[str, Any] = {"scale": scale, "budget_min": None}
+    if scale is None:
+        sizing = {**timed("size: time the target's forward", auto_scale, root), "budget_min": BUDGET_MIN}
+        scale = sizing["scale"]
+        say(
+            f"target forward {sizing['probe_tokens_per_s']:.0f} tokens/s here: data and steps x {scale}, "
+            f"about {sizing['predicted_min']:.0f} of the {BUDGET_MIN:.0f} minutes"
+        )
+    s = dict(BASE)
+    s["scale"] = scale
+    # The held-out and MT-Bench prompt counts stay: the measurement is the same at every scale.
+    for key in ("source_conversations", "more_conversations", "ablation_steps", "main_steps"):
+        s[key] = max(int(BASE[key] * scale), 8)
+    # Every curve point needs its own trainer estimate: main steps a multiple of curve points x estimates per point.
+    per_run = s["curve_points"] * EVALS_PER_RUN
+    s["main_steps"] = max(s["main_steps"] // per_run, 1) * per_run
     # Data: the same source conversations, with their original replies or regenerated by the target.
-    sources, more_sources, heldout = write_sources(root, s["source_conversations"], s["heldout_prompts"])
+    sources, more_sources, heldout = write_sources(
+        root, s["source_conversations"], s["more_conversations"], s["heldout_prompts"]
+    )
     multi = timed(
         "generate: on-policy multi-turn, sampled", generate, root, "multi-sampled", sources, SAMPLED, "all", s
     )
@@ -310,7 +315,15 @@ def main() -> int:
     rows: dict[str, Path] = {}
     for name, cache in caches.items():
         rows[name] = timed(f"train: {name}", train, root, name, cache, steps)
-    # The learning curve: the carrier data trained longer, exported at evenly spaced checkpoints.
+    # The learning curve: the carrier data trained longer, exported at evenly spaced checkpoints. Under `auto` its
+    # steps fill the minutes left (quality_sizing.size_main_run); under `--scale` they are BASE's, scaled.
+    if sizing.get("budget_min"):
+        sizing["main"] = size_main_run(root, sizing, sum(times.values()), list(rows.values()), per_run)
+        s["main_steps"] = sizing["main"]["steps"]
+        say(
+            f"main run: {s['main_steps']:,} steps in the {sizing['main']['left_min']:.1f} minutes left "
+            f"({sizing['main']['step_s']:.3f} s a step in the ablation rows)"
+        )
     main_steps = s["main_steps"]
     every = max(main_steps // s["curve_points"], 1)
     main_run = timed(
@@ -324,7 +337,9 @@ def main() -> int:
         extra_cache=[str({**caches, **main_only}[name]) for name in MAIN_EXTRA],
     )
     curve_steps = [every * i for i in range(1, s["curve_points"] + 1) if every * i <= main_steps]
-    curve_exports = [export_checkpoint(main_run, st) for st in curve_steps]
+    curve_exports = timed(
+        "export: the curve's checkpoints", lambda: [export_checkpoint(main_run, st) for st in curve_steps]
+    )
     drop_checkpoints(main_run)
     # Every draft in one `evaluate` run: one engine setting, one plain-target baseline, the same prompts.
     report = timed(

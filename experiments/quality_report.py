@@ -207,10 +207,10 @@ def render_doc(summary: dict[str, Any], root: Path, doc: Path) -> str:
         "regenerated, sampled).",
     ]
     if off:
-        cut = s.get("off_policy_max_length")
+        cut = _off_policy_cut(s)
         cut_note = (
             f" (the off-policy row's samples cut at {cut} tokens, the on-policy rows' at {s['max_length']})"
-            if cut and cut != s["max_length"]
+            if cut != s["max_length"]
             else ""
         )
         lines += ["", f"On-policy against off-policy, same prompts and budget{cut_note}, in vLLM:", ""]
@@ -233,7 +233,7 @@ def render_doc(summary: dict[str, Any], root: Path, doc: Path) -> str:
             + (", ".join(extra[:-1]) + " and " + extra[-1] if len(extra) > 1 else extra[0])
             + (" caches" if len(extra) > 1 else " cache")
             + (
-                f" (the next {s['source_conversations']} records' original replies)"
+                f" (the next {_more_records(s)} records' original replies)"
                 if "off-policy-more" in extra
                 else ""
             )
@@ -291,15 +291,24 @@ def _sources_note(s: dict[str, Any]) -> str:
     """The main draft's second off-policy cache and where samples were cut (runs since 2026-11-27 evening)."""
     if "off-policy-more" not in (s.get("main_extra") or []):
         return ""
-    off_len = s.get("off_policy_max_length", s["max_length"])
+    off_len = _off_policy_cut(s)
     cut = (
         f"samples cut at {s['max_length']} tokens"
         if off_len == s["max_length"]
         else f"on-policy samples cut at {s['max_length']} tokens, off-policy ones at {off_len}"
     )
-    return (
-        f" (and, for the main draft's second off-policy cache, the next {s['source_conversations']}); {cut}"
-    )
+    return f" (and, for the main draft's second off-policy cache, the next {_more_records(s)}); {cut}"
+
+
+def _more_records(s: dict[str, Any]) -> int:
+    """The second off-policy cache's records: `more_conversations`, or as many as the sources before it had one."""
+    return int(s.get("more_conversations") or s["source_conversations"])
+
+
+def _off_policy_cut(s: dict[str, Any]) -> int:
+    """Where the off-policy caches' samples were cut: `max_length`, or its own setting in the reports of the runs
+    of 2026-11-27 evening that cut them apart from the on-policy ones."""
+    return int(s.get("off_policy_max_length") or s["max_length"])
 
 
 def on_vs_off(on: dict[str, Any], off: dict[str, Any]) -> str:

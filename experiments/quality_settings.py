@@ -22,9 +22,9 @@ CARRIER = "on-multi"
 # +0.016 held-out for the first one; docs/results/what-we-learned.md). Its held-out samples stay the carrier's, and
 # train leaves the extra caches' samples of their prompts out of training, so its trainer estimate stays held-out.
 # "off-policy" holds the carrier's records (the ablation's off-policy row, same prompts), "off-policy-more" the next
-# `source_conversations` records, for the main draft only: twice the off-policy prompts in about the minutes that the
-# carrier's records took at 1,024 tokens, and +0.026 MT-Bench AL for the main draft at equal steps (2026-11-27). Every
-# cache keeps each conversation's first `max_length` tokens (BASE). The single-turn row left the run on 2026-11-27: its
+# `more_conversations` records, for the main draft only (the next `source_conversations` records read +0.026 MT-Bench
+# AL for the main draft at equal steps, 2026-11-27; twice as many since every cache is cut at 384 tokens, which
+# extracts a record in 0.58x the time). Every cache keeps each conversation's first `max_length` tokens (BASE). The single-turn row left the run on 2026-11-27: its
 # cache is the carrier's first turns again, and it read within the noise of the multi-turn row (-0.006 and +0.004
 # MT-Bench AL in its last two runs).
 MAIN_EXTRA = ("off-policy", "off-policy-more")
@@ -38,23 +38,27 @@ MAIN_EXTRA = ("off-policy", "off-policy-more")
 # the three rows since dropped: evaluation 13.9 min (5 drafts and the plain target at 1.74 min each, then 3.4 at
 # concurrency 1), everything else 34.0 (39.0 less the single-turn row's extraction and training, 12.9 % of the scaled
 # stages in the AMD host's run of 2026-11-27). The probe read 700 to 725 tokens/s on that host (2026-11-27).
+# Since 2026-11-28 the main run's steps fill the minutes left after the stages before it (quality_sizing.size_main_run),
+# so this model sets the scale of the data and the ablation; the reference's minutes are its share of the hour.
 BUDGET_MIN = 60.0
 BUDGET_MARGIN = 0.93  # aim below the budget: stage times move by several % between runs of one host
 REFERENCE = {"probe_tokens_per_s": 715.0, "fixed_min": 13.9, "per_scale_min": 34.0}
 SCALE_RANGE = (0.3, 3.0)
 BASE = {
     "source_conversations": 400,
+    "more_conversations": 800,  # the off-policy-more cache's records (the ones after the sources)
     "heldout_prompts": 80,  # 24 could not separate rows (docs/results/what-we-learned.md, "The held-out rows on 200 prompts")
     "mtbench_prompts": 80,
     "max_new_tokens": 160,
-    "max_prompt_tokens": 768,
     # Every cache's samples cut here. MT-Bench and the held-out set measure a first turn and 64 new tokens (positions
-    # below about 400); at equal steps the on-policy row at 512 read +0.024 / +0.026 AL over the same data at 1,024
-    # (2026-11-27, bench/results/quality-amd-2026-11-27c/on-multi-512/). A conversation whose first reply starts past
-    # this cut leaves no sample (501 of 582 on-policy samples kept at x 1.926).
-    "max_length": 512,
+    # below about 400). At equal steps the on-policy row at 512 read +0.024 / +0.026 AL over the same data at 1,024
+    # (2026-11-27, bench/results/quality-amd-2026-11-27c/on-multi-512/), and at 384 -0.008 / +0.015 against 512,
+    # level, from 0.58x the extraction time (2026-11-28, bench/results/quality-amd-2026-11-28/on-multi-384/): the
+    # minutes saved buy more records. `generate` takes it as its `max_prompt_tokens`: a reply that would start past
+    # the cut is not generated (at 768 and a cut at 512, 14 % of the generated tokens were such replies).
+    "max_length": 384,
     "ablation_steps": 200,
-    "main_steps": 1800,
+    "main_steps": 1800,  # under `--scale auto` the main run's steps fill the minutes left instead (quality_sizing)
     "curve_points": 3,
     "eval_max_tokens": 64,
     "speed_prompts": 40,

@@ -4,6 +4,7 @@ a timed forward of the target."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -119,12 +120,84 @@ def compute_dtype_line() -> str | None:
         return None
 
 
+# The main run is sized last, from the minutes the stages before it left (`--scale auto` only): the scale above sizes
+# the data and the ablation, and a host that runs slower or faster than its probe said, or a resumed run, would
+# otherwise miss the hour (a resumed run of 2026-11-27 took 61.8 minutes). What stays after the main run is the
+# evaluation, whose minutes REFERENCE predicts from the probe; the margins below cover the worst hour seen so far.
+EVAL_SLACK = 1.1  # the evaluation took 0.97x and 1.12x its prediction in two runs of one host (2026-11-27)
+STEP_SLACK = 1.1  # the main run's steps took up to 1.12x the ablation rows' median step in a slowing hour
+MAIN_OVERHEAD_S = (
+    75.0  # its start, 12 held-out estimates, 3 checkpoints and the curve's exports (about 60 s measured)
+)
+FINISH_MARGIN_MIN = 0.5
+
+
+def median_step_s(runs: list[Path]) -> float | None:
+    """The median seconds per step that `train` logged (RUN/metrics.jsonl) over `runs`; None when none logged."""
+    times = []
+    for run in runs:
+        path = run / "metrics.jsonl"
+        if path.exists():
+            for line in path.read_text().splitlines():
+                record = json.loads(line)
+                if record.get("kind") == "train" and record.get("step_time"):
+                    times.append(float(record["step_time"]))
+    return statistics.median(times) if times else None
+
+
+def main_steps_for(spent_s: float, step_s: float, probe_tokens_per_s: float, multiple: int) -> dict[str, Any]:
+    """Steps for the main run so that the run ends within BUDGET_MIN: the minutes left after `spent_s` seconds of
+    stages, less the evaluation's predicted minutes (x EVAL_SLACK), the main run's overhead and FINISH_MARGIN_MIN,
+    at `step_s` (x STEP_SLACK) a step; rounded down to a multiple of `multiple`, at least `multiple`.
+
+    E.g. 27 minutes spent, 0.33 s a step, a probe of 1,017 tokens/s: the evaluation is predicted at
+    13.9 x 715 / 1,017 = 9.8 minutes, so 60 - 0.5 - 27 - 10.7 - 1.25 = 20.5 minutes are left for 3,384 steps of
+    0.363 s (a multiple of 12: 3,384).
+    """
+    eval_min = REFERENCE["fixed_min"] * REFERENCE["probe_tokens_per_s"] / probe_tokens_per_s
+    left_s = (BUDGET_MIN - FINISH_MARGIN_MIN - eval_min * EVAL_SLACK) * 60 - spent_s - MAIN_OVERHEAD_S
+    steps = max(int(left_s / (step_s * STEP_SLACK)) // multiple * multiple, multiple)
+    return {
+        "steps": steps,
+        "step_s": round(step_s, 4),
+        "spent_min": round(spent_s / 60, 1),
+        "left_min": round(left_s / 60, 1),
+        "eval_predicted_min": round(eval_min, 1),
+    }
+
+
+def size_main_run(
+    root: Path, sizing: dict[str, Any], spent_s: float, rows: list[Path], multiple: int
+) -> dict[str, Any]:
+    """`main_steps_for` from the rows' measured step time, kept in DIR/main.json so that a re-run keeps it."""
+    path = root / "main.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    step_s = median_step_s(rows)
+    if step_s is None:
+        raise QualityError(f"no step times in {', '.join(str(r / 'metrics.jsonl') for r in rows)}", 1)
+    out = main_steps_for(spent_s, step_s, sizing["probe_tokens_per_s"], multiple)
+    write_atomic(path, json.dumps(out, indent=2) + "\n")
+    return out
+
+
 def sizing_text(sizing: dict[str, Any], scale: float) -> str:
-    """The report's sentence on the run's size: the factor, and how `auto` chose it."""
+    """The report's sentence on the run's size: the factor, and how `auto` chose it and the main run's steps."""
     if sizing.get("budget_min"):
+        main = sizing.get("main")
+        if not main:  # the runs before 2026-11-28 scaled the main run's steps with the rest
+            return (
+                f" Data and step budgets x {scale} (`--scale auto`: the target's forward ran "
+                f"{sizing['probe_tokens_per_s']:.0f} tokens/s here, which predicted {sizing['predicted_min']:.0f} "
+                f"minutes for {sizing['budget_min']:.0f} of budget)."
+            )
         return (
-            f" Data and step budgets x {scale} (`--scale auto`: the target's forward ran "
-            f"{sizing['probe_tokens_per_s']:.0f} tokens/s here, which predicted {sizing['predicted_min']:.0f} "
-            f"minutes for {sizing['budget_min']:.0f} of budget)."
+            f" Data and ablation step budgets x {scale} (`--scale auto`: the target's forward ran "
+            f"{sizing['probe_tokens_per_s']:.0f} tokens/s here)."
+            + (
+                f" The main run's {main['steps']:,} steps were sized from the {main['left_min']:.1f} minutes left "
+                f"for them after {main['spent_min']:.1f} minutes of stages before it and the evaluation's predicted "
+                f"{main['eval_predicted_min']:.1f}, at the ablation rows' {main['step_s']:.3f} s a step."
+            )
         )
     return f" Data and step budgets x {scale} (`--scale`)." if scale != 1.0 else ""
