@@ -277,8 +277,8 @@ def main() -> int:
         sizing = {**timed("size: time the target's forward", auto_scale, root), "budget_min": BUDGET_MIN}
         scale = sizing["scale"]
         say(
-            f"target forward {sizing['probe_tokens_per_s']:.0f} tokens/s here: data and steps x {scale}, "
-            f"about {sizing['predicted_min']:.0f} of the {BUDGET_MIN:.0f} minutes"
+            f"target forward {sizing['probe_tokens_per_s']:.0f} tokens/s here: data and ablation steps x {scale}; "
+            f"the main run gets what is left of the {BUDGET_MIN:.0f} minutes"
         )
     s = dict(BASE)
     s["scale"] = scale

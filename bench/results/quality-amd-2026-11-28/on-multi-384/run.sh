@@ -1,6 +1,7 @@
 #!/bin/bash
 # The on-multi ablation row with its cache cut at 384 tokens instead of 512 (equal steps), measured beside the 512
-# row of the run in .quality (2026-11-27 22:59, b677520) in one evaluate run. Run from the repository root.
+# row of the run then in .quality (make quality of 2026-11-27 22:59, b677520) in one evaluate run, 2026-11-28 00:46 to
+# 00:55 UTC on the AMD EPYC host, idle. Run from the repository root with that run in .quality.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 date
