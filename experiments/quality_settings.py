@@ -24,9 +24,9 @@ CARRIER = "on-multi"
 # "off-policy" holds the carrier's records (the ablation's off-policy row, same prompts), "off-policy-more" the next
 # `more_conversations` records, for the main draft only (the next `source_conversations` records read +0.026 MT-Bench
 # AL for the main draft at equal steps, 2026-11-27; twice as many since every cache is cut at 384 tokens, which
-# extracts a record in 0.58x the time). Every cache keeps each conversation's first `max_length` tokens (BASE). The single-turn row left the run on 2026-11-27: its
-# cache is the carrier's first turns again, and it read within the noise of the multi-turn row (-0.006 and +0.004
-# MT-Bench AL in its last two runs).
+# extracts a record in 0.58x the time). Every cache keeps each conversation's first `max_length` tokens (BASE). The
+# single-turn row left the run on 2026-11-27: its cache is the carrier's first turns again, and it read within the
+# noise of the multi-turn row (-0.006 and +0.004 MT-Bench AL in its last two runs).
 MAIN_EXTRA = ("off-policy", "off-policy-more")
 
 # Sizes at --scale 1. `--scale auto` (the default) sizes the run to BUDGET_MIN on this host: the data and step budgets
@@ -38,8 +38,8 @@ MAIN_EXTRA = ("off-policy", "off-policy-more")
 # the three rows since dropped: evaluation 13.9 min (5 drafts and the plain target at 1.74 min each, then 3.4 at
 # concurrency 1), everything else 34.0 (39.0 less the single-turn row's extraction and training, 12.9 % of the scaled
 # stages in the AMD host's run of 2026-11-27). The probe read 700 to 725 tokens/s on that host (2026-11-27).
-# Since 2026-11-28 the main run's steps fill the minutes left after the stages before it (quality_sizing.size_main_run),
-# so this model sets the scale of the data and the ablation; the reference's minutes are its share of the hour.
+# Since 2026-11-28 the main run's steps fill the minutes left after the stages before it
+# (quality_sizing.size_main_run), so this model sets the scale of the data and the ablation only.
 BUDGET_MIN = 60.0
 BUDGET_MARGIN = 0.93  # aim below the budget: stage times move by several % between runs of one host
 REFERENCE = {"probe_tokens_per_s": 715.0, "fixed_min": 13.9, "per_scale_min": 34.0}

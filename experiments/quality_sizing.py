@@ -126,9 +126,8 @@ def compute_dtype_line() -> str | None:
 # evaluation, whose minutes REFERENCE predicts from the probe; the margins below cover the worst hour seen so far.
 EVAL_SLACK = 1.1  # the evaluation took 0.97x and 1.12x its prediction in two runs of one host (2026-11-27)
 STEP_SLACK = 1.1  # the main run's steps took up to 1.12x the ablation rows' median step in a slowing hour
-MAIN_OVERHEAD_S = (
-    75.0  # its start, 12 held-out estimates, 3 checkpoints and the curve's exports (about 60 s measured)
-)
+# the main run's start, 12 held-out estimates, 3 checkpoints and the curve's exports (about 60 s measured)
+MAIN_OVERHEAD_S = 75.0
 FINISH_MARGIN_MIN = 0.5
 
 

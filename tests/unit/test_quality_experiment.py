@@ -1,6 +1,6 @@
 """`make quality`'s own arithmetic (experiments/quality_sizing.py, quality_report.py, quality.py): the size `--scale auto`
-picks for a host, the main run's steps from the minutes left, `--scale`'s parsing, the learning curve's log fit and which records feed which cache. The run itself
-takes an hour (`make quality`)."""
+picks for a host, the main run's steps from the minutes left, `--scale`'s parsing, the learning curve's log fit and
+which records feed which cache. The run itself takes an hour (`make quality`)."""
 
 from __future__ import annotations
 
@@ -49,9 +49,8 @@ def test_the_main_run_fills_the_minutes_left() -> None:
     slower = main_steps_for(27 * 60, 0.40, 1017.0, 12)
     assert later["steps"] < got["steps"] and slower["steps"] < got["steps"]
     assert later["steps"] % 12 == 0 and slower["steps"] % 12 == 0
-    assert (
-        main_steps_for(70 * 60, 0.33, 1017.0, 12)["steps"] == 12
-    )  # nothing left: one curve's worth of steps
+    nothing_left = main_steps_for(70 * 60, 0.33, 1017.0, 12)
+    assert nothing_left["steps"] == 12  # one curve's worth of steps
 
 
 def test_the_main_run_is_sized_once_from_the_rows_step_times(tmp_path: Path) -> None:
