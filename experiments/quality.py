@@ -267,7 +267,6 @@ def main() -> int:
         start = time.time()
         out = fn(*a, **k)
         times[label] = times.get(label, 0.0) + time.time() - start
-        root.mkdir(parents=True, exist_ok=True)
         write_atomic(times_file, json.dumps(times, indent=2) + "\n")
         return out
 
