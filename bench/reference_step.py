@@ -34,10 +34,10 @@ def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def _rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
     ang = pos.float()[:, None] * inv_freq[None, :]  # [N, D/2], fp32 as transformers and vLLM
-    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None, :]
-    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None, :] * scale
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None, :] * scale
     half = x.shape[-1] // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
@@ -48,6 +48,7 @@ def reference_forward(
     """[N, H] final-normed hidden states of every element (fp32, no fused kernels)."""
     cfg = model.cfg
     eps, D = cfg.rms_norm_eps, cfg.head_dim
+    rope_scale = cfg.rope.attention_factor  # yarn's; 1 for the other RoPE types
     is_mask = layout.depth > 0
     ids = torch.where(is_mask, torch.tensor(cfg.mask_token_id), tokens[layout.target])
     emb = model.embed_tokens.weight[ids]
@@ -63,8 +64,12 @@ def reference_forward(
         else:
             residual, x = stream, _norm(stream, layer.input_layernorm.weight, eps)
         at = layer.self_attn
-        q = _rope((x @ at.q_proj.weight.T).view(N, cfg.num_heads, D), layout.position, model.inv_freq)
-        k = _rope((x @ at.k_proj.weight.T).view(N, cfg.num_kv_heads, D), layout.position, model.inv_freq)
+        q = _rope(
+            (x @ at.q_proj.weight.T).view(N, cfg.num_heads, D), layout.position, model.inv_freq, rope_scale
+        )
+        k = _rope(
+            (x @ at.k_proj.weight.T).view(N, cfg.num_kv_heads, D), layout.position, model.inv_freq, rope_scale
+        )
         v = (x @ at.v_proj.weight.T).view(N, cfg.num_kv_heads, D)
         rep = cfg.num_heads // cfg.num_kv_heads
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)

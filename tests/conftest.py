@@ -16,7 +16,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
 sys.path.insert(0, str(TESTS_DIR))
 
-from tiny import add_stop_bias, build_tiny_model, build_tiny_qwen3  # noqa: E402
+from tiny import add_stop_bias, build_tiny_gpt_oss, build_tiny_model, build_tiny_qwen3  # noqa: E402
 
 try:  # property-based tests draw the same examples every run, so CI is repeatable (HYPOTHESIS_PROFILE=explore varies them)
     from hypothesis import settings
@@ -65,6 +65,21 @@ def tiny_model(tiny_model_factory) -> Path:
 def tiny_qwen3(tmp_path_factory) -> Path:
     """A tiny random Qwen3ForCausalLM (QK-norm, 4 layers, hidden 64, fp32) with Qwen3's real chat template."""
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_yarn(tmp_path_factory) -> Path:
+    """The tiny Qwen3 with YaRN RoPE (Qwen3's long-context setting), from an original context of 32 positions x 8:
+    prompts and replies run past 32, so the interpolated frequencies and the attention factor both matter."""
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32}
+    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-yarn"), rope_parameters=yarn)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss(tmp_path_factory) -> Path:
+    """A tiny random GptOssForCausalLM (mixture of experts, attention biases and sinks, YaRN RoPE as gpt-oss sets
+    it), fp32, with the chatml tokenizer."""
+    return build_tiny_gpt_oss(tmp_path_factory.mktemp("tiny-gpt-oss"))
 
 
 @pytest.fixture(scope="session")

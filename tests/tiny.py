@@ -50,9 +50,15 @@ def build_qwen3_tokenizer(out_dir: str | Path, vocab_size: int = 400):
 
 
 def build_tiny_qwen3(
-    out_dir: str | Path, num_layers: int = 4, hidden_size: int = 64, vocab_size: int = 512, seed: int = 0
+    out_dir: str | Path,
+    num_layers: int = 4,
+    hidden_size: int = 64,
+    vocab_size: int = 512,
+    seed: int = 0,
+    rope_parameters: dict | None = None,
 ) -> Path:
-    """Save a random tiny Qwen3ForCausalLM (q_norm/k_norm, head_dim 32) with Qwen3's chat template; return the path."""
+    """Save a random tiny Qwen3ForCausalLM (q_norm/k_norm, head_dim 32) with Qwen3's chat template; return the path.
+    `rope_parameters` replaces the default RoPE (e.g. YaRN; its factor x original length sets the maximum length)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -73,6 +79,12 @@ def build_tiny_qwen3(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if rope_parameters is not None:
+        config.rope_parameters = {"rope_theta": 10000.0, **rope_parameters}
+        if "original_max_position_embeddings" in rope_parameters:
+            config.max_position_embeddings = int(
+                rope_parameters["original_max_position_embeddings"] * rope_parameters.get("factor", 1)
+            )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
     with torch.no_grad():  # as build_tiny_model; the QK norms get weights away from 1 so copying them shows
@@ -83,6 +95,43 @@ def build_tiny_qwen3(
                 p.uniform_(0.5, 1.5)
     model.to(torch.float32).save_pretrained(str(out))
     (out / "peagle_test_model.json").write_text(json.dumps({"template": "qwen3", "seed": seed}))
+    return out
+
+
+def build_tiny_gpt_oss(
+    out_dir: str | Path, num_layers: int = 4, hidden_size: int = 64, seed: int = 0
+) -> Path:
+    """Save a random tiny GptOssForCausalLM (mixture-of-experts MLPs, attention biases and sinks, alternating
+    sliding-window layers, YaRN RoPE with gpt-oss's settings from an original context of 32 positions) with the
+    chatml tokenizer; return the path."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out, "chatml")
+    yarn = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+    config = GptOssConfig(
+        vocab_size=512,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // 32,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
+        rope_parameters={**yarn, "rope_theta": 150000.0, "original_max_position_embeddings": 32},
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    GptOssForCausalLM(config).to(torch.float32).save_pretrained(str(out))
     return out
 
 

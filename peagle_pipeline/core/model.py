@@ -116,10 +116,13 @@ class PEagleDraft(nn.Module):
         self.norm.weight.copy_(pieces["norm.weight"].float())
 
     def rope(self, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [N, 1, D] (fp32) for LongTensor[N] positions."""
+        """cos, sin: [N, 1, D] (fp32) for LongTensor[N] positions (times yarn's attention factor, as vLLM's)."""
         freqs = position.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [N, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
-        return emb.cos(), emb.sin()
+        scale = self.cfg.rope.attention_factor
+        if scale == 1.0:
+            return emb.cos(), emb.sin()
+        return emb.cos() * scale, emb.sin() * scale
 
     def forward(
         self,

@@ -1,16 +1,21 @@
 """Rotary position embeddings of the draft (SPEC §5.3): the target's RoPE settings and their inverse frequencies.
 
-Pure torch: no I/O, no global state. Default, linear and llama3 scaling, computed as transformers and vLLM compute
-them; any other RoPE type (or partial rotary embeddings) is refused.
+Pure torch: no I/O, no global state. Default, linear, llama3 and YaRN scaling, computed as transformers and vLLM
+compute them; any other RoPE type (or partial rotary embeddings) is refused.
 
 Worked example: theta = 10000, head_dim = 4 gives inv_freq = [1, 10000**-0.5] = [1.0, 0.01]; linear scaling with
 factor 2 halves them to [0.5, 0.005]. Position p rotates the pair (x_i, x_{i + D/2}) by angle p * inv_freq[i].
+
+YaRN (gpt-oss, Qwen3 with its long-context setting, DeepSeek) blends the two per frequency: pairs that turn more than
+beta_fast times over the original context keep their frequency, pairs that turn less than beta_slow times are
+divided by the factor, a linear ramp in between; and cos and sin are multiplied by an attention factor (0.1 ln(factor)
++ 1 unless the config sets it), which scales every attention logit by its square. E.g. factor 4 gives 1.1386.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,7 +27,7 @@ __all__ = ["RopeSpec", "rope_inv_freq"]
 
 @dataclass(frozen=True, slots=True)
 class RopeSpec:
-    """Rotary embedding settings read from the target config (default, linear or llama3 scaling)."""
+    """Rotary embedding settings read from the target config (default, linear, llama3 or yarn scaling)."""
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -30,27 +35,60 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    """yarn: pairs turning more often than this over the original context keep their frequency."""
+    beta_slow: float = 1.0
+    """yarn: pairs turning less often than this are divided by the factor."""
+    truncate: bool = True
+    """yarn: round the ramp's ends to whole pairs (gpt-oss sets false)."""
+    attention_factor: float = 1.0
+    """cos and sin are multiplied by it (yarn's attention scaling; 1 for the other types)."""
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> RopeSpec:
-        """Read `rope_parameters` (transformers >= 5) or legacy `rope_theta` + `rope_scaling`."""
+        """Read `rope_parameters` (transformers >= 5) or legacy `rope_theta` + `rope_scaling`, resolving what
+        transformers derives: yarn's factor (max / original positions when unset) and attention factor."""
         params = dict(cfg.get("rope_scaling") or {})
         params.update(cfg.get("rope_parameters") or {})
         theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = str(params.get("rope_type", params.get("type", "default")))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise BadInput(f"target RoPE type {rope_type!r} is not supported (default, linear, llama3)")
+        if rope_type not in ("default", "linear", "llama3", "yarn"):
+            raise BadInput(f"target RoPE type {rope_type!r} is not supported (default, linear, llama3, yarn)")
         if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
             raise BadInput("target uses partial rotary embeddings, which the draft does not support")
-        return cls(
+        # a top-level original_max_position_embeddings (Phi-3 style) wins, as in transformers
+        original = int(
+            cfg.get("original_max_position_embeddings")
+            or params.get("original_max_position_embeddings")
+            or cfg.get("max_position_embeddings", 8192)
+        )
+        factor = float(params.get("factor") or 1.0)
+        spec = cls(
             theta=theta,
             rope_type=rope_type,
-            factor=float(params.get("factor", 1.0)),
+            factor=factor,
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(
-                params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
-            ),
+            original_max_position_embeddings=original,
+        )
+        if rope_type != "yarn":
+            return spec
+        if not params.get("factor"):
+            factor = int(cfg.get("max_position_embeddings", original)) / original
+        attention = params.get("attention_factor")
+        if attention is None:
+            mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+            if mscale and mscale_all_dim:
+                attention = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+            else:
+                attention = _yarn_mscale(factor)
+        return replace(
+            spec,
+            factor=float(factor),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            truncate=bool(params.get("truncate", True)),
+            attention_factor=float(attention),
         )
 
     def as_config(self) -> dict[str, Any]:
@@ -65,7 +103,21 @@ class RopeSpec:
                 high_freq_factor=self.high_freq_factor,
                 original_max_position_embeddings=self.original_max_position_embeddings,
             )
+        if self.rope_type == "yarn":  # every derived value written out, so that vLLM and transformers agree
+            out.update(
+                factor=self.factor,
+                original_max_position_embeddings=self.original_max_position_embeddings,
+                beta_fast=self.beta_fast,
+                beta_slow=self.beta_slow,
+                truncate=self.truncate,
+                attention_factor=self.attention_factor,
+            )
         return out
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context `factor` times longer: 0.1 * mscale * ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def rope_inv_freq(spec: RopeSpec, head_dim: int) -> torch.Tensor:
@@ -82,4 +134,28 @@ def rope_inv_freq(spec: RopeSpec, head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
         medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
         return torch.where(medium, smoothed, scaled)
+    if spec.rope_type == "yarn":
+        return _yarn_inv_freq(spec, head_dim)
     return inv
+
+
+def _yarn_inv_freq(spec: RopeSpec, dim: int) -> torch.Tensor:
+    """YaRN's blend of the original (extrapolated) and the factor-divided (interpolated) frequencies."""
+    pos_freqs = spec.theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (spec.factor * pos_freqs)
+
+    def pair_turning(
+        turns: float,
+    ) -> float:  # the pair index that turns `turns` times over the original context
+        context = spec.original_max_position_embeddings
+        return dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(spec.theta))
+
+    low, high = pair_turning(spec.beta_fast), pair_turning(spec.beta_slow)
+    if spec.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the pair keeps its original frequency
+    return interpolated * (1 - keep) + extrapolated * keep

@@ -2,7 +2,8 @@
 
 `proposals.compare_proposals` records every K-token proposal of vLLM's drafter on greedy replies and looks up the
 argmax of `PEagleDraft.forward_layout` at the same anchor and depth (the forward `train` optimises): they must be
-equal at every depth, for a 4-layer draft of the real SmolLM2 and a 2-layer draft of a Qwen3 (QK-norm) target. The
+equal at every depth, for a 4-layer draft of the real SmolLM2, a 2-layer draft of a Qwen3 (QK-norm) target, and
+1-layer drafts of targets with YaRN RoPE (a Qwen3 with its long-context setting, a gpt-oss). The
 acceptance that the walk over the replies implies must equal vLLM's own counters (but for the tokens a step
 accepted past `max_tokens`, which the reply does not show), so the recorded proposals are the ones vLLM verified;
 and `core.loss.acceptance_walk`, which the trainer reports as `acceptance_walk`, must count the same steps and
@@ -16,6 +17,7 @@ script form of `proposals.py` (docs/guides/serve.md).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -74,3 +76,25 @@ def test_two_layer_draft_of_qwen3(tiny_qwen3: Path, tmp_path: Path) -> None:
     )
     _sharpen(export, 3.0)
     _check(tiny_qwen3, export)
+
+
+def test_draft_of_a_yarn_target(tiny_qwen3_yarn: Path, tmp_path: Path) -> None:
+    """A target with YaRN RoPE (gpt-oss, Qwen3 past 32k): vLLM serves the exported rope_parameters (interpolated
+    frequencies, attention factor) as the draft computed them in training."""
+    export = make_random_draft(tiny_qwen3_yarn, tmp_path / "draft", [1, 2, 3], depths=K, draft_vocab_size=300)
+    layer = json.loads((export / "config.json").read_text())["transformer_layer_config"]
+    assert (
+        layer["rope_parameters"]["rope_type"] == "yarn" and layer["rope_parameters"]["attention_factor"] > 1
+    )
+    _sharpen(export, 3.0)
+    _check(tiny_qwen3_yarn, export)
+
+
+def test_draft_of_a_gpt_oss_target(tiny_gpt_oss: Path, tmp_path: Path) -> None:
+    """A gpt-oss target (mixture of experts, attention sinks, YaRN without truncation): the Llama draft layer with
+    the target's attention biases and rotation drafts in vLLM what it computes here."""
+    export = make_random_draft(tiny_gpt_oss, tmp_path / "draft", [1, 2, 3], depths=K, draft_vocab_size=300)
+    layer = json.loads((export / "config.json").read_text())["transformer_layer_config"]
+    assert layer["attention_bias"] is True and layer["rope_parameters"]["truncate"] is False
+    _sharpen(export, 3.0)
+    _check(tiny_gpt_oss, export)

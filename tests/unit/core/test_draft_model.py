@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -145,6 +147,95 @@ def test_rope_matches_transformers():
     assert legacy.theta == 1234.0 and legacy.rope_type == "linear" and legacy.factor == 2.0
 
 
+# YaRN as real targets set it: gpt-oss (truncate off), Qwen3's long-context setting, DeepSeek's mscale pair.
+YARN_TARGETS = {
+    "gpt-oss": (
+        {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0},
+        4096,
+        64,
+    ),
+    "qwen3-128k": ({"factor": 4.0, "rope_theta": 1000000.0}, 32768, 128),
+    "mscale-pair": (
+        {"factor": 40.0, "mscale": 0.707, "mscale_all_dim": 1.0, "rope_theta": 10000.0},
+        4096,
+        64,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(YARN_TARGETS))
+def test_yarn_rope_matches_transformers(name: str):
+    """The draft's YaRN frequencies and attention factor are transformers' (vLLM computes the same formula; the
+    vLLM tier checks the served draft token for token), for the target's config and for the exported one."""
+    import transformers
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip(f"rope_parameters configs are transformers 5 API (found {transformers.__version__})")
+    params, original, head_dim = YARN_TARGETS[name]
+    params = {**params, "rope_type": "yarn", "original_max_position_embeddings": original}
+
+    def hf_config(rope: dict) -> LlamaConfig:
+        heads = 4
+        return LlamaConfig(
+            hidden_size=heads * head_dim,
+            num_attention_heads=heads,
+            head_dim=head_dim,
+            rope_parameters=dict(rope),
+            max_position_embeddings=original * int(params["factor"]),
+        )
+
+    target = hf_config(params)
+    spec = RopeSpec.from_config(target.to_dict())
+    theirs, attention = ROPE_INIT_FUNCTIONS["yarn"](target, "cpu")
+    assert torch.equal(rope_inv_freq(spec, head_dim), theirs.float())
+    assert spec.attention_factor == pytest.approx(attention, rel=1e-12) and spec.attention_factor != 1.0
+    # the exported rope_parameters read back the same, by us and by transformers
+    exported = hf_config(spec.as_config())
+    assert RopeSpec.from_config(exported.to_dict()) == spec
+    again, again_attention = ROPE_INIT_FUNCTIONS["yarn"](exported, "cpu")
+    assert torch.equal(again, theirs) and again_attention == pytest.approx(attention, rel=1e-12)
+
+
+def test_yarn_factor_and_original_length_as_transformers_derives_them():
+    derived = RopeSpec.from_config(
+        {
+            "max_position_embeddings": 32768,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1e4,
+                "original_max_position_embeddings": 4096,
+            },
+        }
+    )
+    assert derived.factor == 8.0 and derived.attention_factor == pytest.approx(0.1 * math.log(8) + 1)
+    # Phi-3 style: the top-level original length wins over the one in the rope parameters
+    top = RopeSpec.from_config(
+        {
+            "original_max_position_embeddings": 2048,
+            "rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096},
+        }
+    )
+    assert top.original_max_position_embeddings == 2048 and top.rope_type == "yarn"
+    with pytest.raises(BadInput, match="longrope"):
+        RopeSpec.from_config({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
+
+
+def test_gpt_oss_target_gives_a_draft_config():
+    """gpt-oss (pipelines/gpt-oss-20b.yaml): YaRN RoPE and attention biases carried into the draft's layer."""
+    from transformers import GptOssConfig
+
+    target = GptOssConfig(num_hidden_layers=24).to_dict()
+    cfg = DraftConfig.from_target_config(target, 1, 3, 32000, 200017)
+    assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2880, 64, 8, 64)
+    assert cfg.attention_bias and cfg.rope.rope_type == "yarn" and not cfg.rope.truncate
+    assert cfg.rope.attention_factor == pytest.approx(0.1 * math.log(32) + 1)
+    layer = cfg.layer_config()
+    assert layer["rope_parameters"]["attention_factor"] == cfg.rope.attention_factor
+    assert layer["rope_parameters"]["original_max_position_embeddings"] == 4096
+
+
 def test_config_from_target_and_bad_targets():
     cfg = DraftConfig.from_target_config(tiny_target_config(), 2, 3, 10**6, 5, True)
     assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (64, 2, 1, 32)
@@ -159,13 +250,23 @@ def test_config_from_target_and_bad_targets():
         PEagleDraft(cfg, {"embed_tokens.weight": torch.zeros(3, 3)}, None)
 
 
-def test_qwen3_draft_layer_equals_transformers_qwen3_layer():
+@pytest.mark.parametrize("yarn", [False, True], ids=["default-rope", "yarn"])
+def test_qwen3_draft_layer_equals_transformers_qwen3_layer(yarn: bool):
     """Issue 39 item 3: with QK-norm a plain draft layer computes what a transformers Qwen3 decoder layer computes
-    (per-head q/k RMS norms before RoPE), so the Qwen3 layer vLLM builds from the export matches training."""
+    (per-head q/k RMS norms before RoPE), so the Qwen3 layer vLLM builds from the export matches training; with
+    YaRN (Qwen3's long-context setting) the rotation and its attention factor too."""
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
     target = {**tiny_target_config(), "model_type": "qwen3"}
+    if yarn:  # a short original context, so that the ramp divides some pairs' frequencies
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        target = {**target, "rope_parameters": rope, "max_position_embeddings": 256}
     cfg = DraftConfig.from_target_config(
         target, num_layers=2, num_aux=3, draft_vocab_size=V, mask_token_id=500, qk_norm=True
     )
@@ -182,7 +283,7 @@ def test_qwen3_draft_layer_equals_transformers_qwen3_layer():
     hf.load_state_dict(ours.state_dict())
     N = 9
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(1))
-    pos = torch.arange(N)
+    pos = torch.arange(N) * 29  # up to 232: past the YaRN case's original 64 positions
     cos, sin = model.rope(pos)
     causal = torch.ones(N, N, dtype=torch.bool).tril()
     with torch.no_grad():

@@ -1,0 +1,76 @@
+"""A gpt-oss target end to end (pipelines/gpt-oss-20b.yaml's architecture): a tiny random GptOssForCausalLM with
+YaRN RoPE, mixture-of-experts MLPs and attention biases, extracted, trained and exported with the real CLI.
+
+The draft layer is a Llama layer with the target's RoPE (YaRN, written out in full in the export) and attention
+biases; the target's last layer is not Llama-style (its MLP is a mixture of experts), so the draft starts random.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from cli_argv import run_peagle
+from tiny import write_conversations
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_run(tiny_gpt_oss: Path, tmp_path_factory) -> Path:
+    """A 2-step run on a gpt-oss cache (3 aux layers, K=3), exported to RUN/export; its terminal in RUN/output.txt."""
+    tmp = tmp_path_factory.mktemp("gpt-oss-run")
+    data = write_conversations(tmp / "conv.jsonl", 24)
+    cache, run = tmp / "cache", tmp / "run"
+    run_peagle(
+        *["extract", "--model", str(tiny_gpt_oss), "--data", str(data), "--output", str(cache)],
+        *["--dtype", "fp32", "--max-length", "256", "--shard-tokens", "2048", "--layers", "0,1,2"],
+    )
+    proc = run_peagle(
+        *["train", "--cache", str(cache), "--output", str(run), "--depths", "3", "--tokens-per-step", "256"],
+        *["--steps", "2", "--eval-every", "2", "--save-every", "2", "--eval-samples", "4"],
+        *["--precision", "fp32", "--num-workers", "0"],
+    )
+    (run / "output.txt").write_text(proc.stdout + proc.stderr)
+    return run
+
+
+def test_the_draft_rotates_as_the_target_does(gpt_oss_run: Path, tiny_gpt_oss: Path) -> None:
+    """The exported rope_parameters give transformers the target's own YaRN frequencies and attention factor."""
+    from transformers import AutoConfig, LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    layer = json.loads((gpt_oss_run / "export" / "config.json").read_text())["transformer_layer_config"]
+    rope = layer["rope_parameters"]
+    assert rope["rope_type"] == "yarn" and rope["truncate"] is False
+    target_freq, target_factor = ROPE_INIT_FUNCTIONS["yarn"](
+        AutoConfig.from_pretrained(str(tiny_gpt_oss)), "cpu"
+    )
+    draft = LlamaConfig(**{k: v for k, v in layer.items() if k not in ("architectures", "model_type")})
+    draft_freq, draft_factor = ROPE_INIT_FUNCTIONS["yarn"](draft, "cpu")
+    assert torch.equal(draft_freq, target_freq)
+    assert draft_factor == pytest.approx(target_factor, rel=1e-12) and draft_factor > 1.2
+
+
+def test_attention_biases_are_trained_and_exported(gpt_oss_run: Path) -> None:
+    from safetensors.torch import load_file
+
+    layer = json.loads((gpt_oss_run / "export" / "config.json").read_text())["transformer_layer_config"]
+    assert layer["attention_bias"] is True and layer["model_type"] == "llama"
+    weights = load_file(str(gpt_oss_run / "export" / "model.safetensors"))
+    heads, kv_heads, D, H = (
+        layer[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
+    )
+    shapes = {
+        name: tuple(weights[f"layers.0.self_attn.{name}.bias"].shape)
+        for name in ("q_proj", "k_proj", "o_proj")
+    }
+    assert shapes == {"q_proj": (heads * D,), "k_proj": (kv_heads * D,), "o_proj": (H,)}
+
+
+def test_a_mixture_of_experts_layer_is_not_copied(gpt_oss_run: Path) -> None:
+    out = (gpt_oss_run / "output.txt").read_text()
+    assert "stores no target layer to start the draft from" in out and "random initialisation" in out
+    assert "held-out: loss" in out  # the run trained, evaluated and exported
