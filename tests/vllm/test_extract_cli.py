@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from conftest import TINY_LAYERS
+from conftest import TINY_LAYERS, run_cli
 
 
 def test_hf_and_vllm_caches_agree(tiny_caches: dict[str, Path]) -> None:
@@ -27,3 +27,46 @@ def test_hf_and_vllm_caches_agree(tiny_caches: dict[str, Path]) -> None:
         torch.testing.assert_close(b.last_hidden.float(), a.last_hidden.float(), atol=1e-4, rtol=1e-4)
         assert torch.equal(a.topk_ids, b.topk_ids), f"sample {sample_id}: top-k ids differ"
         torch.testing.assert_close(b.topk_logprobs, a.topk_logprobs, atol=2e-3, rtol=1e-3)  # float16 storage
+
+
+def test_a_gpt_oss_target_extracts_to_its_last_position(
+    tiny_gpt_oss: Path, tmp_path: Path, vllm_env: dict[str, str]
+) -> None:
+    """gpt-oss (mixture of experts, YaRN) through vLLM, at a max_length equal to the target's 256 positions: vLLM
+    scores each sample with one token sampled after it, so samples keep 255 tokens (it refused the whole run
+    before), and the cache equals the HF backend's at 255."""
+    from tiny import write_conversations
+
+    from peagle_pipeline.cache.reader import open_cache
+
+    data = write_conversations(tmp_path / "conv.jsonl", 24)
+    flags = [
+        "--topk",
+        "8",
+        "--layers",
+        "0,1,2",
+        "--batch-tokens",
+        "1024",
+        "--device",
+        "cpu",
+        "--dtype",
+        "fp32",
+    ]
+    outputs = {}
+    for backend, length in (("vllm", 256), ("hf", 255)):
+        out = tmp_path / backend
+        proc = run_cli(
+            vllm_env, "extract", "--model", str(tiny_gpt_oss), "--data", str(data), "--output", str(out),
+            "--backend", backend, "--max-length", str(length), *flags,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outputs[backend] = proc.stdout + proc.stderr
+    assert "samples keep at most 255 tokens, not max_length 256" in outputs["vllm"]
+    hf, vl = open_cache(tmp_path / "hf"), open_cache(tmp_path / "vllm")
+    assert int(vl.samples["length"].max()) == 255 and hf.samples["length"].equals(vl.samples["length"])
+    for sample_id in hf.samples["sample_id"].tolist():
+        a, b = hf.read_sample(sample_id), vl.read_sample(sample_id)
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+        torch.testing.assert_close(b.aux_hidden.float(), a.aux_hidden.float(), atol=1e-4, rtol=1e-4)
+        # ids may swap where two log-probs tie in float16 storage; the values may not
+        torch.testing.assert_close(b.topk_logprobs, a.topk_logprobs, atol=2e-3, rtol=1e-3)

@@ -27,6 +27,7 @@ __all__ = [
     "backend_settings",
     "Settled",
     "settle_auto",
+    "fit_to_positions",
     "resolve_layers",
     "collapsed_layers_note",
 ]
@@ -101,6 +102,24 @@ def settle_auto(cfg: ExtractConfig, recorded: dict[str, Any] | None, device: str
     window = cfg.length_window or length_window_in(recorded) or DEFAULT_LENGTH_WINDOW
     settled = dataclasses.replace(cfg, length_window=window)
     return Settled(settled, dataclasses.replace(settled, compute_dtype=compute), why)
+
+
+def fit_to_positions(run_cfg: ExtractConfig, max_positions: int | None) -> tuple[ExtractConfig, str | None]:
+    """What the vLLM backend can extract within the target's `max_positions` (max_position_embeddings): a sample
+    of T tokens is scored with one token sampled after it (its last row's distribution), and vLLM refuses T + 1
+    past the model's length, so samples keep at most max_positions - 1 tokens there. The HF backend and the
+    recorded settings keep max_length as given. Returns the settings to run and a note when the cut moved.
+
+    E.g. max_length 2048 on a target with 2048 positions: samples keep 2,047 tokens under vLLM.
+    """
+    if run_cfg.backend != "vllm" or not max_positions or run_cfg.max_length < max_positions:
+        return run_cfg, None
+    limit = int(max_positions) - 1
+    note = (
+        f"samples keep at most {limit} tokens, not max_length {run_cfg.max_length}: the target has "
+        f"{max_positions} positions and vLLM scores each sample with one token sampled after it"
+    )
+    return dataclasses.replace(run_cfg, max_length=limit), note
 
 
 def resolve_layers(cfg: ExtractConfig, num_hidden_layers: int) -> list[int]:

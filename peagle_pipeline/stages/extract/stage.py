@@ -39,6 +39,7 @@ from peagle_pipeline.stages.extract.cache_output import build_meta, prepare_outp
 from peagle_pipeline.stages.extract.settings import (
     backend_settings,
     collapsed_layers_note,
+    fit_to_positions,
     resolve_layers,
     settle_auto,
     target_device,
@@ -104,7 +105,7 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
         BadInput, BadConfig, OutputExists, IncompatibleCache, ResumeMismatch, Busy, OutOfSpace, Interrupted (Ctrl-C), Terminated (SIGTERM).
     """
     from peagle_pipeline.data.formats import split_notes
-    from peagle_pipeline.model_dir import read_target_info
+    from peagle_pipeline.model_dir import read_target_info, text_config
 
     rank, world = writer_rank(cfg.rank, cfg.world_size)
     info = read_target_info(cfg.model)
@@ -114,6 +115,7 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     renderer = _checked_renderer(cfg)
     place = _place(cfg.output)
     cfg, run_cfg, why = settle_auto(cfg, read_recorded_meta(place.local), target_device(cfg))
+    run_cfg, length_note = fit_to_positions(run_cfg, text_config(info.config).get("max_position_embeddings"))
     meta = build_meta(cfg, info, layer_ids, world, run_cfg.compute_dtype)  # type: ignore[arg-type]  # settled
     existed, created = Path(place.local).exists(), not (Path(place.local) / layout.CACHE_META).exists()
     # A new cache is stamped (cache.json: compute dtype, ...) only once its backend has started, so a failed start
@@ -124,7 +126,7 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     root, writer = _open_store(cfg, meta, place, rank, world, backend)
     summary = ExtractSummary(output=cfg.output if place.remote is not None else str(root), store=writer.store)
     note = collapsed_layers_note(cfg, info.num_hidden_layers)
-    summary.notes += ([note] if note else []) + split_notes(cfg.data, cfg.split)
+    summary.notes += [n for n in (note, length_note) if n] + split_notes(cfg.data, cfg.split)
     if writer.complete:
         return _already_complete(cfg, summary, writer, backend, place.remote, world)
     summary.compute_dtype = f"{why}; stored hidden states {cfg.dtype}"

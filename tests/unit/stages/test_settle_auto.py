@@ -44,3 +44,19 @@ def test_setting_differences_names_each_setting_once_in_a_stable_order():
         ("a.y", 2, 5),
         ("b", 1, 2),
     ]
+
+
+def test_vllm_samples_fit_the_targets_positions_and_the_record_keeps_max_length():
+    from peagle_pipeline.stages.extract.settings import fit_to_positions
+
+    run_cfg, note = fit_to_positions(_cfg(backend="vllm", max_length=2048), 2048)
+    assert run_cfg.max_length == 2047 and "at most 2047 tokens, not max_length 2048" in note
+    assert fit_to_positions(_cfg(backend="vllm", max_length=2047), 2048)[1] is None
+    assert (
+        fit_to_positions(_cfg(backend="vllm", max_length=4096), None)[0].max_length == 4096
+    )  # length unknown
+    # the HF backend scores a sample's last row itself: nothing to leave out
+    assert fit_to_positions(_cfg(backend="hf", max_length=2048), 2048) == (
+        _cfg(backend="hf", max_length=2048),
+        None,
+    )
