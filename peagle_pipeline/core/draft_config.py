@@ -27,6 +27,12 @@ __all__ = ["DraftConfig", "QK_NORM_MODEL_TYPES", "has_qk_norm"]
 QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe"})
 
 
+# Target model types whose attention has query/key/value biases that their config does not name (Qwen2's are built
+# in; Qwen2-MoE says `qkv_bias`). Their drafts get attention biases: vLLM's P-EAGLE layer has them on q, k, v and o
+# together, and o's starts at zero, so a draft started from the target's layer computes exactly that layer.
+QKV_BIAS_MODEL_TYPES = frozenset({"qwen2", "qwen2_moe"})
+
+
 def has_qk_norm(target_config: dict[str, Any]) -> bool:
     """Whether a target (HF config dict) has Qwen3's QK-norm, so its draft gets Qwen3 layers."""
     cfg = target_config.get("text_config") or target_config
@@ -111,7 +117,11 @@ class DraftConfig:
             num_aux=int(num_aux),
             mask_token_id=int(mask_token_id),
             norm_before_residual=bool(norm_before_residual),
-            attention_bias=bool(cfg.get("attention_bias", False)),
+            attention_bias=bool(
+                cfg.get("attention_bias")
+                or cfg.get("qkv_bias")
+                or cfg.get("model_type") in QKV_BIAS_MODEL_TYPES
+            ),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             target_hidden_size=H,
             rope=RopeSpec.from_config(cfg),

@@ -13,21 +13,29 @@ from peagle_pipeline.errors import BadInput
 
 
 def _llama_layer(cfg: dict, seed: int = 0):
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    """A transformers decoder layer of `cfg`'s model type (Llama, or Qwen2: q/k/v biases, none on o) and its RoPE."""
+    if cfg.get("model_type") == "qwen2":
+        from transformers import Qwen2Config as Config
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer as Layer
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding as Rope
+    else:
+        from transformers import LlamaConfig as Config
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer as Layer
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as Rope
 
-    config = LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+    config = Config(**{k: v for k, v in cfg.items() if k != "model_type"})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    layer = LlamaDecoderLayer(config, layer_idx=0).eval()
+    layer = Layer(config, layer_idx=0).eval()
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))  # norms near 1
-    return layer, LlamaRotaryEmbedding(config)
+    return layer, Rope(config)
 
 
-def test_the_started_draft_is_the_target_layer_on_the_last_aux_state() -> None:
-    cfg = tiny_target_config()
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_the_started_draft_is_the_target_layer_on_the_last_aux_state(model_type: str) -> None:
+    cfg = {**tiny_target_config(), "model_type": model_type}
     H = cfg["hidden_size"]
     layer, rope = _llama_layer(cfg)
     model, _, _ = tiny_draft(config=cfg, draft_vocab=cfg["vocab_size"])
