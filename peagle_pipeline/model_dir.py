@@ -30,7 +30,8 @@ __all__ = [
     "find_piece_names",
     "load_target_pieces_from_model",
     "find_layer_names",
-    "LAYER_TENSORS",
+    "ATTENTION_TENSORS",
+    "MLP_TENSORS",
     "target_files",
     "check_target",
     "TOKENIZER_FILES",
@@ -299,34 +300,36 @@ def _tensor(files: dict[str, Path], name: str) -> Any:
 
 
 # A Llama-style decoder layer's tensors (Llama, Mistral, Qwen2/3, SmolLM): what a draft's fused layer can start
-# from. Attention biases and Qwen3's per-head q/k norms are taken where the checkpoint has them.
-LAYER_TENSORS = (
+# from. The attention and the norms are required; the MLP is taken where it is a Llama MLP (a mixture of experts,
+# as in gpt-oss or Qwen3-MoE, is not); attention biases and Qwen3's per-head q/k norms where the checkpoint has them.
+ATTENTION_TENSORS = (
     "input_layernorm.weight",
     "post_attention_layernorm.weight",
     "self_attn.q_proj.weight",
     "self_attn.k_proj.weight",
     "self_attn.v_proj.weight",
     "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
 )
+MLP_TENSORS = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 _LAYER_OPTIONAL = (
     "self_attn.q_proj.bias",
     "self_attn.k_proj.bias",
     "self_attn.v_proj.bias",
+    "self_attn.o_proj.bias",
     "self_attn.q_norm.weight",
     "self_attn.k_norm.weight",
 )
 
 
 def find_layer_names(files: dict[str, Path], layer: int) -> dict[str, str]:
-    """{LAYER_TENSORS name (+ present biases and q/k norms): checkpoint name} of decoder layer `layer`; {} when
-    the checkpoint lacks any of LAYER_TENSORS under one of the known prefixes (another architecture: no copy)."""
+    """{name: checkpoint name} of decoder layer `layer`'s ATTENTION_TENSORS, its MLP_TENSORS when it has all three,
+    and its present biases and q/k norms; {} when the checkpoint lacks any of ATTENTION_TENSORS under one of the
+    known prefixes (another architecture: no copy)."""
     for prefix in _PREFIXES:
         base = f"{prefix}layers.{layer}."
-        if all(base + t in files for t in LAYER_TENSORS):
-            return {t: base + t for t in (*LAYER_TENSORS, *_LAYER_OPTIONAL) if base + t in files}
+        if all(base + t in files for t in ATTENTION_TENSORS):
+            mlp = MLP_TENSORS if all(base + t in files for t in MLP_TENSORS) else ()
+            return {t: base + t for t in (*ATTENTION_TENSORS, *mlp, *_LAYER_OPTIONAL) if base + t in files}
     return {}
 
 

@@ -16,8 +16,11 @@ draft needs them. Which layer to copy was measured on SmolLM2-135M (aux layers 2
 trainer's held-out estimate after 300 steps): the last layer (29) 1.366, layer 27 (the one that reads the last
 aux state) 1.337, layer 20 1.310, fc pass-through alone 1.315, random 1.274; also copying the target's
 projections into the embedding half: 1.285. With the embedding half at zero instead of random: 1.385 against 1.379
-(a later screen on another cache). docs/results/what-we-learned.md has the figures and vLLM's. Pure torch, no
-I/O.
+(a later screen on another cache). docs/results/what-we-learned.md has the figures and vLLM's.
+
+A mixture-of-experts layer (gpt-oss, Qwen3-MoE) has no Llama MLP to copy: its attention and norms are copied, and the
+draft's MLP starts at zero output, so the draft starts as the target layer's attention on the last aux state.
+Pure torch, no I/O.
 """
 
 from __future__ import annotations
@@ -47,8 +50,10 @@ def init_from_target_layer(model: PEagleDraft, layer: dict[str, torch.Tensor]) -
         layer: the target layer's tensors keyed by Llama names: input_layernorm.weight [H],
             post_attention_layernorm.weight [H], self_attn.{q,k,v}_proj.weight [heads*D, H],
             self_attn.o_proj.weight [H, heads*D], mlp.{gate,up}_proj.weight [I, H], mlp.down_proj.weight [H, I];
-            self_attn.{q,k,v}_proj.bias when the target has them; self_attn.{q,k}_norm.weight [D] (Qwen3),
-            required when the draft has QK-norm (`DraftConfig.qk_norm`).
+            self_attn.{q,k,v,o}_proj.bias when the target has them; self_attn.{q,k}_norm.weight [D] (Qwen3),
+            required when the draft has QK-norm (`DraftConfig.qk_norm`). Without any of the three MLP tensors
+            (a mixture-of-experts layer: gpt-oss, Qwen3-MoE) the draft's MLP starts at zero output instead
+            (down_proj zero): the draft starts as the target layer's attention on the last aux state.
 
     Raises:
         BadInput: a tensor is missing or its shape does not fit the draft (another architecture or size).
@@ -62,13 +67,17 @@ def init_from_target_layer(model: PEagleDraft, layer: dict[str, torch.Tensor]) -
         (attn.k_proj.weight, "self_attn.k_proj.weight", slice(H, 2 * H)),
         (attn.v_proj.weight, "self_attn.v_proj.weight", slice(H, 2 * H)),
         (attn.o_proj.weight, "self_attn.o_proj.weight", None),
-        (first.mlp.gate_proj.weight, "mlp.gate_proj.weight", None),
-        (first.mlp.up_proj.weight, "mlp.up_proj.weight", None),
-        (first.mlp.down_proj.weight, "mlp.down_proj.weight", None),
         (first.hidden_norm.weight, "input_layernorm.weight", None),
         (first.post_attention_layernorm.weight, "post_attention_layernorm.weight", None),
     ]
-    for proj in ("q_proj", "k_proj", "v_proj"):
+    mlp_names = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+    if any(name in layer for name in mlp_names):
+        plan += [(getattr(first.mlp, name.split(".")[1]).weight, name, None) for name in mlp_names]
+    else:  # a mixture of experts: no Llama MLP to copy; the draft's MLP adds nothing until it learns to
+        first.mlp.down_proj.weight.zero_()
+        if first.mlp.down_proj.bias is not None:
+            first.mlp.down_proj.bias.zero_()
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
         bias = getattr(attn, proj).bias
         if bias is not None and f"self_attn.{proj}.bias" in layer:
             plan.append((bias, f"self_attn.{proj}.bias", None))

@@ -70,7 +70,28 @@ def test_attention_biases_are_trained_and_exported(gpt_oss_run: Path) -> None:
     assert shapes == {"q_proj": (heads * D,), "k_proj": (kv_heads * D,), "o_proj": (H,)}
 
 
-def test_a_mixture_of_experts_layer_is_not_copied(gpt_oss_run: Path) -> None:
+def test_the_draft_starts_from_the_last_layers_attention(gpt_oss_run: Path, tiny_gpt_oss: Path) -> None:
+    """The last layer's MLP is a mixture of experts: its attention (biases included) and norms start the fused
+    layer, whose MLP starts at zero output."""
+    from safetensors.torch import load_file
+
+    from peagle_pipeline.cache.reader import open_cache
+    from peagle_pipeline.config import TrainConfig, resolve
+    from peagle_pipeline.stages.train.draft import build_draft
+
     out = (gpt_oss_run / "output.txt").read_text()
-    assert "stores no target layer to start the draft from" in out and "random initialisation" in out
+    assert "draft layer 0 starts from target layer 3's attention (its MLP is a mixture of experts" in out
     assert "held-out: loss" in out  # the run trained, evaluated and exported
+    cache = open_cache(str(gpt_oss_run.parent / "cache"))
+    cfg = resolve(
+        TrainConfig, None, {"cache": str(cache.path), "output": str(gpt_oss_run.parent / "new-run")}
+    )
+    model, _, _ = build_draft(cache, cfg)
+    target = load_file(str(tiny_gpt_oss / "model.safetensors"))
+    first = model.layers[0]
+    H = model.cfg.hidden_size
+    assert torch.equal(
+        first.self_attn.q_proj.weight[:, H:].detach(), target["model.layers.3.self_attn.q_proj.weight"]
+    )
+    assert torch.equal(first.self_attn.o_proj.bias.detach(), target["model.layers.3.self_attn.o_proj.bias"])
+    assert not first.mlp.down_proj.weight.any()

@@ -129,11 +129,14 @@ def start_from_target(model: PEagleDraft, cache: Any) -> None:
         )
         tensors = {**tensors, **_unit_qk_norms(model)}
     init_from_target_layer(model, tensors)
+    attention_only = "mlp.down_proj.weight" not in tensors
+    part = "'s attention (its MLP is a mixture of experts: the draft's MLP starts at zero output)"
     with_norms = " with its q_norm/k_norm" if model.cfg.qk_norm and norms else ""
     dropped = "; the target's q_norm/k_norm are not carried over" if norms and not model.cfg.qk_norm else ""
     log.info(
-        "draft layer 0 starts from target layer %d%s; fc passes the last aux state through%s",
+        "draft layer 0 starts from target layer %d%s%s; fc passes the last aux state through%s",
         index,
+        part if attention_only else "",
         with_norms,
         dropped,
     )

@@ -33,16 +33,9 @@ def _llama_layer(cfg: dict, seed: int = 0):
     return layer, Rope(config)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-def test_the_started_draft_is_the_target_layer_on_the_last_aux_state(model_type: str) -> None:
-    cfg = {**tiny_target_config(), "model_type": model_type}
-    H = cfg["hidden_size"]
-    layer, rope = _llama_layer(cfg)
-    model, _, _ = tiny_draft(config=cfg, draft_vocab=cfg["vocab_size"])
-    init_from_target_layer(model, dict(layer.state_dict()))
-    for proj in ("q_proj", "k_proj", "v_proj"):  # the embedding half has no target counterpart: zero
-        assert not getattr(model.layers[0].self_attn, proj).weight[:, :H].any()
-    N = 6
+def _started_and_wanted(model, layer, rope, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The started draft's output on random aux states, and the target layer's on their last block (normed)."""
+    H, N = cfg["hidden_size"], 6
     g = torch.Generator().manual_seed(1)
     aux = torch.randn(N, 3 * H, generator=g)
     pos = torch.arange(N)
@@ -58,12 +51,39 @@ def test_the_started_draft_is_the_target_layer_on_the_last_aux_state(model_type:
     with torch.no_grad():
         out = layer(h, attention_mask=causal, position_ids=pos[None], position_embeddings=rope(h, pos[None]))
     out = out[0] if isinstance(out, tuple) else out
-    want = model.norm(out[0])
+    return ours, model.norm(out[0])
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_the_started_draft_is_the_target_layer_on_the_last_aux_state(model_type: str) -> None:
+    cfg = {**tiny_target_config(), "model_type": model_type}
+    H = cfg["hidden_size"]
+    layer, rope = _llama_layer(cfg)
+    model, _, _ = tiny_draft(config=cfg, draft_vocab=cfg["vocab_size"])
+    init_from_target_layer(model, dict(layer.state_dict()))
+    for proj in ("q_proj", "k_proj", "v_proj"):  # the embedding half has no target counterpart: zero
+        assert not getattr(model.layers[0].self_attn, proj).weight[:, :H].any()
+    ours, want = _started_and_wanted(model, layer, rope, cfg)
     torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
     model.logits(ours).logsumexp(-1).sum().backward()  # the zero half still learns from the first step
     for proj in ("q_proj", "k_proj", "v_proj"):
         grad = getattr(model.layers[0].self_attn, proj).weight.grad
         assert grad is not None and grad[:, :H].abs().sum() > 0
+
+
+def test_a_mixture_of_experts_layer_starts_its_attention_and_a_silent_mlp() -> None:
+    """Without the layer's MLP (gpt-oss, Qwen3-MoE) the draft starts as the layer with its MLP's output at zero."""
+    cfg = tiny_target_config()
+    layer, rope = _llama_layer(cfg)
+    model, _, _ = tiny_draft(config=cfg, draft_vocab=cfg["vocab_size"])
+    init_from_target_layer(model, {k: v for k, v in layer.state_dict().items() if not k.startswith("mlp.")})
+    assert not model.layers[0].mlp.down_proj.weight.any()
+    with torch.no_grad():
+        layer.mlp.down_proj.weight.zero_()
+    ours, want = _started_and_wanted(model, layer, rope, cfg)
+    torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
+    model.logits(ours).logsumexp(-1).sum().backward()  # the silent MLP learns from the first step
+    assert model.layers[0].mlp.down_proj.weight.grad.abs().sum() > 0
 
 
 def test_target_layer_rule_and_refusals() -> None:
