@@ -76,6 +76,12 @@ def tiny_qwen3_yarn(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory) -> Path:
+    """The tiny Qwen3 as a mixture of experts (Qwen3MoeForCausalLM: 4 experts, 2 per token), fp32."""
+    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-moe"), moe=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt_oss(tmp_path_factory) -> Path:
     """A tiny random GptOssForCausalLM (mixture of experts, attention biases and sinks, YaRN RoPE as gpt-oss sets
     it), fp32, with the chatml tokenizer."""

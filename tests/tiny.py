@@ -56,16 +56,20 @@ def build_tiny_qwen3(
     vocab_size: int = 512,
     seed: int = 0,
     rope_parameters: dict | None = None,
+    moe: bool = False,
 ) -> Path:
     """Save a random tiny Qwen3ForCausalLM (q_norm/k_norm, head_dim 32) with Qwen3's chat template; return the path.
-    `rope_parameters` replaces the default RoPE (e.g. YaRN; its factor x original length sets the maximum length)."""
+    `rope_parameters` replaces the default RoPE (e.g. YaRN; its factor x original length sets the maximum length);
+    `moe` makes it a Qwen3MoeForCausalLM (4 experts of which 2 per token, in every layer)."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_qwen3_tokenizer(out)
-    config = Qwen3Config(
+    experts = {"num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden_size}
+    config = (Qwen3MoeConfig if moe else Qwen3Config)(
+        **(experts if moe else {}),
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -86,7 +90,7 @@ def build_tiny_qwen3(
                 rope_parameters["original_max_position_embeddings"] * rope_parameters.get("factor", 1)
             )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    model = (Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM)(config)
     with torch.no_grad():  # as build_tiny_model; the QK norms get weights away from 1 so copying them shows
         for name, p in model.named_parameters():
             if p.dim() == 2:

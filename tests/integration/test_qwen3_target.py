@@ -162,3 +162,26 @@ def test_generate_all_turns_on_a_qwen3_target(tiny_qwen3: Path, tmp_path: Path) 
         # generation prompt (no <think> block), and the row holds it as generated, where Qwen3's template would
         # add an empty block to a whole-conversation rendering.
         assert rendered.replace("<think>\n\n</think>\n\n", "") == text + "\n"
+
+
+def test_a_qwen3_moe_target_starts_the_draft_from_its_attention(tiny_qwen3_moe: Path, tmp_path: Path) -> None:
+    """Qwen3-MoE: the draft layer is a Qwen3 layer that starts from the last layer's attention and q/k norms; the
+    layer's mixture of experts has no counterpart, so the draft's MLP starts at zero output."""
+    data = write_conversations(tmp_path / "conv.jsonl", 16)
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    run_peagle(
+        *["extract", "--model", str(tiny_qwen3_moe), "--data", str(data), "--output", str(cache)],
+        *["--dtype", "fp32", "--max-length", "256", "--layers", "0,1,2"],
+    )
+    proc = run_peagle(
+        *["train", "--cache", str(cache), "--output", str(run), "--depths", "3", "--tokens-per-step", "256"],
+        *["--steps", "2", "--eval-samples", "4", "--precision", "fp32", "--num-workers", "0"],
+    )
+    out = proc.stdout + proc.stderr
+    assert "draft layers: Qwen3 architecture (q_norm/k_norm, as the target)" in out
+    assert "starts from target layer 3's attention (its MLP is a mixture of experts" in out
+    assert "with its q_norm/k_norm" in out
+    layer = json.loads((run / "export" / "config.json").read_text())["transformer_layer_config"]
+    assert (
+        layer["model_type"] == "qwen3" and layer["intermediate_size"] == 128
+    )  # the dense size, not an expert's

@@ -3,11 +3,11 @@
 `proposals.compare_proposals` records every K-token proposal of vLLM's drafter on greedy replies and looks up the
 argmax of `PEagleDraft.forward_layout` at the same anchor and depth (the forward `train` optimises): they must be
 equal at every depth, for a 4-layer draft of the real SmolLM2, a 2-layer draft of a Qwen3 (QK-norm) target, and
-1-layer drafts of targets with YaRN RoPE (a Qwen3 with its long-context setting, a gpt-oss). The
-acceptance that the walk over the replies implies must equal vLLM's own counters (but for the tokens a step
-accepted past `max_tokens`, which the reply does not show), so the recorded proposals are the ones vLLM verified;
-and `core.loss.acceptance_walk`, which the trainer reports as `acceptance_walk`, must count the same steps and
-accepted tokens from our proposals.
+1-layer drafts of a Qwen3-MoE target and of targets with YaRN RoPE (a Qwen3 with its long-context setting, a
+gpt-oss). The acceptance that the walk over the replies implies must equal vLLM's own counters (but for the tokens a
+step accepted past `max_tokens`, which the reply does not show), so the recorded proposals are the ones vLLM
+verified; and `core.loss.acceptance_walk`, which the trainer reports as `acceptance_walk`, must count the same steps
+and accepted tokens from our proposals.
 
 The drafts are random, with `mask_hidden` zeroed and the layers' and fc's matrices scaled up: the tokens at depths
 >= 1 then depend on the context through attention (a random draft's mask state would otherwise fix them), and the
@@ -98,3 +98,10 @@ def test_draft_of_a_gpt_oss_target(tiny_gpt_oss: Path, tmp_path: Path) -> None:
     assert layer["attention_bias"] is True and layer["rope_parameters"]["truncate"] is False
     _sharpen(export, 3.0)
     _check(tiny_gpt_oss, export)
+
+
+def test_draft_of_a_qwen3_moe_target(tiny_qwen3_moe: Path, tmp_path: Path) -> None:
+    """A Qwen3-MoE target (Qwen3-30B-A3B's architecture): its Qwen3 draft layer drafts in vLLM what it computes here."""
+    export = make_random_draft(tiny_qwen3_moe, tmp_path / "draft", [1, 2, 3], depths=K, draft_vocab_size=300)
+    _sharpen(export, 3.0)
+    _check(tiny_qwen3_moe, export)
