@@ -271,8 +271,10 @@ def test_kill9_and_network_outage_mid_run_resume_to_the_identical_cache(
     url = f"s3://{s3_server.bucket()}/faults"
     argv = extract_argv(tiny_model, conversations, url, *SETTINGS)
     lock = f"{url[5:]}/{layout.STORES_DIR}/{layout.lock_name(0, 1)}"
-    # 1. kill -9 inside a commit (the commit-sleep hook widens the window between local shard writes and uploads)
-    proc = _run_until(argv, _env(s3_server, PEAGLE_TEST_COMMIT_SLEEP="0.2"), url, s3_server, commits=2)
+    # 1. kill -9 inside a commit (the commit-sleep hook widens the window between local shard writes and uploads; at
+    # 0.5 s a commit the five commits left after the second take 2.5 s, so a loaded host still kills mid-run: at 0.2 s
+    # one CI run on 2 busy cores saw the run complete before the kill)
+    proc = _run_until(argv, _env(s3_server, PEAGLE_TEST_COMMIT_SLEEP="0.5"), url, s3_server, commits=2)
     time.sleep(0.15)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
