@@ -49,7 +49,8 @@ VARIANTS=${VARIANTS:-}  # NAME=FLAGS;NAME=FLAGS: more drafts trained beside the 
 EVAL_SETS=${EVAL_SETS:-mtbench humaneval}  # greedy replies walked by every draft (empty: none)
 EVAL_NEW=${EVAL_NEW:-64}  # new tokens per greedy reply (make quality's and the last GPU run's vLLM setting)
 DEVICE=${DEVICE:-cuda}
-MAX_SAMPLES=${MAX_SAMPLES:-17000}  # smaller for a smoke test of this script on a CPU (with DEVICE=cpu SKIP_INSTALL=1)
+MAX_SAMPLES=${MAX_SAMPLES:-17000}  # smaller (and OFF_SAMPLES) for a rehearsal of this script on a CPU (DEVICE=cpu)
+OFF_SAMPLES=${OFF_SAMPLES:-}  # off-policy records extracted (empty: all OFF_RECORDS that were carried)
 MODEL=$WORK/models/SmolLM2-135M-Instruct
 CLI=("$PY" -m peagle_pipeline.cli)
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 TOKENIZERS_PARALLELISM=false
@@ -135,7 +136,7 @@ pipeline() {  # the whole run, in order, each stage bounded in time; each stage 
     for ((r = 0; r < OFF_RANKS; r++)); do
       "${CLI[@]}" extract --model "$MODEL" --data "$WORK/offpolicy.jsonl" --output "$WORK/cache-off" --backend hf \
         --device "$DEVICE" --topk 32 --max-length 1536 --batch-tokens 32768 --dtype bf16 --rank $r \
-        --world-size "$OFF_RANKS" >"$WORK/extract-off-$r.log" 2>&1 &
+        --world-size "$OFF_RANKS" ${OFF_SAMPLES:+--max-samples "$OFF_SAMPLES"} >"$WORK/extract-off-$r.log" 2>&1 &
       OFF_PIDS+=($!)
     done
   fi
@@ -324,10 +325,10 @@ gen_bench() {  # there, after stage-a, carrying .gpu/b: the HF generate stage vs
   [[ -f $WORK/prompts.jsonl ]] || xz -dkf "$WORK/prompts.jsonl.xz"
   mkdir -p "$OUT"
   nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
-  "$PY" -m bench.bench_generate --backend hf --device cuda --model "$MODEL" --data "$WORK/prompts.jsonl" \
+  "$PY" -m bench.bench_generate --backend hf --device "$DEVICE" --model "$MODEL" --data "$WORK/prompts.jsonl" \
     --prompts "${BENCH_PROMPTS:-8192}" --max-new-tokens "$MAX_NEW" --max-prompt-tokens 1024 --temperature "$TEMPERATURE" \
     --plain-batch "${PLAIN_BATCH:-1024}" --plain-cache "${PLAIN_CACHE:-dynamic}" ${GEN_BATCH:+--batch-size "$GEN_BATCH"} \
-    $([[ -z ${PLAIN_TWICE:-} ]] && echo --plain-once) $([[ -z ${SKIP_GRAPHS:-} ]] && echo --cuda-graphs) --out "$OUT/generate-hf.json" >"$OUT/generate-hf.log" 2>&1
+    $([[ -z ${PLAIN_TWICE:-} ]] && echo --plain-once) $([[ -z ${SKIP_GRAPHS:-} && $DEVICE == cuda ]] && echo --cuda-graphs) --out "$OUT/generate-hf.json" >"$OUT/generate-hf.log" 2>&1
   local rc=$?
   tail -n 20 "$OUT/generate-hf.log"
   return $rc

@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-tier-out}
 PY=${PYTHON:-python3}
 WHEELS=${WHEELS:-.whl}
+SPEC_WHEELS=${SPEC_WHEELS:-.whl-speculators}
 QUICK=${1:-}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -47,12 +48,12 @@ print(json.dumps(res, indent=2))
 sys.exit(0 if res["torch_kept"] and cli == "ok" and installed is not None else 1)
 PYEOF
 
-if [[ -f "$WHEELS/speculators-carry.txt" ]]; then
+if [[ -f "$SPEC_WHEELS/speculators-carry.txt" ]]; then
   # speculators and what it needs that this machine lacks (scripts/gpu_wheels.sh --speculators), --no-deps as in
   # make setup-bench: its metadata wants torchvision/torchaudio, and what is installed here stays as it is.
   step "1b. speculators (comparator only)"
-  { "$PY" -m pip install -q --no-index --no-deps --find-links "$WHEELS" --no-compile \
-      $("$PY" scripts/wheel_closure.py missing "$WHEELS/speculators-carry.txt") &&
+  { "$PY" -m pip install -q --no-index --no-deps --find-links "$SPEC_WHEELS" --no-compile \
+      $("$PY" scripts/wheel_closure.py missing "$SPEC_WHEELS/speculators-carry.txt") &&
     (cd / && "$PY" -c "import speculators, speculators.models.peagle, speculators.losses"); } \
     || echo "speculators did not install or import: no speculators figure"
 fi

@@ -10,6 +10,10 @@ wheel_closure.py carry REPORT [--minus FILE]   name==version of what a `pip inst
                                                with its CUDA stack
 wheel_closure.py missing FILE                  the name==version lines of FILE whose distribution this
                                                python has not installed (in any version)
+wheel_closure.py missing-wheels DIR... [--skip a,b]
+                                               the wheels in DIRs whose distribution this python has not
+                                               installed (in any version): what `pip install --no-deps` may add
+                                               without replacing a version the machine's packages rely on
 """
 
 from __future__ import annotations
@@ -100,6 +104,21 @@ def missing(path: str) -> list[str]:
     return out
 
 
+def missing_wheels(folders: list[str], skip: set[str]) -> list[str]:
+    """Paths of the wheels in `folders` whose distribution is not installed here (names in `skip` left out)."""
+    out = []
+    for folder in folders:
+        for wheel in sorted(Path(folder).glob("*.whl")):
+            name = canonical(wheel.name.split("-")[0])
+            if name in skip:
+                continue
+            try:
+                importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                out.append(str(wheel))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -115,6 +134,9 @@ def main() -> int:
     c.add_argument("--minus")
     m = sub.add_parser("missing")
     m.add_argument("file")
+    w = sub.add_parser("missing-wheels")
+    w.add_argument("folders", nargs="+")
+    w.add_argument("--skip", default="")
     a = ap.parse_args()
     if a.cmd == "requires":
         lines = requires(a.wheel, {canonical(n) for n in a.drop.split(",") if n})
@@ -122,8 +144,10 @@ def main() -> int:
         lines = [str(stub(a.name, a.version, a.folder))]
     elif a.cmd == "carry":
         lines = carry(a.report, a.minus)
-    else:
+    elif a.cmd == "missing":
         lines = missing(a.file)
+    else:
+        lines = missing_wheels(a.folders, {canonical(n) for n in a.skip.split(",") if n})
     print("\n".join(lines))
     return 0
 

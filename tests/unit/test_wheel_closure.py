@@ -92,3 +92,16 @@ def test_missing_lists_only_what_is_not_installed(tmp_path: Path) -> None:
     carried = tmp_path / "carry.txt"
     carried.write_text("pytest==0.0.1\nno-such-distribution-here==1.0\n")
     assert wheel_closure.missing(str(carried)) == ["no-such-distribution-here==1.0"]
+
+
+def test_missing_wheels_never_replaces_an_installed_distribution(tmp_path: Path) -> None:
+    # pytest is installed here (in some version): its wheel must not be offered, whatever version it carries, since
+    # `pip install --no-deps` would replace the machine's (huggingface-hub 2.x under transformers 5.17 fails import).
+    base, extra = tmp_path / "base", tmp_path / "extra"
+    base.mkdir()
+    extra.mkdir()
+    for folder, name in ((base, "pytest-0.0.1"), (base, "no_such_distribution_here-1.0"), (extra, "Other.Pkg-2.0")):
+        (folder / f"{name}-py3-none-any.whl").write_bytes(b"")
+    (extra / "speculators-carry.txt").write_text("pytest==0.0.1\n")
+    got = wheel_closure.missing_wheels([str(base), str(extra)], skip={"other-pkg"})
+    assert got == [str(base / "no_such_distribution_here-1.0-py3-none-any.whl")]
