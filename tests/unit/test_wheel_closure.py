@@ -100,7 +100,11 @@ def test_missing_wheels_never_replaces_an_installed_distribution(tmp_path: Path)
     base, extra = tmp_path / "base", tmp_path / "extra"
     base.mkdir()
     extra.mkdir()
-    for folder, name in ((base, "pytest-0.0.1"), (base, "no_such_distribution_here-1.0"), (extra, "Other.Pkg-2.0")):
+    for folder, name in (
+        (base, "pytest-0.0.1"),
+        (base, "no_such_distribution_here-1.0"),
+        (extra, "Other.Pkg-2.0"),
+    ):
         (folder / f"{name}-py3-none-any.whl").write_bytes(b"")
     (extra / "speculators-carry.txt").write_text("pytest==0.0.1\n")
     got = wheel_closure.missing_wheels([str(base), str(extra)], skip={"other-pkg"})
