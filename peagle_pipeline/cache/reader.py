@@ -314,9 +314,9 @@ class Cache:
             {
                 "position": np.arange(len(ids)),
                 "token_id": ids,
-                "token": [tok.decode([int(i)]) for i in ids],
+                "token": [tok.decode([int(i)], clean_up_tokenization_spaces=False) for i in ids],
                 "loss_mask": a["loss_mask"],
-                "top1_token": [tok.decode([int(i)]) for i in top1],
+                "top1_token": [tok.decode([int(i)], clean_up_tokenization_spaces=False) for i in top1],
                 "top1_prob": p[:, 0],
                 "topk_entropy": entropy,
             }

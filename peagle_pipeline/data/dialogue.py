@@ -157,10 +157,15 @@ class DialogueBuilder:
         self.turns = turns
         self.thinking = thinking
         self.stop_token_ids = frozenset(int(i) for i in stop_token_ids)
-        self._stop_text = {i: self.tokenizer.decode([i]) for i in self.stop_token_ids}
+        self._stop_text = {i: self._decode([i]) for i in self.stop_token_ids}
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _decode(self, ids: list[int]) -> str:
+        """The text the ids spell, as written: no clean-up of the spaces before punctuation (a tokenizer setting,
+        Llama 3's among others, that would change the model's reply)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def start(self, conv: Conversation | TokenizedConversation, index: int, sample: int = 0) -> Dialogue:
         """The dialogue of `conv` with the prompt of its first reply to generate.
@@ -213,7 +218,7 @@ class DialogueBuilder:
         """
         stop = finish == "stop" and bool(ids) and ids[-1] in self.stop_token_ids
         body = ids[:-1] if stop else ids
-        content = self.tokenizer.decode(body, skip_special_tokens=False) if body else ""
+        content = self._decode(body) if body else ""
         if not content.strip():
             d.ended = REASON_EMPTY
             return
