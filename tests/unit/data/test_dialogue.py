@@ -293,9 +293,13 @@ def test_a_reply_is_kept_as_written_by_a_tokenizer_that_cleans_up_spaces(tmp_pat
     setting; transformers before 5 applies it to BPE tokenizers too) must not change a generated reply's text."""
     tokenizer = build_tokenizer(tmp_path, "chatml")
     tokenizer.clean_up_tokenization_spaces = True
-    tokenizer.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True  # transformers >= 5
+    tokenizer.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = (
+        True  # transformers >= 5
+    )
     text = "Yes , it is . Is n't it ?"
-    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) != text  # it does clean up
+    assert (
+        tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) != text
+    )  # it does clean up
     b = _builder(tokenizer)
     d = b.start(CONV, index=0)
     b.add_reply(d, _reply(tokenizer, text, END["chatml"]), "stop")
