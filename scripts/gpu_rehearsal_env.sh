@@ -8,8 +8,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-gpu312}
-PY312=${PYTHON312:-$(command -v python3.12 || ls -d /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)}
-[[ -x ${PY312:-} ]] || { echo "error: no python3.12 found: set PYTHON312" >&2; exit 2; }
+PY312=""
+for c in ${PYTHON312:-} python3.12 $(ls -d "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null); do
+  if "$c" --version >/dev/null 2>&1; then PY312=$c && break; fi  # (a pyenv shim exists but may not run)
+done
+[[ -n $PY312 ]] || { echo "error: no python3.12 that runs: set PYTHON312" >&2; exit 2; }
 MACHINE=(torch==2.11.0 transformers==5.17.0 huggingface_hub==1.33.0 tokenizers==0.23.2 safetensors==0.8.0
   numpy==2.5.2 accelerate==1.15.0 pyarrow pandas typer pyyaml jinja2 matplotlib tensorboard tqdm rich psutil aiohttp
   xxhash requests pytest "setuptools>=77" wheel)
