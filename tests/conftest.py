@@ -16,7 +16,13 @@ TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
 sys.path.insert(0, str(TESTS_DIR))
 
-from tiny import add_stop_bias, build_tiny_gpt_oss, build_tiny_model, build_tiny_qwen3  # noqa: E402
+from tiny import (  # noqa: E402
+    add_stop_bias,
+    build_tiny_gpt_oss,
+    build_tiny_model,
+    build_tiny_qwen3,
+    build_tiny_qwen3_hybrid,
+)
 
 try:  # property-based tests draw the same examples every run, so CI is repeatable (HYPOTHESIS_PROFILE=explore varies them)
     from hypothesis import settings
@@ -79,6 +85,20 @@ def tiny_qwen3_yarn(tmp_path_factory) -> Path:
 def tiny_qwen3_moe(tmp_path_factory) -> Path:
     """The tiny Qwen3 as a mixture of experts (Qwen3MoeForCausalLM: 4 experts, 2 per token), fp32."""
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-moe"), moe=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next(tmp_path_factory) -> Path:
+    """A tiny random Qwen3NextForCausalLM (linear attention, then gated full attention with partial rotary;
+    mixture-of-experts MLPs), fp32, with Qwen3's chat template."""
+    return build_tiny_qwen3_hybrid(tmp_path_factory.mktemp("tiny-qwen3-next"), "qwen3_next")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5(tmp_path_factory) -> Path:
+    """A tiny random Qwen3.5 as it ships: a multimodal checkpoint whose language model is a Qwen3-Next-style hybrid
+    with dense MLPs, fp32, with Qwen3's chat template."""
+    return build_tiny_qwen3_hybrid(tmp_path_factory.mktemp("tiny-qwen3-5"), "qwen3_5")
 
 
 @pytest.fixture(scope="session")

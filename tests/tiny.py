@@ -1,6 +1,7 @@
 """Tiny real models and tokenizers for tests: a byte-level BPE tokenizer with a real chat template and a
-random Llama (head_dim 32, so vLLM's CPU attention accepts it), saved as an ordinary HF model directory; and a
-random Qwen3 (QK-norm) with Qwen3's own chat template (tests/fixtures/chat_templates/qwen3.jinja).
+random Llama (head_dim 32, so vLLM's CPU attention accepts it), saved as an ordinary HF model directory; a
+random Qwen3 (QK-norm) with Qwen3's own chat template (tests/fixtures/chat_templates/qwen3.jinja); the Qwen3-family
+hybrids (Qwen3-Next, Qwen3.5) and a gpt-oss.
 
 Built from scratch in a second; no hub, no mocks. Used by conftest fixtures and by subprocess tests.
 """
@@ -99,6 +100,71 @@ def build_tiny_qwen3(
                 p.uniform_(0.5, 1.5)
     model.to(torch.float32).save_pretrained(str(out))
     (out / "peagle_test_model.json").write_text(json.dumps({"template": "qwen3", "seed": seed}))
+    return out
+
+
+def build_tiny_qwen3_hybrid(out_dir: str | Path, kind: str = "qwen3_next", seed: int = 0) -> Path:
+    """Save a random tiny Qwen3-family hybrid with Qwen3's chat template; return the path. Layers 0-2 are linear
+    attention (gated delta rule), layer 3 gated full attention with partial rotary (a quarter of each head) and
+    zero-centred norms (stored near 0). `kind`: "qwen3_next" (Qwen3NextForCausalLM: mixture-of-experts MLPs with a
+    shared expert; linear heads of 128, the size vLLM's CPU kernel takes) or "qwen3_5" (a multimodal
+    Qwen3_5ForConditionalGeneration checkpoint, as Qwen3.5 ships: dense MLPs, the language model under
+    `text_config` and `model.language_model.*`, a one-block vision tower)."""
+    import torch
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
+    )
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_qwen3_tokenizer(out)
+    text = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=128 if kind == "qwen3_next" else 32,
+        linear_value_head_dim=128 if kind == "qwen3_next" else 32,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if kind == "qwen3_next":
+        experts = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+        config = Qwen3NextConfig(
+            **text, **experts, shared_expert_intermediate_size=64, tie_word_embeddings=False
+        )
+        model_cls = Qwen3NextForCausalLM
+    elif kind == "qwen3_5":
+        vision = {
+            "depth": 1,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+        }
+        config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+        model_cls = Qwen3_5ForConditionalGeneration
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    with torch.no_grad():  # as build_tiny_qwen3; norms near 0 (zero-centred: near unit scale) but not at it
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            elif name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+    model.to(torch.float32).save_pretrained(str(out))
     return out
 
 

@@ -128,23 +128,30 @@ class Cache:
         return json.loads(self._root.read_bytes(f"{layout.TARGET_DIR}/config.json"))
 
     def target_pieces(self) -> dict[str, torch.Tensor]:
-        """The target's embed_tokens.weight [V, H], lm_head.weight [V, H], norm.weight [H] (keys layout.PIECE_KEYS)."""
+        """The target's embed_tokens.weight [V, H], lm_head.weight [V, H], norm.weight [H] (keys layout.PIECE_KEYS),
+        in the draft's convention (`core.target_convention`: a zero-centred norm as 1 + w)."""
+        from peagle_pipeline.core.target_convention import pieces_in_draft_convention
+
         pieces = self._read_pieces(lambda key: key in layout.PIECE_KEYS)
         missing = [k for k in layout.PIECE_KEYS if k not in pieces]
         if missing:
             raise IncompatibleCache(f"{self.path}: target pieces lack {', '.join(missing)}")
-        return {k: pieces[k] for k in layout.PIECE_KEYS}
+        return pieces_in_draft_convention({k: pieces[k] for k in layout.PIECE_KEYS}, self.target_config())
 
     def target_layer(self) -> tuple[int, dict[str, torch.Tensor]] | None:
         """(index, tensors keyed by Llama names) of the target decoder layer stored for starting a draft from it
-        (`core/target_init.py`), or None: a cache written before it was stored, or a target whose checkpoint does
-        not name its layers the Llama way."""
+        (`core/target_init.py`), in the draft's convention (`core.target_convention`), or None: a cache written
+        before it was stored, or a target whose checkpoint does not name its layers the Llama way."""
+        from peagle_pipeline.core.target_convention import layer_in_draft_convention
+
         prefix = layout.LAYER_PIECE_PREFIX
         pieces = self._read_pieces(lambda key: key.startswith(prefix) or key == layout.LAYER_INDEX_KEY)
         tensors = {k[len(prefix) :]: v for k, v in pieces.items() if k.startswith(prefix)}
         if layout.LAYER_INDEX_KEY not in pieces or not tensors:
             return None
-        return int(pieces[layout.LAYER_INDEX_KEY][0]), tensors
+        return int(pieces[layout.LAYER_INDEX_KEY][0]), layer_in_draft_convention(
+            tensors, self.target_config()
+        )
 
     def _read_pieces(self, wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
         """The tensors of target/pieces.safetensors whose keys `wanted` accepts, and only those (the embedding

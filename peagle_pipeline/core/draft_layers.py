@@ -37,8 +37,12 @@ class RMSNorm(nn.Module):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style rotary embedding. x: [N, heads, D]; cos, sin: [N, 1, D]."""
-    half = x.shape[-1] // 2
+    """Neox-style rotary embedding of the first R dimensions. x: [N, heads, D]; cos, sin: [N, 1, R], R <= D (R < D:
+    partial rotary, the last D - R dimensions pass through)."""
+    R = cos.shape[-1]
+    if R < x.shape[-1]:
+        return torch.cat((_rotate(x[..., :R], cos, sin), x[..., R:]), dim=-1)
+    half = R // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
@@ -74,7 +78,7 @@ class Attention(nn.Module):
         mask: AttnMask,
         kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """x: [Nq, in] query inputs; cos, sin: [Nq, 1, D]; mask [Nq, Nk]; kv: keys/values of all Nk elements
+        """x: [Nq, in] query inputs; cos, sin: [Nq, 1, R] (R = rotary dims); mask [Nq, Nk]; kv: keys/values of all Nk elements
         (default: computed from x, Nk = Nq). Returns [Nq, H]."""
         k, v = self.kv(x, cos, sin) if kv is None else kv
         q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)  # [Nq, Hq, D]

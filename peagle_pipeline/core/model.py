@@ -52,7 +52,7 @@ class PEagleDraft(nn.Module):
         grad_checkpointing: recompute each layer in backward.
     """
 
-    inv_freq: torch.Tensor  # [head_dim / 2] RoPE inverse frequencies (a non-persistent buffer)
+    inv_freq: torch.Tensor  # [rotary_dim / 2] RoPE inverse frequencies (a non-persistent buffer)
 
     def __init__(
         self,
@@ -116,8 +116,9 @@ class PEagleDraft(nn.Module):
         self.norm.weight.copy_(pieces["norm.weight"].float())
 
     def rope(self, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [N, 1, D] (fp32) for LongTensor[N] positions (times yarn's attention factor, as vLLM's)."""
-        freqs = position.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [N, D/2]
+        """cos, sin: [N, 1, R] (fp32) for LongTensor[N] positions (times yarn's attention factor, as vLLM's); R is
+        the rotary dimension (head_dim unless the target's rotary is partial)."""
+        freqs = position.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [N, R/2]
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
         scale = self.cfg.rope.attention_factor
         if scale == 1.0:

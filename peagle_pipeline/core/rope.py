@@ -1,10 +1,13 @@
 """Rotary position embeddings of the draft (SPEC §5.3): the target's RoPE settings and their inverse frequencies.
 
 Pure torch: no I/O, no global state. Default, linear, llama3 and YaRN scaling, computed as transformers and vLLM
-compute them; any other RoPE type (or partial rotary embeddings) is refused.
+compute them, over all of each head or (partial rotary, as Qwen3-Next and Qwen3.5 set it) over its first
+`partial_rotary_factor * head_dim` dimensions; any other RoPE type is refused.
 
 Worked example: theta = 10000, head_dim = 4 gives inv_freq = [1, 10000**-0.5] = [1.0, 0.01]; linear scaling with
 factor 2 halves them to [0.5, 0.005]. Position p rotates the pair (x_i, x_{i + D/2}) by angle p * inv_freq[i].
+Partial rotary: with partial_rotary_factor 0.25 and head_dim 16, only the first 4 dimensions turn, with the same
+inv_freq [1.0, 0.01] (computed over those 4): pairs (x_0, x_2) and (x_1, x_3); x_4 .. x_15 pass through.
 
 YaRN (gpt-oss, Qwen3 with its long-context setting, DeepSeek) blends the two per frequency: pairs that turn more than
 beta_fast times over the original context keep their frequency, pairs that turn less than beta_slow times are
@@ -43,6 +46,12 @@ class RopeSpec:
     """yarn: round the ramp's ends to whole pairs (gpt-oss sets false)."""
     attention_factor: float = 1.0
     """cos and sin are multiplied by it (yarn's attention scaling; 1 for the other types)."""
+    partial_rotary_factor: float = 1.0
+    """The share of each head's dimensions that turn (the first ones); the rest pass through."""
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """How many of a head's `head_dim` dimensions turn (as transformers and vLLM round it)."""
+        return int(head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> RopeSpec:
@@ -54,8 +63,9 @@ class RopeSpec:
         rope_type = str(params.get("rope_type", params.get("type", "default")))
         if rope_type not in ("default", "linear", "llama3", "yarn"):
             raise BadInput(f"target RoPE type {rope_type!r} is not supported (default, linear, llama3, yarn)")
-        if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
-            raise BadInput("target uses partial rotary embeddings, which the draft does not support")
+        partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+        if not 0.0 < partial <= 1.0:
+            raise BadInput(f"target partial_rotary_factor {partial} is outside (0, 1]")
         # a top-level original_max_position_embeddings (Phi-3 style) wins, as in transformers
         original = int(
             cfg.get("original_max_position_embeddings")
@@ -70,6 +80,7 @@ class RopeSpec:
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=original,
+            partial_rotary_factor=partial,
         )
         if rope_type != "yarn":
             return spec
@@ -94,6 +105,8 @@ class RopeSpec:
     def as_config(self) -> dict[str, Any]:
         """The `rope_parameters` dict for an exported HF config."""
         out: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.theta}
+        if self.partial_rotary_factor != 1.0:
+            out["partial_rotary_factor"] = self.partial_rotary_factor
         if self.rope_type == "linear":
             out["factor"] = self.factor
         if self.rope_type == "llama3":
@@ -121,7 +134,9 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def rope_inv_freq(spec: RopeSpec, head_dim: int) -> torch.Tensor:
-    """FloatTensor[head_dim // 2]: inverse frequencies (as transformers and vLLM compute them)."""
+    """FloatTensor[rotary_dim // 2]: inverse frequencies over the turning dimensions (`RopeSpec.rotary_dim`, all of
+    `head_dim` unless the rotary is partial), as transformers and vLLM compute them."""
+    head_dim = spec.rotary_dim(head_dim)
     inv = 1.0 / (spec.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if spec.rope_type == "linear":
         return inv / spec.factor

@@ -22,6 +22,7 @@ def make_random_draft(
     draft_vocab_size: int | None = None,
     seed: int = 0,
     draft_layers: int = 1,
+    rope_parameters: dict | None = None,
 ) -> Path:
     """Export a random P-EAGLE draft of `draft_layers` layers for `target` (embeddings/lm_head/norm from the target) to `out`.
 
@@ -31,6 +32,8 @@ def make_random_draft(
         layer_ids: aux layer ids (vLLM convention).
         depths: K, the number of tokens drafted in parallel.
         draft_vocab_size: Vd (default: the full target vocabulary); the Vd smallest-id tokens when smaller.
+        rope_parameters: the draft's RoPE instead of the target's (a rotation no runnable target of the tier
+            has, checked on a target that runs).
     """
     from peagle_pipeline.core.draft_config import DraftConfig, has_qk_norm
     from peagle_pipeline.core.model import PEagleDraft
@@ -41,11 +44,12 @@ def make_random_draft(
     from peagle_pipeline.stages.export.stage import write_export
 
     info = read_target_info(target)
+    config = info.config if rope_parameters is None else {**info.config, "rope_parameters": rope_parameters}
     V = info.vocab_size
     Vd = draft_vocab_size or V
     mask_token_id = V - 1  # an id vLLM accepts; the tiny tokenizer leaves the last rows unused
     spec = DraftSpec(
-        target_config=info.config,
+        target_config=config,
         verifier_name_or_path=str(target),
         verifier_architectures=list(info.architectures),
         aux_layer_ids=sorted(layer_ids),
@@ -58,7 +62,7 @@ def make_random_draft(
         target_identity=target_identity(target),
     )
     cfg = DraftConfig.from_target_config(
-        info.config,
+        config,
         num_layers=draft_layers,
         num_aux=len(layer_ids),
         draft_vocab_size=Vd,

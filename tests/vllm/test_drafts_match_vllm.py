@@ -3,11 +3,11 @@
 `proposals.compare_proposals` records every K-token proposal of vLLM's drafter on greedy replies and looks up the
 argmax of `PEagleDraft.forward_layout` at the same anchor and depth (the forward `train` optimises): they must be
 equal at every depth, for a 4-layer draft of the real SmolLM2, a 2-layer draft of a Qwen3 (QK-norm) target, and
-1-layer drafts of a Qwen3-MoE target and of targets with YaRN RoPE (a Qwen3 with its long-context setting, a
-gpt-oss). The acceptance that the walk over the replies implies must equal vLLM's own counters (but for the tokens a
-step accepted past `max_tokens`, which the reply does not show), so the recorded proposals are the ones vLLM
-verified; and `core.loss.acceptance_walk`, which the trainer reports as `acceptance_walk`, must count the same steps
-and accepted tokens from our proposals.
+1-layer drafts of a Qwen3-MoE target, of targets with YaRN RoPE (a Qwen3 with its long-context setting, a
+gpt-oss) and with partial rotary (Qwen3-Next's and Qwen3.5's). The acceptance that the walk over the replies
+implies must equal vLLM's own counters (but for the tokens a step accepted past `max_tokens`, which the reply does
+not show), so the recorded proposals are the ones vLLM verified; and `core.loss.acceptance_walk`, which the
+trainer reports as `acceptance_walk`, must count the same steps and accepted tokens from our proposals.
 
 The drafts are random, with `mask_hidden` zeroed and the layers' and fc's matrices scaled up: the tokens at depths
 >= 1 then depend on the context through attention (a random draft's mask state would otherwise fix them), and the
@@ -88,6 +88,20 @@ def test_draft_of_a_yarn_target(tiny_qwen3_yarn: Path, tmp_path: Path) -> None:
     )
     _sharpen(export, 3.0)
     _check(tiny_qwen3_yarn, export)
+
+
+def test_draft_with_partial_rotary(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """Qwen3-Next's and Qwen3.5's rotation, a quarter of each head (their drafts take it from the target): vLLM
+    turns the same dimensions by the same angles as the draft in training. Checked on the tiny Qwen3, whose
+    draft is given that rotation, since vLLM runs the hybrids' linear attention on a CPU in bf16 only."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    export = make_random_draft(
+        tiny_qwen3, tmp_path / "draft", [1, 2, 3], depths=K, draft_vocab_size=300, rope_parameters=rope
+    )
+    layer = json.loads((export / "config.json").read_text())["transformer_layer_config"]
+    assert layer["rope_parameters"]["partial_rotary_factor"] == 0.25
+    _sharpen(export, 3.0)
+    _check(tiny_qwen3, export)
 
 
 def test_draft_of_a_gpt_oss_target(tiny_gpt_oss: Path, tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle_pipeline.errors import BadInput, CorruptCache
+from peagle_pipeline.model_dir import text_config
 from peagle_pipeline.runtime import atomic_write_json
 
 __all__ = ["DRAFT_SPEC", "DraftSpec"]
@@ -41,12 +42,17 @@ class DraftSpec:
     target_identity: dict[str, str] | None = None
 
     @property
+    def text_config(self) -> dict[str, Any]:
+        """The target's language-model config (`text_config` of a multimodal checkpoint such as Qwen3.5)."""
+        return text_config(self.target_config)
+
+    @property
     def vocab_size(self) -> int:
-        return int(self.target_config["vocab_size"])
+        return int(self.text_config["vocab_size"])
 
     @property
     def hidden_size(self) -> int:
-        return int(self.target_config["hidden_size"])
+        return int(self.text_config["hidden_size"])
 
     def save(self, run_dir: str | os.PathLike[str]) -> None:
         atomic_write_json(Path(run_dir) / DRAFT_SPEC, dataclasses.asdict(self))

@@ -74,8 +74,9 @@ def export_config(spec: DraftSpec, speculative_tokens: int | None = None) -> dic
         draft.layer_config()
     )  # sizes, heads, head_dim, RoPE, num_aux_hidden_states (vLLM assumes 3 without)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if spec.target_config.get(key) is not None:
-            layer[key] = spec.target_config[key]
+        value = spec.text_config.get(key, spec.target_config.get(key))
+        if value is not None:
+            layer[key] = value
     layer["dtype"] = "bfloat16"  # (transformers >= 4.56's name: "torch_dtype" prints a deprecation warning)
     return {
         "speculators_model_type": "peagle",  # no top-level model_type: vLLM detects speculators_config

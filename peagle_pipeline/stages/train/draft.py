@@ -14,6 +14,7 @@ from peagle_pipeline.core import vocab
 from peagle_pipeline.core.draft_config import DraftConfig, has_qk_norm
 from peagle_pipeline.core.model import PEagleDraft
 from peagle_pipeline.core.seeds import mix_seed
+from peagle_pipeline.core.target_convention import has_gated_attention
 from peagle_pipeline.core.target_init import init_from_target_layer
 from peagle_pipeline.errors import BadConfig
 from peagle_pipeline.stages.export.draft_spec import DRAFT_SPEC, DraftSpec
@@ -133,11 +134,13 @@ def start_from_target(model: PEagleDraft, cache: Any) -> None:
     part = "'s attention (its MLP is a mixture of experts: the draft's MLP starts at zero output)"
     with_norms = " with its q_norm/k_norm" if model.cfg.qk_norm and norms else ""
     dropped = "; the target's q_norm/k_norm are not carried over" if norms and not model.cfg.qk_norm else ""
+    gate = has_gated_attention(cache.target_config())
     log.info(
-        "draft layer 0 starts from target layer %d%s%s; fc passes the last aux state through%s",
+        "draft layer 0 starts from target layer %d%s%s%s; fc passes the last aux state through%s",
         index,
         part if attention_only else "",
         with_norms,
+        ", without its attention's output gate (the draft's attention has none)" if gate else "",
         dropped,
     )
 

@@ -33,6 +33,7 @@ import torch
 from peagle_pipeline.config import TrainConfig
 from peagle_pipeline.core import cod, loss, mask, partition
 from peagle_pipeline.errors import CorruptCache, NumericalFault, OutOfSpace, StoreUnreachable
+from peagle_pipeline.model_dir import text_config
 from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import pause_for_crash_test, resolve_compute_dtype
 from peagle_pipeline.stages.train import fsdp
@@ -102,7 +103,7 @@ class Trainer:
         )
         if cfg.target == "exact":
             self.target_norm = self.cache.target_pieces()["norm.weight"].to(dist.device)
-            self.target_eps = float(self.cache.target_config().get("rms_norm_eps", 1e-6))
+            self.target_eps = float(text_config(self.cache.target_config()).get("rms_norm_eps", 1e-6))
 
     # ---- state ---------------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

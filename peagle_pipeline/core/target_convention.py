@@ -1,0 +1,100 @@
+"""A target's tensors in the convention of the draft's (Llama) layers, for targets that store them otherwise.
+
+Two conventions differ from Llama's in the Qwen3-family hybrids (Qwen3-Next, Qwen3.5 and Qwen3.5-MoE: linear
+attention in most layers, gated full attention in every fourth):
+
+- **Zero-centred RMS norms**: the layer computes rms_norm(x) * (1 + w), so a checkpoint stores w = 0 for unit
+  scale. The draft's norms (and vLLM's Llama and Qwen3 layers) compute rms_norm(x) * w, so the same norm there has
+  weight 1 + w. This holds for every norm these targets have: the final norm, the layers' input and
+  post-attention norms, and the per-head q/k norms.
+- **Gated attention output**: q_proj yields, per head, D query rows followed by D gate rows, and the attention
+  output is multiplied by sigmoid(gate) before o_proj. The draft's attention has no gate; a start from such a layer
+  takes the query rows and leaves the gate out, so it starts from that layer's attention without its gate (an
+  approximation of the layer, where the other tensors are exact).
+
+Worked example: a zero-centred final norm stored as [0.0, -0.5, 0.25] is [1.0, 0.5, 1.25] for the draft. A gated
+q_proj with 2 heads of D = 2 has rows [q0 q0 g0 g0 q1 q1 g1 g1] ([8, H]); its query rows are [q0 q0 q1 q1] ([4, H]).
+
+Pure torch: no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ZERO_CENTRED_NORM_MODEL_TYPES",
+    "GATED_ATTENTION_MODEL_TYPES",
+    "pieces_in_draft_convention",
+    "layer_in_draft_convention",
+    "has_gated_attention",
+]
+
+# Target model types (of the language model: `text_config`'s for multimodal checkpoints) whose RMS norms scale by
+# 1 + w, and whose full-attention layers gate their output (transformers' Qwen3NextAttention, Qwen3_5Attention).
+ZERO_CENTRED_NORM_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
+GATED_ATTENTION_MODEL_TYPES = ZERO_CENTRED_NORM_MODEL_TYPES
+
+_LAYER_NORMS = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+)
+
+
+def _text_config(target_config: dict[str, Any]) -> dict[str, Any]:
+    inner = target_config.get("text_config")
+    return inner if isinstance(inner, dict) else target_config
+
+
+def _model_type(target_config: dict[str, Any]) -> str | None:
+    return _text_config(target_config).get("model_type")
+
+
+def has_gated_attention(target_config: dict[str, Any]) -> bool:
+    """Whether the target's full-attention layers gate their output (Qwen3-Next, Qwen3.5)."""
+    return _model_type(target_config) in GATED_ATTENTION_MODEL_TYPES
+
+
+def _norm_offset(target_config: dict[str, Any]) -> float:
+    return 1.0 if _model_type(target_config) in ZERO_CENTRED_NORM_MODEL_TYPES else 0.0
+
+
+def pieces_in_draft_convention(
+    pieces: dict[str, torch.Tensor], target_config: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """The target pieces (embed_tokens.weight [V, H], lm_head.weight [V, H], norm.weight [H]) with the final norm's
+    weight as the draft's RMS norm reads it; the same dict when the target's norms are Llama ones."""
+    offset = _norm_offset(target_config)
+    if not offset:
+        return pieces
+    return {**pieces, "norm.weight": pieces["norm.weight"].float() + offset}
+
+
+def layer_in_draft_convention(
+    tensors: dict[str, torch.Tensor], target_config: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """A stored target layer's tensors (Llama names, see `core.target_init`) as the draft's layer reads them: norms
+    as rms_norm(x) * w, and, for a gated attention (q_proj [heads * 2 * D, H]), q_proj's query rows only
+    ([heads * D, H]; heads and D = head_dim from the config). The same tensors for a Llama-convention target."""
+    out = dict(tensors)
+    text = _text_config(target_config)
+    num_heads = int(text.get("num_attention_heads") or 1)
+    head_dim = int(text.get("head_dim") or int(text.get("hidden_size", 0)) // num_heads)
+    offset = _norm_offset(target_config)
+    if offset:
+        for name in _LAYER_NORMS:
+            if name in out:
+                out[name] = out[name].float() + offset
+    q = out.get("self_attn.q_proj.weight")
+    if has_gated_attention(target_config) and q is not None and q.shape[0] == 2 * num_heads * head_dim:
+        out["self_attn.q_proj.weight"] = q.view(num_heads, 2, head_dim, -1)[:, 0].reshape(
+            num_heads * head_dim, -1
+        )
+        bias = out.get("self_attn.q_proj.bias")
+        if bias is not None and bias.shape[0] == 2 * num_heads * head_dim:
+            out["self_attn.q_proj.bias"] = bias.view(num_heads, 2, head_dim)[:, 0].reshape(-1)
+    return out
