@@ -78,8 +78,8 @@ class Attention(nn.Module):
         mask: AttnMask,
         kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """x: [Nq, in] query inputs; cos, sin: [Nq, 1, R] (R = rotary dims); mask [Nq, Nk]; kv: keys/values of all Nk elements
-        (default: computed from x, Nk = Nq). Returns [Nq, H]."""
+        """x: [Nq, in] query inputs; cos, sin: [Nq, 1, R] (R: the rotary dims); mask [Nq, Nk]; kv: keys/values of
+        all Nk elements (default: computed from x, Nk = Nq). Returns [Nq, H]."""
         k, v = self.kv(x, cos, sin) if kv is None else kv
         q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)  # [Nq, Hq, D]
         q = _rotate(self.q_norm(q) if self.qk_norm else q, cos, sin)
