@@ -324,9 +324,12 @@ _LAYER_OPTIONAL = (
 def find_layer_names(files: dict[str, Path], layer: int) -> dict[str, str]:
     """{name: checkpoint name} of decoder layer `layer`'s ATTENTION_TENSORS, its MLP_TENSORS when it has all three,
     and its present biases and q/k norms; {} when the checkpoint lacks any of ATTENTION_TENSORS under one of the
-    known prefixes (another architecture: no copy)."""
+    known prefixes, or the layer has norms after its attention and MLP as well as before them (Gemma): another
+    architecture, no copy."""
     for prefix in _PREFIXES:
         base = f"{prefix}layers.{layer}."
+        if base + "pre_feedforward_layernorm.weight" in files:  # Gemma's norms around attention and MLP
+            return {}  # its post_attention_layernorm scales the attention's output, not the MLP's input
         if all(base + t in files for t in ATTENTION_TENSORS):
             mlp = MLP_TENSORS if all(base + t in files for t in MLP_TENSORS) else ()
             return {t: base + t for t in (*ATTENTION_TENSORS, *mlp, *_LAYER_OPTIONAL) if base + t in files}

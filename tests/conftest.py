@@ -18,6 +18,7 @@ sys.path.insert(0, str(TESTS_DIR))
 
 from tiny import (  # noqa: E402
     add_stop_bias,
+    build_tiny_gemma4,
     build_tiny_gpt_oss,
     build_tiny_model,
     build_tiny_qwen3,
@@ -99,6 +100,13 @@ def tiny_qwen3_5(tmp_path_factory) -> Path:
     """A tiny random Qwen3.5 as it ships: a multimodal checkpoint whose language model is a Qwen3-Next-style hybrid
     with dense MLPs, fp32, with Qwen3's chat template."""
     return build_tiny_qwen3_hybrid(tmp_path_factory.mktemp("tiny-qwen3-5"), "qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma4(tmp_path_factory) -> Path:
+    """A tiny random Gemma4ForCausalLM (gelu, norms around attention and MLP, a RoPE per layer type, soft-capped
+    logits), fp32, with the chatml tokenizer."""
+    return build_tiny_gemma4(tmp_path_factory.mktemp("tiny-gemma4"))
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Tiny real models and tokenizers for tests: a byte-level BPE tokenizer with a real chat template and a
 random Llama (head_dim 32, so vLLM's CPU attention accepts it), saved as an ordinary HF model directory; a
 random Qwen3 (QK-norm) with Qwen3's own chat template (tests/fixtures/chat_templates/qwen3.jinja); the Qwen3-family
-hybrids (Qwen3-Next, Qwen3.5) and a gpt-oss.
+hybrids (Qwen3-Next, Qwen3.5), a Gemma 4 and a gpt-oss.
 
 Built from scratch in a second; no hub, no mocks. Used by conftest fixtures and by subprocess tests.
 """
@@ -165,6 +165,39 @@ def build_tiny_qwen3_hybrid(out_dir: str | Path, kind: str = "qwen3_next", seed:
             elif name.endswith("norm.weight"):
                 p.uniform_(-0.5, 0.5)
     model.to(torch.float32).save_pretrained(str(out))
+    return out
+
+
+def build_tiny_gemma4(out_dir: str | Path, seed: int = 0) -> Path:
+    """Save a random tiny Gemma4ForCausalLM (gelu MLPs, norms after attention and MLP as well as before, sliding
+    layers with one RoPE and a full-attention layer with another, wider heads and partial "proportional" rotary,
+    per-layer inputs, logits soft-capped at 30) with the chatml tokenizer; return the path."""
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out, "chatml")
+    config = Gemma4TextConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=4096,
+        sliding_window=16,
+        vocab_size_per_layer_input=512,
+        hidden_size_per_layer_input=16,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    Gemma4ForCausalLM(config).to(torch.float32).save_pretrained(str(out))
     return out
 
 

@@ -56,9 +56,22 @@ class RopeSpec:
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> RopeSpec:
         """Read `rope_parameters` (transformers >= 5) or legacy `rope_theta` + `rope_scaling`, resolving what
-        transformers derives: yarn's factor (max / original positions when unset) and attention factor."""
+        transformers derives: yarn's factor (max / original positions when unset) and attention factor.
+
+        A target with one RoPE per layer type (Gemma 4: `{"full_attention": {...}, "sliding_attention": {...}}`)
+        gives the draft the default rotation, over the whole head, at its full-attention layers' base: the draft
+        attends over the whole context as those layers do, and starts from random weights there (its layers are
+        not Llama ones), so it copies no layer's rotation."""
         params = dict(cfg.get("rope_scaling") or {})
         params.update(cfg.get("rope_parameters") or {})
+        if isinstance(
+            params.get("full_attention"), dict
+        ):  # one RoPE per layer type (Gemma 4): see the docstring
+            full = params["full_attention"]
+            params = {
+                "rope_type": "default",
+                "rope_theta": full.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            }
         theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = str(params.get("rope_type", params.get("type", "default")))
         if rope_type not in ("default", "linear", "llama3", "yarn"):

@@ -12,6 +12,9 @@ attention in most layers, gated full attention in every fourth):
   takes the query rows and leaves the gate out, so it starts from that layer's attention without its gate (an
   approximation of the layer, where the other tensors are exact).
 
+And a target MLP with another activation than silu (Gemma's gelu) has no counterpart in the draft's SwiGLU MLP: a
+start from such a layer leaves its MLP out, as for a mixture of experts.
+
 Worked example: a zero-centred final norm stored as [0.0, -0.5, 0.25] is [1.0, 0.5, 1.25] for the draft. A gated
 q_proj with 2 heads of D = 2 has rows [q0 q0 g0 g0 q1 q1 g1 g1] ([8, H]); its query rows are [q0 q0 q1 q1] ([4, H]).
 
@@ -30,6 +33,7 @@ __all__ = [
     "pieces_in_draft_convention",
     "layer_in_draft_convention",
     "has_gated_attention",
+    "mlp_activation",
 ]
 
 # Target model types (of the language model: `text_config`'s for multimodal checkpoints) whose RMS norms scale by
@@ -59,6 +63,12 @@ def has_gated_attention(target_config: dict[str, Any]) -> bool:
     return _model_type(target_config) in GATED_ATTENTION_MODEL_TYPES
 
 
+def mlp_activation(target_config: dict[str, Any]) -> str:
+    """The activation of the target's MLP (`hidden_act`, or Gemma's `hidden_activation`; silu when unset)."""
+    text = _text_config(target_config)
+    return str(text.get("hidden_act") or text.get("hidden_activation") or "silu")
+
+
 def _norm_offset(target_config: dict[str, Any]) -> float:
     return 1.0 if _model_type(target_config) in ZERO_CENTRED_NORM_MODEL_TYPES else 0.0
 
@@ -78,9 +88,12 @@ def layer_in_draft_convention(
     tensors: dict[str, torch.Tensor], target_config: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
     """A stored target layer's tensors (Llama names, see `core.target_init`) as the draft's layer reads them: norms
-    as rms_norm(x) * w, and, for a gated attention (q_proj [heads * 2 * D, H]), q_proj's query rows only
-    ([heads * D, H]; heads and D = head_dim from the config). The same tensors for a Llama-convention target."""
+    as rms_norm(x) * w; for a gated attention (q_proj [heads * 2 * D, H]), q_proj's query rows only
+    ([heads * D, H]; heads and D = head_dim from the config); without the MLP's tensors when its activation is not
+    silu. The same tensors for a Llama-convention target."""
     out = dict(tensors)
+    if mlp_activation(target_config) != "silu":
+        out = {name: t for name, t in out.items() if not name.startswith("mlp.")}
     text = _text_config(target_config)
     num_heads = int(text.get("num_attention_heads") or 1)
     head_dim = int(text.get("head_dim") or int(text.get("hidden_size", 0)) // num_heads)

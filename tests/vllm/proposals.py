@@ -163,7 +163,7 @@ def our_proposals(target: Path, export: Path, tokens: list[int], depths: int) ->
     with torch.no_grad():
         hidden = draft.forward_layout(layout, x[1 : n + 1], aux[:n].reshape(n, -1), dense_mask(layout))
         best = draft.logits(hidden).argmax(-1)
-    if draft.d2t is not None:
+    if getattr(draft, "d2t", None) is not None:  # none when the draft keeps the whole vocabulary
         best = best + draft.d2t[best]
     return {(int(a), int(d)): int(t) for a, d, t in zip(layout.anchor, layout.depth, best, strict=True)}
 

@@ -4,7 +4,7 @@
 argmax of `PEagleDraft.forward_layout` at the same anchor and depth (the forward `train` optimises): they must be
 equal at every depth, for a 4-layer draft of the real SmolLM2, a 2-layer draft of a Qwen3 (QK-norm) target, and
 1-layer drafts of a Qwen3-MoE target, of targets with YaRN RoPE (a Qwen3 with its long-context setting, a
-gpt-oss) and with partial rotary (Qwen3-Next's and Qwen3.5's). The acceptance that the walk over the replies
+gpt-oss), with partial rotary (Qwen3-Next's and Qwen3.5's) and of a Gemma 4. The acceptance that the walk over the replies
 implies must equal vLLM's own counters (but for the tokens a step accepted past `max_tokens`, which the reply does
 not show), so the recorded proposals are the ones vLLM verified; and `core.loss.acceptance_walk`, which the
 trainer reports as `acceptance_walk`, must count the same steps and accepted tokens from our proposals.
@@ -102,6 +102,16 @@ def test_draft_with_partial_rotary(tiny_qwen3: Path, tmp_path: Path) -> None:
     assert layer["rope_parameters"]["partial_rotary_factor"] == 0.25
     _sharpen(export, 3.0)
     _check(tiny_qwen3, export)
+
+
+def test_draft_of_a_gemma4_target(tiny_gemma4: Path, tmp_path: Path) -> None:
+    """A Gemma 4 target (gelu, norms around attention and MLP, a RoPE per layer type, soft-capped logits): its Llama
+    draft layer, at the full-attention layers' RoPE base, drafts in vLLM what it computes here."""
+    export = make_random_draft(tiny_gemma4, tmp_path / "draft", [1, 2, 3], depths=K, draft_vocab_size=300)
+    layer = json.loads((export / "config.json").read_text())["transformer_layer_config"]
+    assert layer["hidden_act"] == "silu" and layer["rope_parameters"]["rope_theta"] == 1e6
+    _sharpen(export, 3.0)
+    _check(tiny_gemma4, export)
 
 
 def test_draft_of_a_gpt_oss_target(tiny_gpt_oss: Path, tmp_path: Path) -> None:

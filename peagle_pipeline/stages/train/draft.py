@@ -14,9 +14,10 @@ from peagle_pipeline.core import vocab
 from peagle_pipeline.core.draft_config import DraftConfig, has_qk_norm
 from peagle_pipeline.core.model import PEagleDraft
 from peagle_pipeline.core.seeds import mix_seed
-from peagle_pipeline.core.target_convention import has_gated_attention
+from peagle_pipeline.core.target_convention import has_gated_attention, mlp_activation
 from peagle_pipeline.core.target_init import init_from_target_layer
 from peagle_pipeline.errors import BadConfig
+from peagle_pipeline.model_dir import text_config
 from peagle_pipeline.stages.export.draft_spec import DRAFT_SPEC, DraftSpec
 
 __all__ = [
@@ -37,25 +38,21 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
 
     Raises:
         BadConfig: draft_vocab_size explicitly larger than the target vocabulary; exact target without last
-            hidden states in the cache.
+            hidden states in the cache, or for a target that soft-caps its logits.
     """
     meta = cache.meta
-    V = int(meta.vocab_size)
-    size = cfg.draft_vocab_size
-    if size > V:
-        default = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "draft_vocab_size")
-        if size != default:
-            raise BadConfig(
-                f"draft_vocab_size {size} is larger than the target vocabulary ({V}): use at most {V}"
-            )
-        log.warning("draft_vocab_size %d exceeds the target vocabulary; using %d", size, V)
-        size = V
+    size = _draft_vocab_size(cfg.draft_vocab_size, int(meta.vocab_size))
     require_last_hidden(cfg.target, meta, f"cache {cfg.cache}")
     dvocab = vocab.build_draft_vocab(torch.from_numpy(cache.token_counts()), size)
     pieces = cache.target_pieces()
     choice = choose_mask_token(cache, int(pieces["embed_tokens.weight"].shape[0]), cfg.mask_token_id)
     mask_id = choice.token_id
     target_config = cache.target_config()
+    if cfg.target == "exact" and text_config(target_config).get("final_logit_softcapping"):
+        raise BadConfig(
+            "target=exact computes the target's log-probs from the last hidden state without the soft cap this "
+            "target puts on its logits (final_logit_softcapping): use target=topk"
+        )
     qk_norm = draft_qk_norm(cfg, target_config)
     dcfg = DraftConfig.from_target_config(
         target_config,
@@ -91,6 +88,23 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
     return model, spec, keep
 
 
+def _draft_vocab_size(size: int, V: int) -> int:
+    """The draft vocabulary's size: `size`, or the target's V when the default is larger (warned).
+
+    Raises:
+        BadConfig: a `size` other than the default larger than V.
+    """
+    if size <= V:
+        return size
+    default = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "draft_vocab_size")
+    if size != default:
+        raise BadConfig(
+            f"draft_vocab_size {size} is larger than the target vocabulary ({V}): use at most {V}"
+        )
+    log.warning("draft_vocab_size %d exceeds the target vocabulary; using %d", size, V)
+    return V
+
+
 def draft_qk_norm(cfg: TrainConfig, target_config: dict[str, Any]) -> bool:
     """Whether the draft's layers are Qwen3 ones (QK-norm): as the target, except in a run resumed from before
     drafts had them (its draft.json lacks `qk_norm`, so its checkpoints hold Llama layers), which keeps Llama
@@ -114,8 +128,8 @@ def start_from_target(model: PEagleDraft, cache: Any) -> None:
     stored = cache.target_layer()
     if stored is None:
         log.warning(
-            "cache %s stores no target layer to start the draft from (written before it was stored, or not a "
-            "Llama-style checkpoint): random initialisation; re-extract it to start from the target",
+            "cache %s stores no target layer to start the draft from: random initialisation (a target whose layers "
+            "are not Llama ones, as Gemma's; or a cache written before the layer was stored: re-extract it)",
             cache.path,
         )
         return
@@ -131,7 +145,9 @@ def start_from_target(model: PEagleDraft, cache: Any) -> None:
         tensors = {**tensors, **_unit_qk_norms(model)}
     init_from_target_layer(model, tensors)
     attention_only = "mlp.down_proj.weight" not in tensors
-    part = "'s attention (its MLP is a mixture of experts: the draft's MLP starts at zero output)"
+    act = mlp_activation(cache.target_config())
+    why = "is a mixture of experts" if act == "silu" else f"uses {act}, not silu"
+    part = f"'s attention (its MLP {why}: the draft's MLP starts at zero output)"
     with_norms = " with its q_norm/k_norm" if model.cfg.qk_norm and norms else ""
     dropped = "; the target's q_norm/k_norm are not carried over" if norms and not model.cfg.qk_norm else ""
     gate = has_gated_attention(cache.target_config())

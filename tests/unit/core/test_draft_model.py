@@ -242,8 +242,8 @@ def test_config_from_target_and_bad_targets():
     assert cfg.draft_vocab_size == V and cfg.norm_before_residual and cfg.aux_size == 3 * H
     lc = cfg.layer_config()
     assert lc["num_hidden_layers"] == 2 and lc["num_aux_hidden_states"] == 3 and lc["vocab_size"] == V
-    with pytest.raises(BadInput):
-        DraftConfig.from_target_config({**tiny_target_config(), "hidden_act": "gelu"}, 1, 3, 10, 5)
+    gelu = DraftConfig.from_target_config({**tiny_target_config(), "hidden_act": "gelu"}, 1, 3, 10, 5)
+    assert gelu.layer_config()["hidden_act"] == "silu"  # the draft's MLP is SwiGLU whatever the target's
     with pytest.raises(BadInput):
         DraftConfig.from_target_config(tiny_target_config(), 1, 3, 10, V)  # mask id outside the vocabulary
     with pytest.raises(BadInput):

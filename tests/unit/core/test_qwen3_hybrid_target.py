@@ -1,6 +1,7 @@
 """Qwen3-Next and Qwen3.5 targets (gated full attention with partial rotary and zero-centred norms between linear
 attention layers): the draft rotates as they do, and a draft started from their last layer is, but for the output
-gate it leaves out, that layer (both checked against transformers' own Qwen3-Next modules)."""
+gate it leaves out, that layer (both checked against transformers' own Qwen3-Next modules). And the other targets
+`core.target_convention` and `core.rope` take in: a gelu MLP left out of the start, a RoPE per layer type (Gemma 4)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from peagle_pipeline.core.model import PEagleDraft
 from peagle_pipeline.core.rope import RopeSpec, rope_inv_freq
 from peagle_pipeline.core.target_convention import (
     layer_in_draft_convention,
+    mlp_activation,
     pieces_in_draft_convention,
 )
 from peagle_pipeline.core.target_init import init_from_target_layer
@@ -145,3 +147,20 @@ def test_zero_centred_final_norm_and_llama_targets_unchanged():
     assert gated["self_attn.q_proj.weight"][:, 0].tolist() == [0.0, 1.0, 4.0, 5.0]
     plain = layer_in_draft_convention({"self_attn.q_proj.weight": q}, tiny_target_config())
     assert plain["self_attn.q_proj.weight"] is q
+
+
+def test_a_gelu_mlp_is_left_out_and_a_rope_per_layer_type_gives_the_full_attention_base():
+    """Gemma's MLP (gelu) has no counterpart in the draft's SwiGLU: a start leaves it out (the draft's MLP then
+    starts silent, as for a mixture of experts). Gemma 4's RoPE per layer type: the draft's is the default rotation
+    over the whole head at the full-attention layers' base."""
+    tensors = {"mlp.up_proj.weight": torch.ones(2, 2), "input_layernorm.weight": torch.ones(2)}
+    gemma = {"model_type": "gemma4_text", "hidden_activation": "gelu_pytorch_tanh", "num_attention_heads": 2}
+    assert mlp_activation(gemma) == "gelu_pytorch_tanh" and mlp_activation(tiny_target_config()) == "silu"
+    assert set(layer_in_draft_convention(tensors, gemma)) == {"input_layernorm.weight"}
+    assert set(layer_in_draft_convention(tensors, tiny_target_config())) == set(tensors)
+    per_type = {
+        "full_attention": {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    spec = RopeSpec.from_config({"rope_parameters": per_type, "max_position_embeddings": 4096})
+    assert (spec.rope_type, spec.theta, spec.partial_rotary_factor) == ("default", 1e6, 1.0)
