@@ -15,9 +15,11 @@ from peagle_pipeline.cache import remote
 
 @pytest.fixture
 def asyncio_records():
-    """The asyncio logger's records that pass its filters; the filters are restored afterwards."""
+    """The asyncio logger's records that pass its filters, from none (a store opened in this process by an earlier
+    test has installed ours); the filters are restored afterwards."""
     log = logging.getLogger("asyncio")
     saved_filters, saved_disabled = list(log.filters), log.disabled
+    log.filters[:] = []
     seen: list[logging.LogRecord] = []
 
     class Keep(logging.Handler):
