@@ -145,12 +145,13 @@ def start_from_target(model: PEagleDraft, cache: Any) -> None:
         tensors = {**tensors, **_unit_qk_norms(model)}
     init_from_target_layer(model, tensors)
     attention_only = "mlp.down_proj.weight" not in tensors
-    act = mlp_activation(cache.target_config())
+    target_config = cache.target_config()
+    act = mlp_activation(target_config)
     why = "is a mixture of experts" if act == "silu" else f"uses {act}, not silu"
     part = f"'s attention (its MLP {why}: the draft's MLP starts at zero output)"
     with_norms = " with its q_norm/k_norm" if model.cfg.qk_norm and norms else ""
     dropped = "; the target's q_norm/k_norm are not carried over" if norms and not model.cfg.qk_norm else ""
-    gate = has_gated_attention(cache.target_config())
+    gate = has_gated_attention(target_config)
     log.info(
         "draft layer 0 starts from target layer %d%s%s%s; fc passes the last aux state through%s",
         index,
