@@ -50,6 +50,44 @@ def build_qwen3_tokenizer(out_dir: str | Path, vocab_size: int = 400):
     return fast
 
 
+# gpt-oss's real chat template (harmony; tests/fixtures/chat_templates/README.md) and its special tokens.
+GPT_OSS_TEMPLATE_FILE = Path(__file__).resolve().parent / "fixtures" / "chat_templates" / "gpt-oss.jinja"
+HARMONY_SPECIAL = [
+    "<|endoftext|>",
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|channel|>",
+    "<|return|>",
+    "<|call|>",
+]
+
+
+def build_harmony_tokenizer(out_dir: str | Path, vocab_size: int = 400):
+    """A byte-level BPE tokenizer with gpt-oss's special tokens (eos `<|return|>`, pad `<|endoftext|>`, no bos) and
+    gpt-oss's real chat template; saved to `out_dir`. Its generation_config.json, as gpt-oss's, also stops on
+    `<|call|>` and `<|endoftext|>`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=HARMONY_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|return|>", pad_token="<|endoftext|>")
+    fast.chat_template = GPT_OSS_TEMPLATE_FILE.read_text(encoding="utf-8")
+    fast.save_pretrained(str(out_dir))
+    stops = [fast.convert_tokens_to_ids(t) for t in ("<|return|>", "<|endoftext|>", "<|call|>")]
+    (Path(out_dir) / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
+    return fast
+
+
 def build_tiny_qwen3(
     out_dir: str | Path,
     num_layers: int = 4,

@@ -42,7 +42,7 @@ class GenerateConfig(TargetStageConfig):
     )
     thinking: Literal["strip", "keep"] = setting(
         "strip",
-        "turns all: an earlier generated reply with reasoning (<think>...</think>) is given to the chat template without it (strip) or whole (keep; Qwen3's template strips it anyway). The newest reply of a row keeps its thinking.",
+        "turns all: an earlier generated reply with reasoning (<think>...</think>, or gpt-oss's analysis channel) is given to the chat template without it (strip) or whole (keep; Qwen3's and gpt-oss's templates drop it anyway). The newest reply of a row keeps its thinking.",
     )
     temperature: float = setting(
         0.7, "Sampling temperature (0 = greedy; greedy makes small models loop, see docs/guides/generate.md)."

@@ -4,10 +4,10 @@ Turn j is prompted with the conversation so far in which the earlier replies are
 ones, rendered the way the template renders an earlier reply (as vLLM renders the conversation when it serves
 turn j). Generated ids are never re-tokenised: after a reply, only the template text that follows it (the
 separator after its end-of-turn token, the next user turn, the generation prompt) is tokenised and appended.
-A reasoning reply ("<think>...</think>" then the answer, Qwen3) is given to the template without its thinking
-(`thinking="strip"`, as clients send replies back and as Qwen3's template renders earlier turns anyway) or whole
-(`"keep"`, the template decides); where the template writes only the answer, the reply's ids in later prompts are
-its generated ids after the thinking. The newest reply of a row is kept whole, as generated. A template that
+A reasoning reply ("<think>...</think>" then the answer, Qwen3; harmony's analysis then final channel, gpt-oss:
+data/reasoning.py) is given to the template without its thinking (`thinking="strip"`, as clients send replies back
+and as these templates render earlier turns anyway) or whole (`"keep"`, the template decides); where the template
+writes only the answer, the reply's ids in later prompts are its generated ids from the answer on. The newest reply of a row is kept whole, as generated. A template that
 writes an earlier reply as other text than those ids decode to (it rewrites earlier turns) ends the conversation
 with a recorded reason. Pure given a tokenizer: no file I/O, no model, no randomness.
 """
@@ -19,18 +19,19 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from peagle_pipeline.data.chat import EMPTY_REPLY, ChatRenderer, RejectRow
+from peagle_pipeline.data.reasoning import reply_parts, uses_harmony
 from peagle_pipeline.data.records import Conversation, TokenizedConversation
 
 __all__ = [
     "Dialogue",
     "DialogueBuilder",
-    "strip_thinking",
     "template_end_of_turn_ids",
     "REASON_TOO_LONG",
     "REASON_EMPTY",
     "REASON_LENGTH",
     "REASON_NOT_PREFIX_STABLE",
     "REASON_REWRITES_REPLY",
+    "REASON_NO_ANSWER",
     "REASON_TOKEN_IDS",
 ]
 
@@ -40,16 +41,9 @@ REASON_EMPTY = EMPTY_REPLY  # the same rule as extract's (data/chat.py)
 REASON_LENGTH = "reply hit max_new_tokens"
 REASON_NOT_PREFIX_STABLE = "chat template is not prefix-stable (it rewrites earlier turns)"
 REASON_REWRITES_REPLY = "chat template rewrites the generated reply text"
+REASON_NO_ANSWER = "reply has no final channel (harmony): nothing to give back as an earlier turn"
 # A row of token ids (a cache's rows, `generate`'s own output): there are no messages to prompt the target with.
 REASON_TOKEN_IDS = "token ids, not chat messages: generate prompts with the messages' text"
-
-THINK_END = "</think>"  # ends the reasoning part of a reply (Qwen3, DeepSeek-R1 and their distills)
-
-
-def strip_thinking(text: str) -> str:
-    """A reply without its reasoning: the text after the last `</think>` and the newlines after it, as Qwen3's
-    template strips it ("<think>\\nwhy\\n</think>\\n\\nAnswer" -> "Answer"); the text itself when it has none."""
-    return text.split(THINK_END)[-1].lstrip("\n") if THINK_END in text else text
 
 
 @dataclass
@@ -108,16 +102,19 @@ class Dialogue:
         }
 
 
-def template_end_of_turn_ids(renderer: ChatRenderer) -> list[int]:
-    """The special token(s) the chat template closes an assistant reply with (`<|im_end|>`, `<|eot_id|>`, ...).
+def template_end_of_turn_ids(renderer: ChatRenderer, earlier: bool = False) -> list[int]:
+    """The special token(s) the chat template closes an assistant reply with (`<|im_end|>`, `<|eot_id|>`, ...):
+    the newest reply's, or with `earlier` an earlier reply's (they differ in gpt-oss's: `<|return|>`, `<|end|>`).
 
-    Found by rendering a one-turn conversation and taking the first special token after the reply's text;
-    empty when the template closes replies without a special token.
+    Found by rendering a conversation and taking the first special token after the reply's text; empty when the
+    template closes replies without a special token.
     """
     tok = renderer.tokenizer
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Peagle reply"}]
+    if earlier:
+        msgs.append({"role": "user", "content": "Bye"})
     try:
-        text = renderer.render_text(msgs, generation_prompt=False)
+        text = renderer.render_text(msgs, generation_prompt=earlier)
     except RejectRow:
         return []
     at = text.rfind("Peagle reply")
@@ -138,7 +135,8 @@ class DialogueBuilder:
             the original earlier replies (kept as unsupervised context).
         stop_token_ids: the ids that end a reply (the template's end-of-turn and the model's eos).
         thinking: how an earlier reply with reasoning is given to the template for the later turns: "strip"
-            (without it, see `strip_thinking`) or "keep" (whole; the template may still drop it, Qwen3's does).
+            (without it, see `data.reasoning.reply_parts`) or "keep" (whole; the template may still drop it, as
+            Qwen3's and gpt-oss's do).
     """
 
     def __init__(
@@ -157,6 +155,8 @@ class DialogueBuilder:
         self.turns = turns
         self.thinking = thinking
         self.stop_token_ids = frozenset(int(i) for i in stop_token_ids)
+        self.harmony = uses_harmony(self.tokenizer)
+        self._earlier_end_ids = frozenset(template_end_of_turn_ids(renderer, earlier=True))
         self._stop_text = {i: self._decode([i]) for i in self.stop_token_ids}
 
     def encode(self, text: str) -> list[int]:
@@ -239,13 +239,13 @@ class DialogueBuilder:
         if finish == "length":
             d.ended = REASON_LENGTH
             return
+        stop_id = ids[-1] if stop else None
         try:
-            kept, delta, text = self._continuation(d, body, content, ids[-1] if stop else None)
+            kept, delta, text, stop_written = self._continuation(d, body, content, stop_id)
         except RejectRow as err:
             d.ended = err.reason
             return
-        reply = kept + ([ids[-1]] if stop else [])  # as the template writes this reply as an earlier turn
-        new = self.encode(delta)
+        reply, new = self._closed_reply(kept, self.encode(delta), stop_id, stop_written)
         d.input_ids[reply_start:] = reply + new
         d.loss_mask[reply_start:] = [1] * len(reply) + [0] * len(new)
         d.reply_end = reply_start + len(reply)
@@ -253,22 +253,27 @@ class DialogueBuilder:
 
     def _continuation(
         self, d: Dialogue, body: list[int], content: str, stop_id: int | None
-    ) -> tuple[list[int], str, str]:
+    ) -> tuple[list[int], str, str, bool]:
         """The just-generated reply's ids as the template writes it as an earlier turn, the template text between
-        that reply's last token and the next reply, and the new prompt text.
+        those ids and the next reply, the new prompt text, and whether the generated stop token is the template's.
 
         Example (ChatML): the prompt text ends "<|im_start|>assistant\\n", the model generated "Hello" +
         <|im_end|>. The next prompt renders that reply as "Hello<|im_end|>\\n"; "Hello" and the generated <|im_end|>
         are already in the ids (not duplicated), so the delta is "\\n" + "<|im_start|>user\\n...<|im_end|>\\n"
         + "<|im_start|>assistant\\n". Qwen3, reply "<think>\\nwhy\\n</think>\\n\\nHello" + <|im_end|>: the next
         prompt holds "Hello<|im_end|>\\n", so the reply's ids become its generated ids after "</think>\\n\\n".
+        gpt-oss, reply "<|channel|>analysis<|message|>why<|end|><|start|>assistant<|channel|>final<|message|>Hello" +
+        <|return|>: the next prompt holds "<|channel|>final<|message|>Hello<|end|>", so the reply's ids become the
+        generated ids from the final channel's header on, and the delta starts with the template's "<|end|>".
 
         Raises:
             RejectRow: the template rewrites earlier turns, or writes this reply as text its ids do not spell.
         """
         slot, nxt = d.slots[d.turn - 1], d.slots[d.turn]
-        given = strip_thinking(content) if self.thinking == "strip" else content
-        d.messages[slot] = {"role": "assistant", "content": given}
+        reply = reply_parts(content, self.harmony)
+        if reply is None:
+            raise RejectRow(REASON_NO_ANSWER)
+        d.messages[slot] = reply.message(self.thinking == "keep", self.harmony, content)
         following = self.renderer.render_text(d.messages[:nxt], generation_prompt=True)
         if not following.startswith(d.text):
             raise RejectRow(REASON_NOT_PREFIX_STABLE)
@@ -276,20 +281,34 @@ class DialogueBuilder:
         kept = body
         if tail.startswith(content) or tail.startswith(content.strip()):  # as generated (templates may trim)
             written = content if tail.startswith(content) else content.strip()
-        else:
-            answer = strip_thinking(given)  # the template wrote the answer only (ours, or its own stripping)
-            written = answer if tail.startswith(answer) else answer.strip()
+        else:  # the template wrote the answer only (given so, or stripped by the template itself)
+            written = reply.written if tail.startswith(reply.written) else reply.written.strip()
             if not written or not tail.startswith(written):
                 raise RejectRow(REASON_REWRITES_REPLY)
-            kept = self._ids_spelling(body, content, answer)
+            kept = self._ids_spelling(body, content, reply.written)
         rest = tail[len(written) :]
         if stop_id is not None:
             # The generated stop token stands for the template's end-of-turn text when they are the same token.
             stop_text = self._stop_text[stop_id]
             k = rest.find(stop_text) if stop_text else -1
             if k >= 0 and not rest[:k].strip():
-                rest = rest[k + len(stop_text) :]
-        return kept, rest, following
+                return kept, rest[k + len(stop_text) :], following, True
+        return kept, rest, following, False
+
+    def _closed_reply(
+        self, kept: list[int], delta: list[int], stop_id: int | None, stop_written: bool
+    ) -> tuple[list[int], list[int]]:
+        """The reply's ids as an earlier turn, closed as the template closes it, and the template ids after them.
+
+        The generated stop token stays where the template writes that token; where it writes another (an eos
+        that is not the template's end-of-turn; gpt-oss's <|end|> for an earlier reply, after <|return|> was
+        generated), the stop token is left out and the template's own end-of-turn token closes the reply.
+        """
+        if stop_written:
+            return [*kept, stop_id], delta
+        if delta and delta[0] in self._earlier_end_ids:
+            return [*kept, delta[0]], delta[1:]
+        return list(kept), delta
 
     def _ids_spelling(self, body: list[int], content: str, answer: str) -> list[int]:
         """The suffix of the generated ids `body` (which decode to `content`) that decodes to exactly `answer`, a

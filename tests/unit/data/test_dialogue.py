@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from tiny import build_qwen3_tokenizer, build_tokenizer
+from tiny import build_harmony_tokenizer, build_qwen3_tokenizer, build_tokenizer
 
 from peagle_pipeline.data.chat import ChatRenderer, RejectRow
 from peagle_pipeline.data.dialogue import (
     REASON_EMPTY,
     REASON_LENGTH,
+    REASON_NO_ANSWER,
     REASON_NOT_PREFIX_STABLE,
     REASON_REWRITES_REPLY,
     DialogueBuilder,
@@ -161,15 +162,19 @@ def test_a_template_whose_earlier_text_changes_is_not_prefix_stable(tmp_path):
     assert d.ended == REASON_NOT_PREFIX_STABLE and d.turn == 1
 
 
-def test_another_stop_token_keeps_the_templates_end_of_turn(tmp_path):
-    """A reply that stopped on eos other than the template's end-of-turn gets the template's token after it."""
+def test_another_stop_token_gives_way_to_the_templates_end_of_turn(tmp_path):
+    """A reply that stopped on an eos other than the template's end-of-turn is, as an earlier turn, what the
+    template writes: its text closed by the template's token (supervised, as the stop token was), the eos left out."""
     tokenizer = build_tokenizer(tmp_path, "chatml")
     eos = tokenizer.convert_tokens_to_ids("<|eot_id|>")
     b = DialogueBuilder(ChatRenderer(tokenizer), "all", [tokenizer.convert_tokens_to_ids("<|im_end|>"), eos])
     d = b.start(CONV, index=0)
-    b.add_reply(d, tokenizer("Hello", add_special_tokens=False)["input_ids"] + [eos], "stop")
-    after = tokenizer.decode(d.input_ids[d.reply_end :])
-    assert after.startswith("<|im_end|>\n<|im_start|>user\nWhat is")
+    start = len(d.input_ids)
+    hello = tokenizer("Hello", add_special_tokens=False)["input_ids"]
+    b.add_reply(d, hello + [eos], "stop")
+    assert d.input_ids[start : d.reply_end] == hello + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert d.loss_mask[start : d.reply_end] == [1] * (len(hello) + 1) and not any(d.loss_mask[d.reply_end :])
+    assert tokenizer.decode(d.input_ids[d.reply_end :]).startswith("\n<|im_start|>user\nWhat is")
 
 
 def test_rows_without_a_user_turn_are_rejected(tmp_path):
@@ -304,3 +309,79 @@ def test_a_reply_is_kept_as_written_by_a_tokenizer_that_cleans_up_spaces(tmp_pat
     d = b.start(CONV, index=0)
     b.add_reply(d, _reply(tokenizer, text, END["chatml"]), "stop")
     assert d.active and d.messages[2]["content"] == text
+
+
+# ---- gpt-oss's harmony template: analysis and final channels, earlier replies closed by <|end|> ----
+HARMONY_REPLIES = [
+    "<|channel|>analysis<|message|>The user greets me.<|end|><|start|>assistant<|channel|>final<|message|>Hello!",
+    "<|channel|>final<|message|>Paris is the capital.",  # no analysis (reasoning effort low)
+    "<|channel|>analysis<|message|>ok<|end|><|start|>assistant<|channel|>final<|message|>You are welcome.",
+]
+HARMONY_ANSWERS = ["Hello!", "Paris is the capital.", "You are welcome."]
+
+
+@pytest.fixture(scope="module")
+def harmony_tok(tmp_path_factory):
+    return build_harmony_tokenizer(tmp_path_factory.mktemp("harmony-tok"))
+
+
+def _runs(tokenizer, ids, mask) -> list[str]:
+    """The supervised runs of a row, decoded."""
+    spans, run = [], []
+    for tid, m in [*zip(ids, mask, strict=True), (None, 0)]:
+        if m:
+            run.append(tid)
+        elif run:
+            spans.append(tokenizer.decode(run))
+            run = []
+    return spans
+
+
+@pytest.mark.parametrize(
+    "thinking", ["strip", "keep"]
+)  # the template drops an earlier reply's analysis either way
+def test_harmony_multi_turn_rows_are_what_the_template_renders_with_the_generated_ids(harmony_tok, thinking):
+    """Each later prompt holds the earlier replies as the template writes them (final channel only, closed by
+    <|end|>), with the generated ids of the final channel; the newest reply is whole, closed by <|return|>."""
+    renderer = ChatRenderer(harmony_tok)
+    stops = template_end_of_turn_ids(renderer)
+    assert harmony_tok.convert_ids_to_tokens(stops) == ["<|return|>"]
+    b = DialogueBuilder(renderer, "all", stops, thinking=thinking)
+    d = b.start(CONV, index=0)
+    first_reply_at = len(d.input_ids)
+    generated = []
+    for text in HARMONY_REPLIES:
+        assert d.active, d.ended
+        generated.append(_reply(harmony_tok, text, "<|return|>"))
+        b.add_reply(d, generated[-1], "stop")
+    assert d.ended is None and d.turn == 3
+    row = d.to_row()
+    msgs = [{"role": m.role, "content": m.content} for m in CONV.messages[:-1]]
+    msgs[2]["content"], msgs[4]["content"] = HARMONY_ANSWERS[:2]
+    prompt = harmony_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert harmony_tok.decode(row["input_ids"]) == prompt + HARMONY_REPLIES[2] + "<|return|>"
+    assert row["input_ids"][-len(generated[2]) :] == generated[2]
+    assert _runs(harmony_tok, row["input_ids"], row["loss_mask"]) == [
+        "<|channel|>final<|message|>Hello!<|end|>",
+        "<|channel|>final<|message|>Paris is the capital.<|end|>",
+        HARMONY_REPLIES[2] + "<|return|>",
+    ]
+    # The earlier reply is its generated final-channel ids (not re-tokenised text), then the template's <|end|>.
+    final = generated[0][generated[0].index(harmony_tok.convert_tokens_to_ids("<|channel|>"), 1) : -1]
+    assert row["input_ids"][first_reply_at : first_reply_at + len(final) + 1] == [
+        *final,
+        harmony_tok.convert_tokens_to_ids("<|end|>"),
+    ]
+
+
+def test_harmony_reply_without_a_final_channel_ends_the_conversation(harmony_tok):
+    """A reply that never reached the final channel (a tool call on <|call|>, say) cannot be an earlier turn of a
+    plain chat: the conversation ends there with a reason, the reply kept as generated."""
+    renderer = ChatRenderer(harmony_tok)
+    call = harmony_tok.convert_tokens_to_ids("<|call|>")
+    b = DialogueBuilder(renderer, "all", [*template_end_of_turn_ids(renderer), call])
+    d = b.start(CONV, index=0)
+    reply = _reply(harmony_tok, "<|channel|>analysis<|message|>I should look it up.<|end|>", "<|call|>")
+    b.add_reply(d, reply, "stop")
+    assert not d.active and d.ended == REASON_NO_ANSWER and d.turn == 1
+    assert d.to_row()["input_ids"][-len(reply) :] == reply
