@@ -111,7 +111,10 @@ stage_a() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   if [[ -z ${SKIP_INSTALL:-} ]]; then
-    "$PY" -m pip install -q --no-index --find-links "$WORK/whl" --no-compile "$WORK"/whl/peagle_pipeline-*.whl gguf &&
+    # gguf without its requirements: requests serves only its downloader, and the machine may lack it (numpy,
+    # pyyaml and tqdm, what its reader uses, come with transformers).
+    "$PY" -m pip install -q --no-index --find-links "$WORK/whl" --no-compile "$WORK"/whl/peagle_pipeline-*.whl &&
+      "$PY" -m pip install -q --no-index --no-deps --no-compile "$WORK"/whl/gguf-*.whl &&
       say "installed" || exit 1
   fi
 }

@@ -169,6 +169,7 @@ def generate(
     world_size: Annotated[int | None, _opt(GenerateConfig, "world_size")] = None,
     device: Annotated[str | None, _opt(GenerateConfig, "device")] = None,
     compute_dtype: Annotated[str | None, _opt(GenerateConfig, "compute_dtype")] = None,
+    chat_template_kwargs: Annotated[str | None, _opt(GenerateConfig, "chat_template_kwargs")] = None,
     tensor_parallel_size: Annotated[int | None, _opt(GenerateConfig, "tensor_parallel_size")] = None,
     gpu_memory_utilization: Annotated[float | None, _opt(GenerateConfig, "gpu_memory_utilization")] = None,
 ) -> None:
@@ -200,6 +201,7 @@ def extract(
     compute_dtype: Annotated[str | None, _opt(ExtractConfig, "compute_dtype")] = None,
     assistant_turns: Annotated[str | None, _opt(ExtractConfig, "assistant_turns")] = None,
     leading_assistant: Annotated[str | None, _opt(ExtractConfig, "leading_assistant")] = None,
+    chat_template_kwargs: Annotated[str | None, _opt(ExtractConfig, "chat_template_kwargs")] = None,
     compress: Annotated[str | None, _opt(ExtractConfig, "compress")] = None,
     shard_tokens: Annotated[int | None, _opt(ExtractConfig, "shard_tokens")] = None,
     chunk_tokens: Annotated[int | None, _opt(ExtractConfig, "chunk_tokens")] = None,
@@ -368,6 +370,7 @@ def evaluate(
     output: Annotated[str | None, _opt(EvaluateConfig, "output")] = None,
     dtype: Annotated[str | None, _opt(EvaluateConfig, "dtype")] = None,
     seed: Annotated[int | None, _opt(EvaluateConfig, "seed")] = None,
+    chat_template_kwargs: Annotated[str | None, _opt(EvaluateConfig, "chat_template_kwargs")] = None,
     tensor_parallel_size: Annotated[int | None, _opt(EvaluateConfig, "tensor_parallel_size")] = None,
     gpu_memory_utilization: Annotated[float | None, _opt(EvaluateConfig, "gpu_memory_utilization")] = None,
     allow_other_target: Annotated[bool | None, _opt(EvaluateConfig, "allow_other_target")] = None,

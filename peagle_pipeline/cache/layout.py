@@ -146,6 +146,9 @@ class CacheMeta:
     # Samples sorted by length in windows of this many before batching (`stages/extract/batch_plan.sort_by_length`): the storage
     # order. Caches written before this field existed stored samples in row order, which `from_dict` reads as 1.
     length_window: int
+    # Extra chat-template variables the rows were rendered with (`extract --chat-template-kwargs`); caches written
+    # before this field existed were rendered without any, which `from_dict` fills in.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

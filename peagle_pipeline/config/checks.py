@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -17,7 +18,14 @@ __all__ = [
     "check_device",
     "refuse_duplicate_paths",
     "check_positive",
+    "template_kwargs",
 ]
+
+# apply_chat_template's own arguments and the template's message list: not template variables.
+_RESERVED_TEMPLATE_KEYS = frozenset(
+    "conversation messages tools documents chat_template add_generation_prompt continue_final_message tokenize "
+    "padding truncation max_length return_tensors return_dict return_assistant_tokens_mask tokenizer_kwargs".split()
+)
 
 
 def check_gpu_memory(cfg: Any) -> None:
@@ -67,3 +75,26 @@ def check_positive(cfg: Any, *names: str) -> None:
         value = getattr(cfg, name)
         if value <= 0:
             raise BadConfig(f"{name} must be positive, got {value}")
+
+
+def template_kwargs(value: Any, name: str = "chat_template_kwargs") -> dict[str, Any]:
+    """Extra variables for the chat template (`{"enable_thinking": false}`): a mapping (a pipeline file) or its
+    JSON text (a flag), as vLLM's `chat_template_kwargs`.
+
+    Example: '{"reasoning_effort": "low"}' -> {"reasoning_effort": "low"}; '[1]' and '{"tokenize": true}' raise.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except ValueError as err:
+            raise BadConfig(
+                f"{name} must be a JSON object such as '{{\"enable_thinking\": false}}': {err}"
+            ) from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise BadConfig(f"{name} must be a mapping of template variable names to values; got {value!r}")
+    reserved = sorted(_RESERVED_TEMPLATE_KEYS.intersection(value))
+    if reserved:
+        raise BadConfig(
+            f"{name}: {', '.join(reserved)} is an argument of apply_chat_template, not a template variable"
+        )
+    return dict(value)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from peagle_pipeline.config.checks import check_gpu_memory
+from peagle_pipeline.config.checks import check_gpu_memory, template_kwargs
 from peagle_pipeline.config.fields import (
     ALLOW_OTHER_TARGET_HELP,
     gpu_memory_setting,
     setting,
+    template_kwargs_setting,
     tensor_parallel_setting,
 )
 from peagle_pipeline.errors import BadInput
@@ -46,6 +47,7 @@ class EvaluateConfig:
         "Model dtype in vLLM; auto = bf16 on a GPU or a CPU where bf16 matmuls are measured faster, else fp32.",
     )
     seed: int = setting(0, "Sampling seed of prompt i is seed + i (T > 0).")
+    chat_template_kwargs: dict[str, Any] = template_kwargs_setting()
     tensor_parallel_size: int = tensor_parallel_setting()
     gpu_memory_utilization: float = gpu_memory_setting()
     allow_other_target: bool = setting(False, ALLOW_OTHER_TARGET_HELP)
@@ -71,6 +73,7 @@ class EvaluateConfig:
         if self.dtype not in ("auto", "bf16", "fp32"):
             raise BadInput(f"--dtype must be auto, bf16 or fp32, got {self.dtype!r}")
         check_gpu_memory(self)
+        object.__setattr__(self, "chat_template_kwargs", template_kwargs(self.chat_template_kwargs))
 
     @property
     def levels(self) -> list[int]:

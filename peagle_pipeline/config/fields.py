@@ -18,6 +18,7 @@ __all__ = [
     "tensor_parallel_setting",
     "gpu_memory_setting",
     "reword",
+    "template_kwargs_setting",
 ]
 
 
@@ -26,9 +27,10 @@ COD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CODConfig)}
 
 
 def setting(default: Any, help: str, **kw: Any) -> Any:
-    """A field with `default` (a list default is copied per instance) and its `help` and other metadata `kw`."""
-    if isinstance(default, list):
-        return field(default_factory=functools.partial(list, default), metadata={"help": help, **kw})
+    """A field with `default` (a list or dict default is copied per instance) and its `help` and other metadata `kw`."""
+    if isinstance(default, (list, dict)):
+        copy = functools.partial(type(default), default)
+        return field(default_factory=copy, metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -41,6 +43,18 @@ def gpu_memory_setting() -> Any:
     """`gpu_memory_utilization` of every command that starts a vLLM engine (its value: core/settings.py);
     checked by `check_gpu_memory`."""
     return setting(GPU_MEMORY_UTILIZATION, "vLLM GPU memory fraction.")
+
+
+def template_kwargs_setting() -> Any:
+    """`chat_template_kwargs` of every command that renders chats with the target's template (checked by
+    `checks.template_kwargs`)."""
+    return setting(
+        {},
+        "Extra chat-template variables, as vLLM's chat_template_kwargs: a JSON object on the command line "
+        '(\'{"enable_thinking": false}\' for Qwen3 without reasoning, \'{"reasoning_effort": "low"}\' for '
+        "gpt-oss), a mapping in a pipeline file. Use what the served requests will use.",
+        metavar="JSON",
+    )
 
 
 def reword(base: type, name: str, help: str) -> Any:

@@ -11,6 +11,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from peagle_pipeline.config.checks import template_kwargs
 from peagle_pipeline.config.extract import ExtractConfig
 from peagle_pipeline.config.generate import GenerateConfig
 from peagle_pipeline.config.train import TrainConfig
@@ -99,6 +100,8 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         if not isinstance(value, (list, tuple)):
             value = [value]
         return [_coerce(name, v, item) for v in value]
+    if origin is dict:
+        return template_kwargs(value, name)
     if origin is Literal:
         if value not in args:
             raise BadConfig(f"{name} must be one of {', '.join(map(str, args))}; got {value!r}")

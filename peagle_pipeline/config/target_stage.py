@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from peagle_pipeline.config.fields import gpu_memory_setting, setting, tensor_parallel_setting
+from peagle_pipeline.config.fields import (
+    gpu_memory_setting,
+    setting,
+    template_kwargs_setting,
+    tensor_parallel_setting,
+)
 
 __all__ = ["TargetStageConfig"]
 
@@ -40,5 +45,6 @@ class TargetStageConfig:
         "auto",
         "Model dtype: auto = bf16 on CUDA or a CPU where bf16 matmuls are measured faster (bf16 units and >= 1.1x fp32), else fp32.",
     )
+    chat_template_kwargs: dict[str, Any] = template_kwargs_setting()
     tensor_parallel_size: int = tensor_parallel_setting()
     gpu_memory_utilization: float = gpu_memory_setting()

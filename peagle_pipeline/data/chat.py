@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -78,6 +78,8 @@ class ChatRenderer:
         assistant_turns: "all" supervises every assistant reply, "last" only the final one.
         leading_assistant: assistant turns before the first user turn are kept as unsupervised
             context ("context") or removed ("drop").
+        template_kwargs: extra template variables (`{"enable_thinking": False}`), as vLLM's
+            `chat_template_kwargs`; given to every rendering.
 
     Raises:
         BadInput: the tokenizer has no chat template or cannot report character offsets.
@@ -88,6 +90,7 @@ class ChatRenderer:
         tokenizer: Any,
         assistant_turns: Literal["all", "last"] = "all",
         leading_assistant: Literal["context", "drop"] = "context",
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if not getattr(tokenizer, "chat_template", None):
             name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
@@ -105,6 +108,7 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.assistant_turns = assistant_turns
         self.leading_assistant = leading_assistant
+        self.template_kwargs = dict(template_kwargs or {})
         special = set(tokenizer.all_special_ids)
         special.update(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special)
         self._special_ids = frozenset(special)
@@ -265,7 +269,7 @@ class ChatRenderer:
     def _render(self, msgs: list[dict[str, Any]], generation_prompt: bool) -> str:
         try:
             text = self.tokenizer.apply_chat_template(
-                msgs, tokenize=False, add_generation_prompt=generation_prompt
+                msgs, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
             )
         except Exception as err:  # jinja2 TemplateError / raise_exception() in the template
             raise RejectRow(

@@ -7,16 +7,17 @@ separator after its end-of-turn token, the next user turn, the generation prompt
 A reasoning reply ("<think>...</think>" then the answer, Qwen3; harmony's analysis then final channel, gpt-oss:
 data/reasoning.py) is given to the template without its thinking (`thinking="strip"`, as clients send replies back
 and as these templates render earlier turns anyway) or whole (`"keep"`, the template decides); where the template
-writes only the answer, the reply's ids in later prompts are its generated ids from the answer on. The newest reply of a row is kept whole, as generated. A template that
-writes an earlier reply as other text than those ids decode to (it rewrites earlier turns) ends the conversation
-with a recorded reason. Pure given a tokenizer: no file I/O, no model, no randomness.
+writes only the answer, the reply's ids in later prompts are its generated ids from the answer on. The newest
+reply of a row is kept whole, as generated. A template that writes an earlier reply as other text than those ids
+decode to (it rewrites earlier turns) ends the conversation with a recorded reason. Pure given a tokenizer: no file
+I/O, no model, no randomness.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from peagle_pipeline.data.chat import EMPTY_REPLY, ChatRenderer, RejectRow
 from peagle_pipeline.data.reasoning import reply_parts, uses_harmony
@@ -44,6 +45,20 @@ REASON_REWRITES_REPLY = "chat template rewrites the generated reply text"
 REASON_NO_ANSWER = "reply has no final channel (harmony): nothing to give back as an earlier turn"
 # A row of token ids (a cache's rows, `generate`'s own output): there are no messages to prompt the target with.
 REASON_TOKEN_IDS = "token ids, not chat messages: generate prompts with the messages' text"
+
+
+class _Next(NamedTuple):
+    """How a conversation goes on after a reply (`DialogueBuilder._continuation`)."""
+
+    start: (
+        int  # the row's ids kept before the reply (fewer than the prompt's when the template drops its end)
+    )
+    kept: list[
+        int
+    ]  # the reply's ids as the template writes it as an earlier turn (without its closing token)
+    delta: str  # the template's text between those ids and the next reply
+    text: str  # the next prompt's text
+    stop_written: bool  # the generated stop token is the template's closing token
 
 
 @dataclass
@@ -241,21 +256,20 @@ class DialogueBuilder:
             return
         stop_id = ids[-1] if stop else None
         try:
-            kept, delta, text, stop_written = self._continuation(d, body, content, stop_id)
+            nxt = self._continuation(d, reply_start, body, content, stop_id)
         except RejectRow as err:
             d.ended = err.reason
             return
-        reply, new = self._closed_reply(kept, self.encode(delta), stop_id, stop_written)
-        d.input_ids[reply_start:] = reply + new
-        d.loss_mask[reply_start:] = [1] * len(reply) + [0] * len(new)
-        d.reply_end = reply_start + len(reply)
-        d.text = text
+        reply, new = self._closed_reply(nxt.kept, self.encode(nxt.delta), stop_id, nxt.stop_written)
+        d.input_ids[nxt.start :] = reply + new
+        d.loss_mask[nxt.start :] = [1] * len(reply) + [0] * len(new)
+        d.reply_end = nxt.start + len(reply)
+        d.text = nxt.text
 
     def _continuation(
-        self, d: Dialogue, body: list[int], content: str, stop_id: int | None
-    ) -> tuple[list[int], str, str, bool]:
-        """The just-generated reply's ids as the template writes it as an earlier turn, the template text between
-        those ids and the next reply, the new prompt text, and whether the generated stop token is the template's.
+        self, d: Dialogue, reply_start: int, body: list[int], content: str, stop_id: int | None
+    ) -> _Next:
+        """How the just-generated reply (its ids at `reply_start` of `d.input_ids`) continues as an earlier turn.
 
         Example (ChatML): the prompt text ends "<|im_start|>assistant\\n", the model generated "Hello" +
         <|im_end|>. The next prompt renders that reply as "Hello<|im_end|>\\n"; "Hello" and the generated <|im_end|>
@@ -265,6 +279,9 @@ class DialogueBuilder:
         gpt-oss, reply "<|channel|>analysis<|message|>why<|end|><|start|>assistant<|channel|>final<|message|>Hello" +
         <|return|>: the next prompt holds "<|channel|>final<|message|>Hello<|end|>", so the reply's ids become the
         generated ids from the final channel's header on, and the delta starts with the template's "<|end|>".
+        Qwen3 with `enable_thinking` false: the prompt ended "<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n",
+        which the template writes for the newest turn only; the earlier reply follows "<|im_start|>assistant\\n"
+        directly, so the empty thinking block's ids leave the row (`start`).
 
         Raises:
             RejectRow: the template rewrites earlier turns, or writes this reply as text its ids do not spell.
@@ -275,9 +292,11 @@ class DialogueBuilder:
             raise RejectRow(REASON_NO_ANSWER)
         d.messages[slot] = reply.message(self.thinking == "keep", self.harmony, content)
         following = self.renderer.render_text(d.messages[:nxt], generation_prompt=True)
-        if not following.startswith(d.text):
-            raise RejectRow(REASON_NOT_PREFIX_STABLE)
-        tail = following[len(d.text) :]
+        if following.startswith(d.text):
+            start, at = reply_start, len(d.text)
+        else:
+            start, at = self._prompt_tail_dropped(d, reply_start, following)
+        tail = following[at:]
         kept = body
         if tail.startswith(content) or tail.startswith(content.strip()):  # as generated (templates may trim)
             written = content if tail.startswith(content) else content.strip()
@@ -292,8 +311,31 @@ class DialogueBuilder:
             stop_text = self._stop_text[stop_id]
             k = rest.find(stop_text) if stop_text else -1
             if k >= 0 and not rest[:k].strip():
-                return kept, rest[k + len(stop_text) :], following, True
-        return kept, rest, following, False
+                return _Next(start, kept, rest[k + len(stop_text) :], following, True)
+        return _Next(start, kept, rest, following, False)
+
+    def _prompt_tail_dropped(self, d: Dialogue, reply_start: int, following: str) -> tuple[int, int]:
+        """Where the reply starts, in ids and in `following`'s text, when the template writes the end of the
+        generation prompt for the newest turn only (Qwen3's empty thinking block with `enable_thinking` false).
+
+        The text before the generation prompt must be unchanged and the dropped text must be whole tokens at the
+        end of the prompt's ids; anything else is a template that rewrites earlier turns.
+
+        Raises:
+            RejectRow: REASON_NOT_PREFIX_STABLE.
+        """
+        slot = d.slots[d.turn - 1]
+        before = self.renderer.render_text(d.messages[:slot], generation_prompt=False)
+        if not (d.text.startswith(before) and following.startswith(before)):
+            raise RejectRow(REASON_NOT_PREFIX_STABLE)
+        at = len(before)
+        while at < len(d.text) and following[at : at + 1] == d.text[at]:
+            at += 1  # the generation prompt's part the earlier turn keeps (the role header)
+        dropped = d.text[at:]
+        for start in range(reply_start - 1, max(reply_start - len(dropped), 0) - 1, -1):
+            if self._decode(d.input_ids[start:reply_start]) == dropped:
+                return start, at
+        raise RejectRow(REASON_NOT_PREFIX_STABLE)
 
     def _closed_reply(
         self, kept: list[int], delta: list[int], stop_id: int | None, stop_written: bool

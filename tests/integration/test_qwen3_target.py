@@ -120,10 +120,9 @@ def test_another_chat_template_only_warns(qwen3_run: Path, tiny_qwen3: Path, tmp
 
 
 # ---- item 2: `generate --turns all` continues Qwen3 conversations past their first reply ------------------------
-def test_generate_all_turns_on_a_qwen3_target(tiny_qwen3: Path, tmp_path: Path) -> None:
-    """Every row is the conversation as Qwen3's template renders it, with the generated ids; later turns are made."""
-    from transformers import AutoTokenizer
-
+def _generate_rows(tiny_qwen3: Path, tmp_path: Path, **settings) -> tuple[list[dict], str, Path]:
+    """`generate --backend hf --turns all` on 10 conversations with the tiny Qwen3 that ends its replies: the
+    rows, the rejects' text and the model directory."""
     from peagle_pipeline.config import GenerateConfig
     from peagle_pipeline.data.onpolicy_files import rejects_file, rows_file
     from peagle_pipeline.stages.generate import stage
@@ -144,10 +143,18 @@ def test_generate_all_turns_on_a_qwen3_target(tiny_qwen3: Path, tmp_path: Path) 
         batch_size=4,
         compute_dtype="fp32",
         device="cpu",
+        **settings,
     )
     stage.run(cfg)
     rows = [json.loads(line) for line in (out / rows_file(0, 1)).read_text().splitlines()]
-    rejects = (out / rejects_file(0, 1)).read_text()
+    return rows, (out / rejects_file(0, 1)).read_text(), model
+
+
+def test_generate_all_turns_on_a_qwen3_target(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """Every row is the conversation as Qwen3's template renders it, with the generated ids; later turns are made."""
+    from transformers import AutoTokenizer
+
+    rows, rejects, model = _generate_rows(tiny_qwen3, tmp_path)
     assert "rewrites" not in rejects and "prefix-stable" not in rejects
     assert (
         sum(len(r["finish"]) > 1 for r in rows) >= 2
@@ -162,6 +169,43 @@ def test_generate_all_turns_on_a_qwen3_target(tiny_qwen3: Path, tmp_path: Path) 
         # generation prompt (no <think> block), and the row holds it as generated, where Qwen3's template would
         # add an empty block to a whole-conversation rendering.
         assert rendered.replace("<think>\n\n</think>\n\n", "") == text + "\n"
+
+
+def test_generate_without_thinking_on_a_qwen3_target(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """`chat_template_kwargs: {enable_thinking: false}`: each reply is prompted after the empty thinking block the
+    template then adds, which it leaves out once the reply is an earlier turn; rows are the template's rendering
+    exactly, and conversations go on past their first reply."""
+    from transformers import AutoTokenizer
+
+    rows, rejects, model = _generate_rows(
+        tiny_qwen3, tmp_path, chat_template_kwargs={"enable_thinking": False}
+    )
+    assert "rewrites" not in rejects and "prefix-stable" not in rejects
+    assert sum(len(r["finish"]) > 1 for r in rows) >= 2
+    tok = AutoTokenizer.from_pretrained(model)
+    stopped = [r for r in rows if r["finish"][-1] == "stop"]
+    assert stopped
+    for row in stopped:
+        rendered = tok.apply_chat_template(row["messages"], tokenize=False, enable_thinking=False)
+        assert rendered == tok.decode(row["input_ids"]) + "\n"
+        assert rendered.count("<think>\n\n</think>\n\n") == 1  # before the newest reply only
+    settings = json.loads((tmp_path / "gen" / "generate.json").read_text())["settings"]
+    assert settings["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+def test_extract_records_the_template_variables_and_refuses_a_resume_with_others(
+    tiny_qwen3: Path, tmp_path: Path
+) -> None:
+    data = write_conversations(tmp_path / "conv.jsonl", 6)
+    cache = tmp_path / "cache"
+    argv = ["extract", "--model", str(tiny_qwen3), "--data", str(data), "--output", str(cache), "--dtype", "fp32"]
+    run_peagle(*argv, "--chat-template-kwargs", '{"enable_thinking": false}')
+    assert json.loads((cache / "cache.json").read_text())["chat_template_kwargs"] == {"enable_thinking": False}
+    proc = run_peagle(*argv, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1 and "chat_template_kwargs" in lines[0], proc.stderr
+    proc = run_peagle(*argv, "--chat-template-kwargs", "{enable_thinking: false}", check=False)
+    assert proc.returncode != 0 and proc.stderr.strip().startswith("error: chat_template_kwargs must be a JSON")
 
 
 def test_a_qwen3_moe_target_starts_the_draft_from_its_attention(tiny_qwen3_moe: Path, tmp_path: Path) -> None:

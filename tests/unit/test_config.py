@@ -202,3 +202,24 @@ def test_greedy_with_several_samples_per_prompt_is_refused(tmp_path):
         == 2
     )
     assert resolve(GenerateConfig, None, {**base, "temperature": 0.0}).samples_per_prompt == 1
+
+
+def test_chat_template_kwargs_from_a_flag_or_a_pipeline_file(tmp_path):
+    """A JSON object on the command line, a mapping in a pipeline file; anything else, or one of
+    apply_chat_template's own arguments, is a one-line error naming the setting."""
+    flag = resolve(
+        GenerateConfig, None, {**BASE_EXTRACT, "chat_template_kwargs": '{"enable_thinking": false}'}
+    )
+    assert flag.chat_template_kwargs == {"enable_thinking": False}
+    assert resolve(ExtractConfig, None, BASE_EXTRACT).chat_template_kwargs == {}
+    pipe = tmp_path / "p.yaml"
+    pipe.write_text("extract:\n  chat_template_kwargs:\n    reasoning_effort: low\n")
+    assert resolve(ExtractConfig, pipe, BASE_EXTRACT).chat_template_kwargs == {"reasoning_effort": "low"}
+    for bad, needle in (
+        ('{"enable_thinking": fals}', "must be a JSON object"),
+        ("[1, 2]", "must be a mapping"),
+        ('{"add_generation_prompt": true}', "add_generation_prompt is an argument of apply_chat_template"),
+    ):
+        with pytest.raises(BadConfig, match=needle) as info:
+            resolve(ExtractConfig, None, {**BASE_EXTRACT, "chat_template_kwargs": bad})
+        assert "chat_template_kwargs" in str(info.value) and "\n" not in str(info.value)

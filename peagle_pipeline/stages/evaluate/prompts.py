@@ -110,7 +110,11 @@ class RunSettings:
 
 
 def load_prompt_set(
-    spec: str | None, tokenizer: Any, num_prompts: int, run_dir: str | Path | None = None
+    spec: str | None,
+    tokenizer: Any,
+    num_prompts: int,
+    run_dir: str | Path | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> PromptSet:
     """Up to `num_prompts` prompts of the source `spec` (see the module docstring).
 
@@ -119,6 +123,8 @@ def load_prompt_set(
         tokenizer: the target's tokenizer (chat template); not used by held-out sets (cached token ids).
         num_prompts: the most prompts to keep (the first ones, in file or split order).
         run_dir: the training run whose recorded split settings apply to a cache directory `spec`.
+        template_kwargs: extra chat-template variables (`evaluate --chat-template-kwargs`); not used by held-out
+            sets (their prompts are the cache's token ids, rendered at extraction).
 
     Raises:
         BadInput: unknown or unreadable source, the MT-Bench or HumanEval package missing, or no usable prompt.
@@ -148,7 +154,7 @@ def load_prompt_set(
         else:
             messages = _file_messages(Path(spec))
             name, source = Path(spec).stem, spec
-        ids, skipped = _render_all(tokenizer, messages, num_prompts)
+        ids, skipped = _render_all(tokenizer, messages, num_prompts, template_kwargs or {})
     if not ids:
         raise BadInput(f"no usable prompt (1..{MAX_PROMPT_TOKENS} tokens) in {source}")
     return PromptSet(name=name, source=source, prompts=ids, skipped=skipped)
@@ -395,13 +401,15 @@ def _first_record_has_prompt(path: Path) -> bool:
 
 
 def _render_all(
-    tokenizer: Any, messages: Iterator[list[dict[str, str]]], n: int
+    tokenizer: Any, messages: Iterator[list[dict[str, str]]], n: int, template_kwargs: dict[str, Any]
 ) -> tuple[list[list[int]], int]:
     out: list[list[int]] = []
     skipped = 0
     for msgs in messages:
         asks = any(m["role"] == "user" and m["content"].strip() for m in msgs)
-        ids = _render(tokenizer, msgs) if asks else []  # an empty prompt is skipped, and counted
+        ids = (
+            _render(tokenizer, msgs, template_kwargs) if asks else []
+        )  # an empty prompt is skipped, and counted
         if 0 < len(ids) <= MAX_PROMPT_TOKENS:
             out.append(ids)
             if len(out) == n:
@@ -411,11 +419,13 @@ def _render_all(
     return out, skipped
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def _render(tokenizer: Any, messages: list[dict[str, str]], template_kwargs: dict[str, Any]) -> list[int]:
     """Token ids of the chat rendered with the generation prompt (plain text joined when there is no template)."""
     if getattr(tokenizer, "chat_template", None):
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **template_kwargs
+            )
         except Exception:  # jinja2 TemplateError / raise_exception() in the template: the row is skipped
             return []
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -176,6 +176,7 @@ def _settings_json(opts: EvalOptions) -> dict[str, Any]:
         "parallel_drafting": True,
         "prefix_caching": False,
         "tensor_parallel_size": opts.tensor_parallel_size,
+        **({"chat_template_kwargs": opts.chat_template_kwargs} if opts.chat_template_kwargs else {}),
     }
 
 
@@ -360,7 +361,10 @@ def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any
     dtype = engine_dtype(opts.dtype)
     opts = replace(opts, dtype=dtype)
     tokenizer = load_tokenizer(target)
-    sets = [load_prompt_set(spec, tokenizer, opts.num_prompts) for spec in opts.prompts]
+    sets = [
+        load_prompt_set(spec, tokenizer, opts.num_prompts, template_kwargs=opts.chat_template_kwargs)
+        for spec in opts.prompts
+    ]
     sets = [replace(s, name=n) for s, n in zip(sets, _unique([s.name for s in sets]), strict=True)]
     longest = max(len(p) for s in sets for p in s.prompts)
     max_pos = int(text_config(info.config).get("max_position_embeddings") or 4096)

@@ -71,6 +71,7 @@ def build_meta(
         chunk_tokens=cfg.chunk_tokens,
         compress=cfg.compress,
         length_window=cfg.length_window or DEFAULT_LENGTH_WINDOW,
+        chat_template_kwargs=dict(cfg.chat_template_kwargs),
         extra={"backend": cfg.backend, "peagle_pipeline_version": __version__},
     )
 

@@ -149,7 +149,7 @@ def _checked_renderer(cfg: ExtractConfig) -> ChatRenderer:
 
     iter_rows(cfg.data, cfg.split)  # checks every path's existence and kind; reads nothing
     tokenizer = load_tokenizer(cfg.model)
-    return ChatRenderer(tokenizer, cfg.assistant_turns, cfg.leading_assistant)
+    return ChatRenderer(tokenizer, cfg.assistant_turns, cfg.leading_assistant, cfg.chat_template_kwargs)
 
 
 class _Place(NamedTuple):

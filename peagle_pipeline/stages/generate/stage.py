@@ -137,6 +137,7 @@ def build_meta(cfg: GenerateConfig, backend: str, dtype: str, world: int, stops:
             "turns": cfg.turns,
             # only when not the default, so outputs started before the setting existed resume unchanged
             **({"thinking": cfg.thinking} if cfg.thinking != "strip" else {}),
+            **({"chat_template_kwargs": cfg.chat_template_kwargs} if cfg.chat_template_kwargs else {}),
             "temperature": cfg.temperature,
             "top_p": cfg.top_p,
             "repetition_penalty": cfg.repetition_penalty,
@@ -194,7 +195,7 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
     max_model_len = _max_model_len(cfg)
     iter_rows(cfg.data, cfg.split)  # checks every path before the output exists; reads nothing
     tokenizer = load_tokenizer(cfg.model)
-    renderer = ChatRenderer(tokenizer)
+    renderer = ChatRenderer(tokenizer, template_kwargs=cfg.chat_template_kwargs)
     stops = resolve_stop_ids(cfg.model, renderer)
     builder = DialogueBuilder(renderer, cfg.turns, stops, cfg.thinking)
     backend_name = resolve_backend(cfg.backend)

@@ -59,6 +59,18 @@ def test_a_cache_from_before_length_sorting_reads_as_row_order(meta):
     ]  # a resume at 256 is refused by name
 
 
+def test_chat_template_kwargs_are_part_of_the_cache_settings(meta):
+    """Rows rendered with other template variables are other rows: a resume with other kwargs is refused by name;
+    a cache.json from before the field existed was rendered without any and resumes without any."""
+    old = meta.to_dict()
+    del old["chat_template_kwargs"]
+    assert CacheMeta.from_dict(old).chat_template_kwargs == {} and not CacheMeta.from_dict(old).differences(
+        meta
+    )
+    other = CacheMeta.from_dict({**meta.to_dict(), "chat_template_kwargs": {"enable_thinking": False}})
+    assert other.differences(meta) == ["chat_template_kwargs"]
+
+
 def test_checksum_sensitive_to_one_bit():
     a = np.zeros((10, 4), dtype=np.uint16)
     b = a.copy()

@@ -268,6 +268,29 @@ def test_qwen3_multi_turn_rows_are_what_the_template_renders_with_the_generated_
     ]
 
 
+def test_qwen3_without_thinking_drops_the_empty_block_of_an_earlier_turn(qwen3_tok):
+    """enable_thinking false: each prompt ends with an empty thinking block, which Qwen3's template writes for the
+    newest turn only; later prompts hold the earlier replies without it, and each row is the template's rendering
+    of its conversation exactly, with the generated ids."""
+    renderer = ChatRenderer(qwen3_tok, template_kwargs={"enable_thinking": False})
+    b = DialogueBuilder(renderer, "all", template_end_of_turn_ids(renderer))
+    d = b.start(CONV, index=0)
+    assert d.text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    generated = []
+    for text in REPLIES:
+        generated.append(_reply(qwen3_tok, text, "<|im_end|>"))
+        b.add_reply(d, generated[-1], "stop")
+        assert d.ended is None
+    row = d.to_row()
+    msgs = [{"role": m.role, "content": m.content} for m in CONV.messages]
+    msgs[2]["content"], msgs[4]["content"], msgs[6]["content"] = REPLIES
+    rendered = qwen3_tok.apply_chat_template(msgs, tokenize=False, enable_thinking=False)
+    assert qwen3_tok.decode(row["input_ids"]) + "\n" == rendered
+    assert _runs(qwen3_tok, row["input_ids"], row["loss_mask"]) == [t + "<|im_end|>" for t in REPLIES]
+    for ids in generated:  # every reply's ids are in the row as generated
+        assert any(row["input_ids"][i : i + len(ids)] == ids for i in range(len(row["input_ids"])))
+
+
 def test_qwen3_a_row_that_ends_early_keeps_its_newest_reply_as_generated(qwen3_tok):
     renderer = ChatRenderer(qwen3_tok)
     b = DialogueBuilder(renderer, "all", template_end_of_turn_ids(renderer))

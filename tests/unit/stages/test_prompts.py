@@ -101,6 +101,18 @@ def test_prompt_jsonl(tok, tmp_path: Path) -> None:
         load_prompt_set(str(tmp_path / "missing.jsonl"), tok, 10)
 
 
+def test_prompts_are_rendered_with_the_template_variables(tiny_qwen3, tmp_path: Path) -> None:
+    """`evaluate --chat-template-kwargs '{"enable_thinking": false}'`: Qwen3's prompts end with the empty thinking
+    block the template then writes, as vLLM renders a request with those kwargs."""
+    qwen3 = AutoTokenizer.from_pretrained(str(tiny_qwen3))
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"prompt": "Paris?"}) + "\n")
+    plain = qwen3.decode(load_prompt_set(str(path), qwen3, 1).prompts[0])
+    off = load_prompt_set(str(path), qwen3, 1, template_kwargs={"enable_thinking": False}).prompts[0]
+    assert plain.endswith("<|im_start|>assistant\n")
+    assert qwen3.decode(off) == plain + "<think>\n\n</think>\n\n"
+
+
 def test_chat_rows_stop_at_first_assistant_reply(tok, tmp_path: Path) -> None:
     path = tmp_path / "chat.jsonl"
     rows = [
