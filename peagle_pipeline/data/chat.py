@@ -307,6 +307,10 @@ class ChatRenderer:
         if start is None or start < cursor:
             base = self._prefix_len(msgs[:turn], full, generation_prompt=False)
             search_from = max(cursor, base or 0)
+        reasoning = (msgs[turn].get("reasoning_content") or "").strip()
+        r0 = full.find(reasoning, search_from) if reasoning else -1
+        if r0 >= 0:  # rendered before the content (a <think> block, an analysis channel), which it may quote
+            search_from = r0 + len(reasoning)
         c0 = full.find(content, search_from) if content else search_from
         if c0 < 0:
             raise RejectRow(f"assistant turn {turn}: its content was not found in the rendered chat template")
@@ -469,10 +473,14 @@ def _says_something(msg: dict[str, Any]) -> bool:
 
 
 def _template_dict(m: Message) -> dict[str, Any]:
-    """A message as chat templates take it; tool fields only when present, so plain chats render as before."""
+    """A message as chat templates take it; tool and reasoning fields only when present, so plain chats render as
+    before. Reasoning goes under the names templates read it by: `reasoning_content` (Qwen3, DeepSeek-R1) and
+    `thinking` (gpt-oss); a template that reads neither leaves it out, as it would when serving."""
     d: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.tool_calls:
         d["tool_calls"] = m.tool_calls
     if m.tool_call_id is not None:
         d["tool_call_id"] = m.tool_call_id
+    if m.reasoning:
+        d["reasoning_content"] = d["thinking"] = m.reasoning
     return d

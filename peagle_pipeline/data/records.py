@@ -44,18 +44,26 @@ ROLE_MAP: dict[str, Role] = {
 }
 
 
+# Where an assistant turn keeps its reasoning apart from its content, by convention: `reasoning_content` (DeepSeek's
+# API, Qwen3's template, vLLM before 0.10), `reasoning` (vLLM's API now) and `thinking` (gpt-oss's template).
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+
+
 @dataclass(frozen=True, slots=True)
 class Message:
     """One turn of a conversation.
 
     `tool_calls` (assistant turns) are OpenAI tool calls with their JSON `arguments` parsed into objects, as vLLM
     hands them to chat templates; `tool_call_id` is what a `tool` turn answers. Both go to the chat template as is.
+    `reasoning` (assistant turns) is the reply's reasoning when the row keeps it apart from the content (see
+    `REASONING_KEYS`); the chat template decides where it goes (Qwen3: a `<think>` block on the newest turn).
     """
 
     role: Role
     content: str
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +175,18 @@ def to_conversation(record: Any, source: str, row: int) -> Conversation | Tokeni
         if not _is_valid_unicode(text) or not _is_valid_unicode(role_raw):
             return reject(f"non-UTF-8 bytes (or lone surrogates) in turn {i}")
         call_id = turn.get("tool_call_id") if role == "tool" else None
-        messages.append(Message(role, text, calls, call_id if isinstance(call_id, str) else None))
+        reasoning = next((turn[k] for k in REASONING_KEYS if turn.get(k) is not None), None)
+        if reasoning is not None and (not isinstance(reasoning, str) or not _is_valid_unicode(reasoning)):
+            return reject(f"reasoning of turn {i} is not a UTF-8 string")
+        messages.append(
+            Message(
+                role,
+                text,
+                calls,
+                call_id if isinstance(call_id, str) else None,
+                reasoning if role == "assistant" and reasoning else None,
+            )
+        )
     if not any(m.role == "assistant" for m in messages):
         prompt = Conversation(source, row, messages) if messages[-1].role == "user" else None
         return Reject(source, row, "no assistant turn", prompt)

@@ -198,14 +198,28 @@ def test_extract_records_the_template_variables_and_refuses_a_resume_with_others
 ) -> None:
     data = write_conversations(tmp_path / "conv.jsonl", 6)
     cache = tmp_path / "cache"
-    argv = ["extract", "--model", str(tiny_qwen3), "--data", str(data), "--output", str(cache), "--dtype", "fp32"]
+    argv = [
+        "extract",
+        "--model",
+        str(tiny_qwen3),
+        "--data",
+        str(data),
+        "--output",
+        str(cache),
+        "--dtype",
+        "fp32",
+    ]
     run_peagle(*argv, "--chat-template-kwargs", '{"enable_thinking": false}')
-    assert json.loads((cache / "cache.json").read_text())["chat_template_kwargs"] == {"enable_thinking": False}
+    assert json.loads((cache / "cache.json").read_text())["chat_template_kwargs"] == {
+        "enable_thinking": False
+    }
     proc = run_peagle(*argv, check=False)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1 and "chat_template_kwargs" in lines[0], proc.stderr
     proc = run_peagle(*argv, "--chat-template-kwargs", "{enable_thinking: false}", check=False)
-    assert proc.returncode != 0 and proc.stderr.strip().startswith("error: chat_template_kwargs must be a JSON")
+    assert proc.returncode != 0 and proc.stderr.strip().startswith(
+        "error: chat_template_kwargs must be a JSON"
+    )
 
 
 def test_a_qwen3_moe_target_starts_the_draft_from_its_attention(tiny_qwen3_moe: Path, tmp_path: Path) -> None:

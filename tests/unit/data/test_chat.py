@@ -319,3 +319,50 @@ def test_a_blank_reply_is_never_supervised_and_a_row_of_only_blank_replies_is_an
             renderer.render([Message("user", "Hi"), Message("assistant", blank)])
     with pytest.raises(RejectRow, match=EMPTY_REPLY):  # "last": the last reply is the one that counts
         ChatRenderer(tokenizer, assistant_turns="last").render([*conv[:3], Message("assistant", blank)])
+
+
+# ---- reasoning kept apart from the content (reasoning_content / reasoning / thinking) ----
+def _reasoning_row(key: str) -> list[Message] | None:
+    from peagle_pipeline.data.records import to_conversation
+
+    row = {
+        "messages": [
+            {"role": "user", "content": "Hi there"},
+            {"role": "assistant", "content": "Hello!", key: "The user greets me."},
+            {"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": "Paris.", key: "France's capital is Paris."},
+        ]
+    }
+    return to_conversation(row, "x.jsonl", 0).messages
+
+
+@pytest.mark.parametrize("key", ["reasoning_content", "reasoning", "thinking"])
+def test_reasoning_apart_from_the_content_reaches_the_template_and_is_supervised(qwen3_tok, tmp_path, key):
+    """A row that keeps its replies' reasoning in a field of its own is rendered with it where the template puts
+    it (Qwen3: a <think> block on the newest reply, none on earlier ones; gpt-oss: the analysis channel of the last
+    reply), supervised with the reply; before, the reasoning was silently left out."""
+    from tiny import build_harmony_tokenizer
+
+    conv = _reasoning_row(key)
+    sample = ChatRenderer(qwen3_tok).render(conv)
+    assert masked_spans(qwen3_tok, sample) == [
+        "Hello!<|im_end|>",
+        "<think>\nFrance's capital is Paris.\n</think>\n\nParis.<|im_end|>",
+    ]
+    harmony = build_harmony_tokenizer(tmp_path)
+    spans = masked_spans(harmony, ChatRenderer(harmony).render(conv))
+    assert spans == [
+        "<|channel|>final<|message|>Hello!<|end|>",
+        "<|channel|>analysis<|message|>France's capital is Paris.<|end|><|start|>assistant"
+        "<|channel|>final<|message|>Paris.<|return|>",
+    ]
+
+
+def test_reasoning_that_is_not_text_rejects_the_row():
+    from peagle_pipeline.data.records import Reject, to_conversation
+
+    row = {
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": 3}]
+    }
+    got = to_conversation(row, "x.jsonl", 5)
+    assert isinstance(got, Reject) and got.reason == "reasoning of turn 1 is not a UTF-8 string"
