@@ -291,6 +291,35 @@ def test_qwen3_without_thinking_drops_the_empty_block_of_an_earlier_turn(qwen3_t
         assert any(row["input_ids"][i : i + len(ids)] == ids for i in range(len(row["input_ids"])))
 
 
+def test_a_generation_prompt_that_opens_the_think_block(qwen3_tok):
+    """Qwen3's Thinking-2507 models: the generation prompt ends "<think>\\n" and the model writes its reasoning, then
+    "</think>"; an earlier reply is written without that opening, so it leaves the later prompts, and each row is
+    the template's rendering with the generated ids."""
+    import copy
+
+    tok = copy.deepcopy(qwen3_tok)
+    tok.chat_template = tok.chat_template.replace(
+        "{{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking",
+        "{{- '<|im_start|>assistant\\n<think>\\n' }}\n    {%- if enable_thinking",
+    )
+    renderer = ChatRenderer(tok)
+    b = DialogueBuilder(renderer, "all", template_end_of_turn_ids(renderer))
+    d = b.start(CONV, index=0)
+    assert d.text.endswith("<|im_start|>assistant\n<think>\n")
+    replies = [f"Thinking {i}.\n</think>\n\n{text}" for i, text in enumerate(REPLIES)]
+    for text in replies:
+        b.add_reply(d, _reply(tok, text, "<|im_end|>"), "stop")
+        assert d.ended is None
+    row = d.to_row()
+    msgs = [{"role": m.role, "content": m.content} for m in CONV.messages]
+    msgs[2]["content"], msgs[4]["content"], msgs[6]["content"] = replies
+    assert tok.decode(row["input_ids"]) + "\n" == tok.apply_chat_template(msgs, tokenize=False)
+    assert _runs(tok, row["input_ids"], row["loss_mask"]) == [
+        *(t + "<|im_end|>" for t in REPLIES[:2]),
+        replies[2] + "<|im_end|>",
+    ]
+
+
 def test_qwen3_a_row_that_ends_early_keeps_its_newest_reply_as_generated(qwen3_tok):
     renderer = ChatRenderer(qwen3_tok)
     b = DialogueBuilder(renderer, "all", template_end_of_turn_ids(renderer))
