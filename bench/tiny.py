@@ -49,21 +49,28 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(out_dir: str | Path, template: str = "chatml", vocab_size: int = 400):
-    """Train a byte-level BPE tokenizer on a tiny corpus and save it with a chat template."""
+def train_bpe(special_tokens: list[str], vocab_size: int = 400):
+    """A byte-level BPE `tokenizers.Tokenizer` trained on the tiny corpus, with `special_tokens` first."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    return tok
+
+
+def build_tokenizer(out_dir: str | Path, template: str = "chatml", vocab_size: int = 400):
+    """Train a byte-level BPE tokenizer on a tiny corpus and save it with a chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = train_bpe(SPECIAL_TOKENS, vocab_size)
     eos = "<|eot_id|>" if template == "llama3" else "<|im_end|>"
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token=eos, pad_token="<pad>"

@@ -17,6 +17,7 @@ from bench.tiny import (  # noqa: F401 (the tokenizer and conversations are shar
     CORPUS,
     SPECIAL_TOKENS,
     build_tokenizer,
+    train_bpe,
     write_conversations,
 )
 
@@ -30,19 +31,10 @@ QWEN3_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respons
 def build_qwen3_tokenizer(out_dir: str | Path, vocab_size: int = 400):
     """A byte-level BPE tokenizer with Qwen3's added tokens (eos <|im_end|>, pad <|endoftext|>, no bos, `<think>`
     and `<tool_call>` ordinary added tokens as in Qwen3) and Qwen3's real chat template; saved to `out_dir`."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=QWEN3_SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tok = train_bpe(QWEN3_SPECIAL, vocab_size)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_ADDED])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = QWEN3_TEMPLATE_FILE.read_text(encoding="utf-8")
@@ -67,19 +59,9 @@ def build_harmony_tokenizer(out_dir: str | Path, vocab_size: int = 400):
     """A byte-level BPE tokenizer with gpt-oss's special tokens (eos `<|return|>`, pad `<|endoftext|>`, no bos) and
     gpt-oss's real chat template; saved to `out_dir`. Its generation_config.json, as gpt-oss's, also stops on
     `<|call|>` and `<|endoftext|>`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=HARMONY_SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tok = train_bpe(HARMONY_SPECIAL, vocab_size)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|return|>", pad_token="<|endoftext|>")
     fast.chat_template = GPT_OSS_TEMPLATE_FILE.read_text(encoding="utf-8")
     fast.save_pretrained(str(out_dir))
