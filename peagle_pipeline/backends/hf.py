@@ -41,19 +41,36 @@ def resolve_device(name: str) -> torch.device:
 def load_causal_lm(model_dir: str, dtype: torch.dtype) -> Any:
     """The target as a transformers causal LM in `dtype`; without a terminal, no "Loading weights" bar.
 
+    A vision-language checkpoint that transformers maps to no causal LM (Qwen3-VL) loads as its image-text-to-text
+    model, which runs text-only input as its language model does (with M-RoPE, text positions are the same on every
+    axis: plain RoPE).
+
     Raises:
         BadInput: the model cannot be loaded (one line naming the cause).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     if not sys.stderr.isatty():  # the bar, redrawn into a log, is only noise there
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
     try:
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        try:
+            return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        except ValueError as err:
+            if "Unrecognized configuration class" not in str(err):
+                raise
+            return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype)
     except (OSError, ValueError) as err:
         raise BadInput(f"cannot load target model {model_dir}: {str(err).splitlines()[0]}") from None
+
+
+def decoder_stack(model: Any) -> Any:
+    """The module holding the decoder `layers` and final `norm`: the base model, or the language model of a
+    vision-language one (`model.language_model`)."""
+    base = getattr(model, model.base_model_prefix)
+    inner = getattr(base, "language_model", None)
+    return inner if inner is not None and getattr(base, "layers", None) is None else base
 
 
 class HFBackend:
@@ -79,7 +96,7 @@ class HFBackend:
         self.dtype = torch.bfloat16 if cfg.compute_dtype == "bf16" else torch.float32
         model = load_causal_lm(cfg.model, self.dtype)
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers' typed `to`
-        self.base = getattr(model, model.base_model_prefix)
+        self.base = decoder_stack(model)
         layers = getattr(self.base, "layers", None)
         self.norm = getattr(self.base, "norm", None)
         if layers is None or self.norm is None or len(layers) != L:

@@ -26,7 +26,17 @@ __all__ = ["DraftConfig", "QK_NORM_MODEL_TYPES", "has_qk_norm"]
 # Target model types whose attention normalises queries and keys per head (q_norm / k_norm): their draft layers are
 # Qwen3 layers, the architecture vLLM's P-EAGLE loader accepts besides Llama. Qwen3-Next and Qwen3.5 (the language
 # model's type under `text_config`) have them in their full-attention layers.
-QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
+QK_NORM_MODEL_TYPES = frozenset(
+    {
+        "qwen3",
+        "qwen3_moe",
+        "qwen3_next",
+        "qwen3_5_text",
+        "qwen3_5_moe_text",
+        "qwen3_vl_text",
+        "qwen3_vl_moe_text",
+    }
+)
 
 
 # Target model types whose attention has query/key/value biases that their config does not name (Qwen2's are built

@@ -155,42 +155,48 @@ def to_conversation(record: Any, source: str, row: int) -> Conversation | Tokeni
         return reject("empty conversation")
     messages: list[Message] = []
     for i, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            return reject(f"wrong schema: turn {i} is a {type(turn).__name__}, expected an object")
-        role_raw = turn.get("from", turn.get("role"))
-        content = turn["value"] if "value" in turn else turn.get("content")
-        if not isinstance(role_raw, str):
-            return reject(f"wrong schema: turn {i} has no string 'from'/'role'")
-        role = ROLE_MAP.get(role_raw.strip().lower())
-        if role is None:
-            return reject(f"unknown role {role_raw[:40]!r} in turn {i}")
-        if turn.get("tool_calls") and role != "assistant":
-            return reject(f"tool calls in a {role} turn (turn {i})")
-        calls = _tool_calls(turn.get("tool_calls"))
-        if isinstance(calls, str):
-            return reject(f"malformed tool call in turn {i}: {calls}")
-        text = "" if content is None and calls else _content_text(content)  # OpenAI: `content: null` + calls
-        if not isinstance(text, str):
-            return reject(f"non-string content in turn {i}: {text}")
-        if not _is_valid_unicode(text) or not _is_valid_unicode(role_raw):
-            return reject(f"non-UTF-8 bytes (or lone surrogates) in turn {i}")
-        call_id = turn.get("tool_call_id") if role == "tool" else None
-        reasoning = next((turn[k] for k in REASONING_KEYS if turn.get(k) is not None), None)
-        if reasoning is not None and (not isinstance(reasoning, str) or not _is_valid_unicode(reasoning)):
-            return reject(f"reasoning of turn {i} is not a UTF-8 string")
-        messages.append(
-            Message(
-                role,
-                text,
-                calls,
-                call_id if isinstance(call_id, str) else None,
-                reasoning if role == "assistant" and reasoning else None,
-            )
-        )
+        message = _to_message(turn, i)
+        if isinstance(message, str):
+            return reject(message)
+        messages.append(message)
     if not any(m.role == "assistant" for m in messages):
         prompt = Conversation(source, row, messages) if messages[-1].role == "user" else None
         return Reject(source, row, "no assistant turn", prompt)
     return Conversation(source, row, messages)
+
+
+def _to_message(turn: Any, i: int) -> Message | str:
+    """Turn `i` of a row as a Message, or why the row is rejected."""
+    if not isinstance(turn, dict):
+        return f"wrong schema: turn {i} is a {type(turn).__name__}, expected an object"
+    role_raw = turn.get("from", turn.get("role"))
+    content = turn["value"] if "value" in turn else turn.get("content")
+    if not isinstance(role_raw, str):
+        return f"wrong schema: turn {i} has no string 'from'/'role'"
+    role = ROLE_MAP.get(role_raw.strip().lower())
+    if role is None:
+        return f"unknown role {role_raw[:40]!r} in turn {i}"
+    if turn.get("tool_calls") and role != "assistant":
+        return f"tool calls in a {role} turn (turn {i})"
+    calls = _tool_calls(turn.get("tool_calls"))
+    if isinstance(calls, str):
+        return f"malformed tool call in turn {i}: {calls}"
+    text = "" if content is None and calls else _content_text(content)  # OpenAI: `content: null` + calls
+    if not isinstance(text, str):
+        return f"non-string content in turn {i}: {text}"
+    if not _is_valid_unicode(text) or not _is_valid_unicode(role_raw):
+        return f"non-UTF-8 bytes (or lone surrogates) in turn {i}"
+    call_id = turn.get("tool_call_id") if role == "tool" else None
+    reasoning = next((turn[k] for k in REASONING_KEYS if turn.get(k) is not None), None)
+    if reasoning is not None and (not isinstance(reasoning, str) or not _is_valid_unicode(reasoning)):
+        return f"reasoning of turn {i} is not a UTF-8 string"
+    return Message(
+        role,
+        text,
+        calls,
+        call_id if isinstance(call_id, str) else None,
+        reasoning if role == "assistant" and reasoning else None,
+    )
 
 
 def _to_tokenized(record: dict[str, Any], source: str, row: int) -> TokenizedConversation | Reject:
