@@ -23,7 +23,7 @@ from tiny import (  # noqa: E402
     build_tiny_model,
     build_tiny_qwen3,
     build_tiny_qwen3_hybrid,
-    build_tiny_qwen3_vl,
+    build_tiny_vl,
 )
 
 try:  # property-based tests draw the same examples every run, so CI is repeatable (HYPOTHESIS_PROFILE=explore varies them)
@@ -73,12 +73,6 @@ def tiny_model(tiny_model_factory) -> Path:
 def tiny_qwen3(tmp_path_factory) -> Path:
     """A tiny random Qwen3ForCausalLM (QK-norm, 4 layers, hidden 64, fp32) with Qwen3's real chat template."""
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_vl(tmp_path_factory) -> Path:
-    """A tiny random Qwen3-VL (Qwen3VLForConditionalGeneration, M-RoPE) with Qwen3's real chat template."""
-    return build_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny-qwen3-vl"))
 
 
 @pytest.fixture(scope="session")

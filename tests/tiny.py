@@ -188,12 +188,19 @@ def build_tiny_qwen3_hybrid(out_dir: str | Path, kind: str = "qwen3_next", seed:
     return out
 
 
-def build_tiny_qwen3_vl(out_dir: str | Path, seed: int = 0) -> Path:
-    """Save a random tiny Qwen3-VL (Qwen3VLForConditionalGeneration: a Qwen3 language model with q/k norms and
-    interleaved M-RoPE under `text_config`, and a one-block vision tower) with Qwen3's chat template; return the
-    path. transformers maps it to no causal LM class."""
+def build_tiny_vl(out_dir: str | Path, kind: str = "qwen3_vl", seed: int = 0) -> Path:
+    """Save a random tiny vision-language checkpoint with Qwen3's chat template; return the path. `kind`:
+    "qwen3_vl" (Qwen3VLForConditionalGeneration: a Qwen3 language model with q/k norms and interleaved M-RoPE) or
+    "qwen2_5_vl" (Qwen2_5_VLForConditionalGeneration: Qwen2 attention with q/k/v biases, M-RoPE); either with the
+    language model under `text_config` and a one-block vision tower. transformers maps neither to a causal LM
+    class."""
     import torch
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+    )
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -205,25 +212,40 @@ def build_tiny_qwen3_vl(out_dir: str | Path, seed: int = 0) -> Path:
         num_hidden_layers=4,
         num_attention_heads=2,
         num_key_value_heads=1,
-        head_dim=32,
         max_position_embeddings=4096,
         rms_norm_eps=1e-6,
-        rope_scaling={"rope_type": "default", "mrope_section": [6, 5, 5], "mrope_interleaved": True},
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
-    config = Qwen3VLConfig(
-        text_config=text, vision_config={**vision, "deepstack_visual_indexes": []}, tie_word_embeddings=False
-    )
+    if kind == "qwen3_vl":
+        rope = {"rope_type": "default", "mrope_section": [6, 5, 5], "mrope_interleaved": True}
+        config = Qwen3VLConfig(
+            text_config={**text, "head_dim": 32, "rope_scaling": rope},
+            vision_config={**vision, "deepstack_visual_indexes": []},
+            tie_word_embeddings=False,
+        )
+        model_cls = Qwen3VLForConditionalGeneration
+    elif kind == "qwen2_5_vl":
+        rope = {"rope_type": "default", "mrope_section": [4, 6, 6]}
+        config = Qwen2_5_VLConfig(
+            text_config={**text, "rope_scaling": rope},
+            vision_config={**vision, "fullatt_block_indexes": [0]},
+            tie_word_embeddings=False,
+        )
+        model_cls = Qwen2_5_VLForConditionalGeneration
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config)
+    model = model_cls(config)
     with torch.no_grad():  # as build_tiny_qwen3: weights large enough that the layers matter
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.08)
             elif name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("proj.bias"):
+                p.normal_(0.0, 0.1)
     model.to(torch.float32).save_pretrained(str(out))
     return out
 

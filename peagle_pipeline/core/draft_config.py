@@ -42,7 +42,7 @@ QK_NORM_MODEL_TYPES = frozenset(
 # Target model types whose attention has query/key/value biases that their config does not name (Qwen2's are built
 # in; Qwen2-MoE says `qkv_bias`). Their drafts get attention biases: vLLM's P-EAGLE layer has them on q, k, v and o
 # together, and o's starts at zero, so a draft started from the target's layer computes exactly that layer.
-QKV_BIAS_MODEL_TYPES = frozenset({"qwen2", "qwen2_moe"})
+QKV_BIAS_MODEL_TYPES = frozenset({"qwen2", "qwen2_moe", "qwen2_vl_text", "qwen2_5_vl_text"})
 
 
 def has_qk_norm(target_config: dict[str, Any]) -> bool:
