@@ -23,7 +23,6 @@ from tiny import (  # noqa: E402
     build_tiny_model,
     build_tiny_qwen3,
     build_tiny_qwen3_hybrid,
-    build_tiny_vl,
 )
 
 try:  # property-based tests draw the same examples every run, so CI is repeatable (HYPOTHESIS_PROFILE=explore varies them)
