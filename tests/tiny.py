@@ -250,6 +250,42 @@ def build_tiny_vl(out_dir: str | Path, kind: str = "qwen3_vl", seed: int = 0) ->
     return out
 
 
+def build_tiny_gemma3(out_dir: str | Path, seed: int = 0) -> Path:
+    """Save a random tiny Gemma3ForCausalLM (gelu MLPs, norms on both sides of attention and MLP, q/k norms,
+    zero-centred RMS norms that scale by 1 + w, stored away from 0 here; sliding layers with a local RoPE base, no
+    logit soft-cap) with the chatml tokenizer; return the path."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out, "chatml")
+    config = Gemma3TextConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=4096,
+        sliding_window=16,
+        final_logit_softcapping=None,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+    model.to(torch.float32).save_pretrained(str(out))
+    return out
+
+
 def build_tiny_gemma4(out_dir: str | Path, seed: int = 0) -> Path:
     """Save a random tiny Gemma4ForCausalLM (gelu MLPs, norms after attention and MLP as well as before, sliding
     layers with one RoPE and a full-attention layer with another, wider heads and partial "proportional" rotary,

@@ -1,7 +1,7 @@
 """A target's tensors in the convention of the draft's (Llama) layers, for targets that store them otherwise.
 
 Two conventions differ from Llama's in the Qwen3-family hybrids (Qwen3-Next, Qwen3.5 and Qwen3.5-MoE: linear
-attention in most layers, gated full attention in every fourth):
+attention in most layers, gated full attention in every fourth), the first also in Gemma 1, 2 and 3:
 
 - **Zero-centred RMS norms**: the layer computes rms_norm(x) * (1 + w), so a checkpoint stores w = 0 for unit
   scale. The draft's norms (and vLLM's Llama and Qwen3 layers) compute rms_norm(x) * w, so the same norm there has
@@ -36,10 +36,11 @@ __all__ = [
     "mlp_activation",
 ]
 
-# Target model types (of the language model: `text_config`'s for multimodal checkpoints) whose RMS norms scale by
-# 1 + w, and whose full-attention layers gate their output (transformers' Qwen3NextAttention, Qwen3_5Attention).
-ZERO_CENTRED_NORM_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
-GATED_ATTENTION_MODEL_TYPES = ZERO_CENTRED_NORM_MODEL_TYPES
+# Target model types (of the language model: `text_config`'s for multimodal checkpoints) whose full-attention layers
+# gate their output (transformers' Qwen3NextAttention, Qwen3_5Attention), and those whose RMS norms scale by 1 + w:
+# these and Gemma 1-3's (GemmaRMSNorm; Gemma 3n's and Gemma 4's scale by w).
+GATED_ATTENTION_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
+ZERO_CENTRED_NORM_MODEL_TYPES = GATED_ATTENTION_MODEL_TYPES | {"gemma", "gemma2", "gemma3_text"}
 
 _LAYER_NORMS = (
     "input_layernorm.weight",
