@@ -250,17 +250,19 @@ def build_tiny_vl(out_dir: str | Path, kind: str = "qwen3_vl", seed: int = 0) ->
     return out
 
 
-def build_tiny_gemma3(out_dir: str | Path, seed: int = 0) -> Path:
-    """Save a random tiny Gemma3ForCausalLM (gelu MLPs, norms on both sides of attention and MLP, q/k norms,
-    zero-centred RMS norms that scale by 1 + w, stored away from 0 here; sliding layers with a local RoPE base, no
-    logit soft-cap) with the chatml tokenizer; return the path."""
+def build_tiny_gemma3(out_dir: str | Path, seed: int = 0, multimodal: bool = False) -> Path:
+    """Save a random tiny Gemma 3 (gelu MLPs, norms on both sides of attention and MLP, q/k norms, zero-centred RMS
+    norms that scale by 1 + w, stored away from 0 here; sliding layers with a local RoPE base, no logit soft-cap)
+    with the chatml tokenizer; return the path. Gemma3ForCausalLM, or with `multimodal` a
+    Gemma3ForConditionalGeneration as Gemma 3 4B-27B ship (the language model under `text_config`, a one-layer
+    SigLIP vision tower)."""
     import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma3TextConfig
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out, "chatml")
-    config = Gemma3TextConfig(
+    text = dict(
         vocab_size=512,
         hidden_size=64,
         intermediate_size=128,
@@ -271,13 +273,30 @@ def build_tiny_gemma3(out_dir: str | Path, seed: int = 0) -> Path:
         max_position_embeddings=4096,
         sliding_window=16,
         final_logit_softcapping=None,
-        tie_word_embeddings=True,
+    )
+    ids = dict(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(config)
+    if multimodal:
+        vision = dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        )
+        image_ids = dict(image_token_index=5, boi_token_index=6, eoi_token_index=7)
+        config = Gemma3Config(
+            text_config=text, vision_config=vision, mm_tokens_per_image=4, **image_ids, **ids
+        )
+        model = Gemma3ForConditionalGeneration(config)
+    else:
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**text, **ids))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
