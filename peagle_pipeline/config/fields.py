@@ -27,7 +27,7 @@ COD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CODConfig)}
 
 
 def setting(default: Any, help: str, **kw: Any) -> Any:
-    """A field with `default` (a list or dict default is copied per instance) and its `help` and other metadata `kw`."""
+    """A field with `default` (a list or dict default is copied per instance), its `help` and other metadata `kw`."""
     if isinstance(default, (list, dict)):
         copy = functools.partial(type(default), default)
         return field(default_factory=copy, metadata={"help": help, **kw})

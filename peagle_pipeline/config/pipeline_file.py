@@ -100,7 +100,7 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         if not isinstance(value, (list, tuple)):
             value = [value]
         return [_coerce(name, v, item) for v in value]
-    if origin is dict:
+    if origin is dict:  # the one mapping setting: chat_template_kwargs
         return template_kwargs(value, name)
     if origin is Literal:
         if value not in args:

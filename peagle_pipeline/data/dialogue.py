@@ -48,17 +48,20 @@ REASON_TOKEN_IDS = "token ids, not chat messages: generate prompts with the mess
 
 
 class _Next(NamedTuple):
-    """How a conversation goes on after a reply (`DialogueBuilder._continuation`)."""
+    """How a conversation goes on after a reply (`DialogueBuilder._continuation`).
 
-    start: (
-        int  # the row's ids kept before the reply (fewer than the prompt's when the template drops its end)
-    )
-    kept: list[
-        int
-    ]  # the reply's ids as the template writes it as an earlier turn (without its closing token)
-    delta: str  # the template's text between those ids and the next reply
-    text: str  # the next prompt's text
-    stop_written: bool  # the generated stop token is the template's closing token
+    start: the row's ids kept before the reply (fewer than the prompt's when the template drops its end).
+    kept: the reply's ids as the template writes it as an earlier turn, without its closing token.
+    delta: the template's text between those ids and the next reply.
+    text: the next prompt's text.
+    stop_written: the generated stop token is the template's closing token.
+    """
+
+    start: int
+    kept: list[int]
+    delta: str
+    text: str
+    stop_written: bool
 
 
 @dataclass

@@ -76,9 +76,8 @@ def reply_parts(text: str, harmony: bool) -> Reply | None:
         at = text.rfind(_FINAL)
         if at < 0:
             return None if "<|channel|>" in text else Reply("", text, text)
-        analysis = [
-            part.split(_MESSAGE_END)[0] for part in text[:at].split(_ANALYSIS)[1:]
-        ]  # each analysis message's text, up to its <|end|>
+        # each analysis message's text, up to its <|end|>
+        analysis = [part.split(_MESSAGE_END)[0] for part in text[:at].split(_ANALYSIS)[1:]]
         answer = text[at + len(_FINAL) :]
         return Reply("\n\n".join(analysis), answer, text[at:])
     if THINK_END not in text:
