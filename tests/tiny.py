@@ -70,6 +70,37 @@ def build_harmony_tokenizer(out_dir: str | Path, vocab_size: int = 400):
     return fast
 
 
+# The language model of the tiny Qwen3-family, vision-language and Gemma targets: 4 layers of width 64 with 2 query
+# heads of 32 and 1 key/value head, a 512-token vocabulary.
+TINY_TEXT = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    max_position_embeddings=4096,
+)
+
+
+def _set_weights(model, matrices: float | None = 0.08, norms=None, biases: float | None = None) -> None:  # type: ignore[no-untyped-def]
+    """Weights away from transformers' small defaults, so that the layers matter: matrices ~ N(0, `matrices`),
+    norm weights ~ U(`norms`), projection biases ~ N(0, `biases`); each left as it is when None."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                if matrices is not None:
+                    p.normal_(0.0, matrices)
+            elif name.endswith("norm.weight"):
+                if norms is not None:
+                    p.uniform_(*norms)
+            elif name.endswith("proj.bias") and biases is not None:
+                p.normal_(0.0, biases)
+
+
 def build_tiny_qwen3(
     out_dir: str | Path,
     num_layers: int = 4,
@@ -142,18 +173,11 @@ def build_tiny_qwen3_hybrid(out_dir: str | Path, kind: str = "qwen3_next", seed:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_qwen3_tokenizer(out)
     text = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
+        **TINY_TEXT,
         linear_num_key_heads=2,
         linear_num_value_heads=2,
         linear_key_head_dim=128 if kind == "qwen3_next" else 32,
         linear_value_head_dim=128 if kind == "qwen3_next" else 32,
-        max_position_embeddings=4096,
         rms_norm_eps=1e-6,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -178,12 +202,7 @@ def build_tiny_qwen3_hybrid(out_dir: str | Path, kind: str = "qwen3_next", seed:
         raise ValueError(f"unknown kind {kind!r}")
     torch.manual_seed(seed)
     model = model_cls(config)
-    with torch.no_grad():  # as build_tiny_qwen3; norms near 0 (zero-centred: near unit scale) but not at it
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.08)
-            elif name.endswith("norm.weight"):
-                p.uniform_(-0.5, 0.5)
+    _set_weights(model, norms=(-0.5, 0.5))  # norms near 0 (zero-centred: near unit scale) but not at it
     model.to(torch.float32).save_pretrained(str(out))
     return out
 
@@ -206,13 +225,7 @@ def build_tiny_vl(out_dir: str | Path, kind: str = "qwen3_vl", seed: int = 0) ->
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_qwen3_tokenizer(out)
     text = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=4096,
+        **TINY_TEXT,
         rms_norm_eps=1e-6,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -221,7 +234,7 @@ def build_tiny_vl(out_dir: str | Path, kind: str = "qwen3_vl", seed: int = 0) ->
     if kind == "qwen3_vl":
         rope = {"rope_type": "default", "mrope_section": [6, 5, 5], "mrope_interleaved": True}
         config = Qwen3VLConfig(
-            text_config={**text, "head_dim": 32, "rope_scaling": rope},
+            text_config={**text, "rope_scaling": rope},
             vision_config={**vision, "deepstack_visual_indexes": []},
             tie_word_embeddings=False,
         )
@@ -238,14 +251,7 @@ def build_tiny_vl(out_dir: str | Path, kind: str = "qwen3_vl", seed: int = 0) ->
         raise ValueError(f"unknown kind {kind!r}")
     torch.manual_seed(seed)
     model = model_cls(config)
-    with torch.no_grad():  # as build_tiny_qwen3: weights large enough that the layers matter
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.08)
-            elif name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("proj.bias"):
-                p.normal_(0.0, 0.1)
+    _set_weights(model, norms=(0.5, 1.5), biases=0.1)
     model.to(torch.float32).save_pretrained(str(out))
     return out
 
@@ -262,18 +268,7 @@ def build_tiny_gemma3(out_dir: str | Path, seed: int = 0, multimodal: bool = Fal
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out, "chatml")
-    text = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=4096,
-        sliding_window=16,
-        final_logit_softcapping=None,
-    )
+    text = dict(**TINY_TEXT, sliding_window=16, final_logit_softcapping=None)
     ids = dict(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -297,10 +292,7 @@ def build_tiny_gemma3(out_dir: str | Path, seed: int = 0, multimodal: bool = Fal
         model = Gemma3ForConditionalGeneration(config)
     else:
         model = Gemma3ForCausalLM(Gemma3TextConfig(**text, **ids))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(-0.5, 0.5)
+    _set_weights(model, matrices=None, norms=(-0.5, 0.5))
     model.to(torch.float32).save_pretrained(str(out))
     return out
 
@@ -316,14 +308,7 @@ def build_tiny_gemma4(out_dir: str | Path, seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out, "chatml")
     config = Gemma4TextConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=4096,
+        **TINY_TEXT,
         sliding_window=16,
         vocab_size_per_layer_input=512,
         hidden_size_per_layer_input=16,
