@@ -311,6 +311,10 @@ ATTENTION_TENSORS = (
     "self_attn.o_proj.weight",
 )
 MLP_TENSORS = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+# The same layer with fused projections (Phi-3, Phi-4): q, k and v in one qkv_proj, gate and up in one gate_up_proj;
+# stored as they are, split when read (`core.target_convention.split_fused_projections`).
+FUSED_ATTENTION_TENSORS = (*ATTENTION_TENSORS[:2], "self_attn.qkv_proj.weight", "self_attn.o_proj.weight")
+FUSED_MLP_TENSORS = ("mlp.gate_up_proj.weight", "mlp.down_proj.weight")
 _LAYER_OPTIONAL = (
     "self_attn.q_proj.bias",
     "self_attn.k_proj.bias",
@@ -330,9 +334,13 @@ def find_layer_names(files: dict[str, Path], layer: int) -> dict[str, str]:
         base = f"{prefix}layers.{layer}."
         if base + "pre_feedforward_layernorm.weight" in files:  # Gemma's norms around attention and MLP
             return {}  # its post_attention_layernorm scales the attention's output, not the MLP's input
-        if all(base + t in files for t in ATTENTION_TENSORS):
-            mlp = MLP_TENSORS if all(base + t in files for t in MLP_TENSORS) else ()
-            return {t: base + t for t in (*ATTENTION_TENSORS, *mlp, *_LAYER_OPTIONAL) if base + t in files}
+        for attention, mlp in (
+            (ATTENTION_TENSORS, MLP_TENSORS),
+            (FUSED_ATTENTION_TENSORS, FUSED_MLP_TENSORS),
+        ):
+            if all(base + t in files for t in attention):
+                mlp = mlp if all(base + t in files for t in mlp) else ()
+                return {t: base + t for t in (*attention, *mlp, *_LAYER_OPTIONAL) if base + t in files}
     return {}
 
 

@@ -12,6 +12,9 @@ attention in most layers, gated full attention in every fourth), the first also 
   takes the query rows and leaves the gate out, so it starts from that layer's attention without its gate (an
   approximation of the layer, where the other tensors are exact).
 
+Fused projections (Phi-3, Phi-4) are split into Llama's: qkv_proj's rows are the query rows, then the keys', then
+the values' ([(heads + 2 * kv_heads) * D, H]); gate_up_proj's are the gate's, then the up projection's ([2 * I, H]).
+
 And a target MLP with another activation than silu (Gemma's gelu) has no counterpart in the draft's SwiGLU MLP: a
 start from such a layer leaves its MLP out, as for a mixture of experts.
 
@@ -34,6 +37,7 @@ __all__ = [
     "layer_in_draft_convention",
     "has_gated_attention",
     "mlp_activation",
+    "split_fused_projections",
 ]
 
 # Target model types (of the language model: `text_config`'s for multimodal checkpoints) whose full-attention layers
@@ -91,8 +95,8 @@ def layer_in_draft_convention(
     """A stored target layer's tensors (Llama names, see `core.target_init`) as the draft's layer reads them: norms
     as rms_norm(x) * w; for a gated attention (q_proj [heads * 2 * D, H]), q_proj's query rows only
     ([heads * D, H]; heads and D = head_dim from the config); without the MLP's tensors when its activation is not
-    silu. The same tensors for a Llama-convention target."""
-    out = dict(tensors)
+    silu; fused projections split (`split_fused_projections`). The same tensors for a Llama-convention target."""
+    out = split_fused_projections(tensors, target_config)
     if mlp_activation(target_config) != "silu":
         out = {name: t for name, t in out.items() if not name.startswith("mlp.")}
     text = _text_config(target_config)
@@ -111,4 +115,31 @@ def layer_in_draft_convention(
         bias = out.get("self_attn.q_proj.bias")
         if bias is not None and bias.shape[0] == 2 * num_heads * head_dim:
             out["self_attn.q_proj.bias"] = bias.view(num_heads, 2, head_dim)[:, 0].reshape(-1)
+    return out
+
+
+def split_fused_projections(
+    tensors: dict[str, torch.Tensor], target_config: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """A layer's tensors with a fused `self_attn.qkv_proj.weight` and `mlp.gate_up_proj.weight` split into Llama's
+    q/k/v and gate/up projections (heads, kv heads and D = head_dim from the config); the same tensors otherwise.
+
+    Example: 2 heads, 1 kv head, D = 2: qkv_proj rows [q q q q k k v v] ([8, H]) give q_proj [4, H], k_proj and
+    v_proj [2, H] each.
+    """
+    out = dict(tensors)
+    text = _text_config(target_config)
+    num_heads = int(text.get("num_attention_heads") or 1)
+    kv_heads = int(text.get("num_key_value_heads") or num_heads)
+    head_dim = int(text.get("head_dim") or int(text.get("hidden_size", 0)) // num_heads)
+    qkv = out.pop("self_attn.qkv_proj.weight", None)
+    if qkv is not None:
+        q, k, v = qkv.split([num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim])
+        out.update(
+            {f"self_attn.{n}_proj.weight": t.contiguous() for n, t in zip("qkv", (q, k, v), strict=True)}
+        )
+    gate_up = out.pop("mlp.gate_up_proj.weight", None)
+    if gate_up is not None:
+        gate, up = gate_up.chunk(2)
+        out.update({"mlp.gate_proj.weight": gate.contiguous(), "mlp.up_proj.weight": up.contiguous()})
     return out
