@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from layer_compare import draft_and_target_layer
 
 from bench.reference_step import tiny_target_config
 from peagle_pipeline.core.draft_config import DraftConfig
@@ -45,23 +46,8 @@ def test_a_draft_started_from_a_fused_layer_is_that_layer():
     cfg = DraftConfig.from_target_config(target, 1, 3, config.vocab_size, 500)
     model = PEagleDraft(cfg, None, None, generator=torch.Generator().manual_seed(0))
     init_from_target_layer(model, tensors)
-    N = 6
-    g = torch.Generator().manual_seed(1)
-    aux = torch.randn(N, 3 * H, generator=g)
-    pos = torch.arange(N) * 7
-    with torch.no_grad():
-        ours = model(
-            input_ids=torch.randint(0, config.vocab_size, (N,), generator=g),
-            aux_hidden=aux,
-            is_mask=torch.zeros(N, dtype=torch.bool),
-            position=pos,
-            attn_mask=torch.ones(N, N, dtype=torch.bool).tril(),
-        )
-        h = aux[None, :, 2 * H :]
-        causal = torch.full((N, N), float("-inf")).triu(1)[None, None]
-        out = layer(h, position_embeddings=Phi3RotaryEmbedding(config)(h, pos[None]), attention_mask=causal)
-        out = out[0] if isinstance(out, tuple) else out
-    torch.testing.assert_close(ours, model.norm(out[0]), rtol=1e-4, atol=1e-4)
+    ours, theirs = draft_and_target_layer(model, layer, Phi3RotaryEmbedding(config), config.vocab_size, H)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
 def test_a_fused_checkpoint_layer_is_read_split(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from layer_compare import draft_and_target_layer
 
 from bench.reference_step import tiny_target_config
 from peagle_pipeline.core.draft_config import DraftConfig, has_qk_norm
@@ -107,25 +108,10 @@ def test_a_draft_started_from_a_gated_layer_is_that_layer_without_its_gate():
     init_from_target_layer(model, tensors)
     with torch.no_grad():
         model.layers[0].self_attn.o_proj.weight.mul_(0.5)
-    N = 6
-    g = torch.Generator().manual_seed(1)
-    aux = torch.randn(N, 3 * H, generator=g)
-    pos = torch.arange(N) * 7
-    with torch.no_grad():
-        ours = model(
-            input_ids=torch.randint(0, config.vocab_size, (N,), generator=g),
-            aux_hidden=aux,
-            is_mask=torch.zeros(N, dtype=torch.bool),
-            position=pos,
-            attn_mask=torch.ones(N, N, dtype=torch.bool).tril(),
-        )
-        h = aux[None, :, 2 * H :]
-        causal = torch.full((N, N), float("-inf")).triu(1)[None, None]
-        out = layer(
-            h, position_embeddings=Qwen3NextRotaryEmbedding(config)(h, pos[None]), attention_mask=causal
-        )
-        out = out[0] if isinstance(out, tuple) else out
-    torch.testing.assert_close(ours, model.norm(out[0]), rtol=1e-4, atol=1e-4)
+    ours, theirs = draft_and_target_layer(
+        model, layer, Qwen3NextRotaryEmbedding(config), config.vocab_size, H
+    )
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
 def test_zero_centred_final_norm_and_llama_targets_unchanged():
