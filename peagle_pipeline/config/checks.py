@@ -21,10 +21,12 @@ __all__ = [
     "template_kwargs",
 ]
 
-# apply_chat_template's own arguments and the template's message list: not template variables.
+# apply_chat_template's own arguments and the template's message list: not template variables (nor the clock,
+# `strftime_now`, which the renderer sets).
 _RESERVED_TEMPLATE_KEYS = frozenset(
     "conversation messages tools documents chat_template add_generation_prompt continue_final_message tokenize "
-    "padding truncation max_length return_tensors return_dict return_assistant_tokens_mask tokenizer_kwargs".split()
+    "padding truncation max_length return_tensors return_dict return_assistant_tokens_mask tokenizer_kwargs "
+    "strftime_now".split()
 )
 
 
@@ -95,6 +97,6 @@ def template_kwargs(value: Any, name: str = "chat_template_kwargs") -> dict[str,
     reserved = sorted(_RESERVED_TEMPLATE_KEYS.intersection(value))
     if reserved:
         raise BadConfig(
-            f"{name}: {', '.join(reserved)} is an argument of apply_chat_template, not a template variable"
+            f"{name}: {', '.join(reserved)} is not a template variable (the chat rendering sets it)"
         )
     return dict(value)

@@ -8,6 +8,8 @@ OpenAI tool calls is passed to the template as is; its reply is the calls as the
 end-of-turn token(s); a template that does not render them rejects the conversation (with that reason). The
 whole conversation is rendered once, as the server renders it; a template that writes the newest turn otherwise
 (Qwen3's `<think>` block) still has each reply supervised as written in that whole rendering.
+Templates that write today's date (Llama 3's "Today Date", gpt-oss's "Current date") get the renderer's clock, fixed
+when it is made, so that every rendering of a conversation agrees, past midnight too.
 Pure given a tokenizer: no file I/O, no model.
 """
 
@@ -17,6 +19,7 @@ import bisect
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Literal
 
 from peagle_pipeline.data.records import Message
@@ -80,6 +83,8 @@ class ChatRenderer:
             context ("context") or removed ("drop").
         template_kwargs: extra template variables (`{"enable_thinking": False}`), as vLLM's
             `chat_template_kwargs`; given to every rendering.
+        now: what the template's `strftime_now` reports (the date templates write into the system turn); the
+            time the renderer is made when None.
 
     Raises:
         BadInput: the tokenizer has no chat template or cannot report character offsets.
@@ -91,6 +96,7 @@ class ChatRenderer:
         assistant_turns: Literal["all", "last"] = "all",
         leading_assistant: Literal["context", "drop"] = "context",
         template_kwargs: Mapping[str, Any] | None = None,
+        now: datetime | None = None,
     ) -> None:
         if not getattr(tokenizer, "chat_template", None):
             name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
@@ -109,6 +115,7 @@ class ChatRenderer:
         self.assistant_turns = assistant_turns
         self.leading_assistant = leading_assistant
         self.template_kwargs = dict(template_kwargs or {})
+        self.now = now or datetime.now()
         special = set(tokenizer.all_special_ids)
         special.update(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special)
         self._special_ids = frozenset(special)
@@ -269,7 +276,11 @@ class ChatRenderer:
     def _render(self, msgs: list[dict[str, Any]], generation_prompt: bool) -> str:
         try:
             text = self.tokenizer.apply_chat_template(
-                msgs, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
+                msgs,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+                strftime_now=self.now.strftime,
+                **self.template_kwargs,
             )
         except Exception as err:  # jinja2 TemplateError / raise_exception() in the template
             raise RejectRow(

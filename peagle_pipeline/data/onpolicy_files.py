@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ __all__ = [
     "state_file",
     "encode_line",
     "prepare_output",
+    "recorded_template_time",
     "remove_new_output",
     "ChunkOutput",
     "OnPolicyWriter",
@@ -105,6 +107,16 @@ def prepare_output(root: Path, meta: dict[str, Any]) -> Path:
             "use the original settings to resume, or a new output directory"
         )
     return root
+
+
+def recorded_template_time(root: Path) -> datetime | None:
+    """The time the chat template was given as "now" when the output was started (generate.json's
+    `info.template_time`), so that a resumed run's prompts carry the same date; None for outputs without it."""
+    try:
+        stamp = json.loads((root / META_FILE).read_text(encoding="utf-8"))["info"]["template_time"]
+        return datetime.fromisoformat(stamp)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def remove_new_output(root: Path, rank: int, world_size: int, existed: bool) -> None:

@@ -8,6 +8,8 @@ same settings give the same bytes; long prompts and empty replies are recorded; 
 from __future__ import annotations
 
 import json
+import shutil
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -232,3 +234,35 @@ def test_ranks_split_the_rows_and_share_generate_json(tiny_stop_model, conversat
         assert seen[rank] and all(i % 2 == rank for i in seen[rank])
     assert seen[0] | seen[1] == set(range(10))
     assert json.loads((out / "generate.json").read_text())["settings"]["world_size"] == 2
+
+
+def test_a_template_that_writes_the_date_gets_the_outputs_start(
+    tiny_stop_model, conversations, tmp_path, monkeypatch
+):
+    """Llama 3's template writes "Today Date" (`strftime_now`): generate.json records the time the output was
+    started (`info.template_time`) and every rank, and every resume, prompts with that date, so a run across
+    midnight or resumed days later keeps its conversations and its rows reproducible."""
+    from transformers import AutoTokenizer
+
+    model = shutil.copytree(tiny_stop_model, tmp_path / "dated")
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = "{{- 'Today Date: ' + strftime_now('%d %b %Y') + '\\n' }}" + tok.chat_template
+    tok.save_pretrained(model)
+    out = tmp_path / "gen"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    stage.run(_cfg(model, conversations, out, turns="first"))
+    meta = json.loads((out / "generate.json").read_text())
+    started = datetime.fromisoformat(meta["info"]["template_time"])
+    assert abs((datetime.now() - started).total_seconds()) < 600
+    meta["info"]["template_time"] = "2001-02-03T23:59:59"  # as if the output had been started then
+    (out / "generate.json").write_text(json.dumps(meta))
+    monkeypatch.setenv("RANK", "1")
+    stage.run(_cfg(model, conversations, out, turns="first"))
+
+    def dates(rank: int) -> set[str]:
+        rows = [json.loads(x) for x in (out / rows_file(rank, 2)).read_text().splitlines()]
+        assert rows
+        return {tok.decode(r["input_ids"]).split("Today Date: ")[1][:11] for r in rows}
+
+    assert dates(0) == {f"{started:%d %b %Y}"} and dates(1) == {"03 Feb 2001"}

@@ -218,7 +218,7 @@ def test_chat_template_kwargs_from_a_flag_or_a_pipeline_file(tmp_path):
     for bad, needle in (
         ('{"enable_thinking": fals}', "must be a JSON object"),
         ("[1, 2]", "must be a mapping"),
-        ('{"add_generation_prompt": true}', "add_generation_prompt is an argument of apply_chat_template"),
+        ('{"add_generation_prompt": true}', "add_generation_prompt is not a template variable"),
     ):
         with pytest.raises(BadConfig, match=needle) as info:
             resolve(ExtractConfig, None, {**BASE_EXTRACT, "chat_template_kwargs": bad})

@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from peagle_pipeline.data.onpolicy_files import (
     META_FILE,
     OnPolicyWriter,
     prepare_output,
+    recorded_template_time,
     remove_new_output,
     rows_file,
 )
@@ -126,8 +128,11 @@ def resolve_stop_ids(model: str, renderer: Any) -> list[int]:
     return stops
 
 
-def build_meta(cfg: GenerateConfig, backend: str, dtype: str, world: int, stops: list[int]) -> dict[str, Any]:
-    """generate.json: what the rows depend on (compared on resume; `info` is not compared)."""
+def build_meta(
+    cfg: GenerateConfig, backend: str, dtype: str, world: int, stops: list[int], template_time: datetime
+) -> dict[str, Any]:
+    """generate.json: what the rows depend on (compared on resume; `info` is not compared, but its
+    `template_time`, the chat template's "now", is given to the template again on resume)."""
     from peagle_pipeline import __version__, model_dir
     from peagle_pipeline.data.formats import dataset_fingerprint
 
@@ -166,6 +171,7 @@ def build_meta(cfg: GenerateConfig, backend: str, dtype: str, world: int, stops:
             "data": [str(p) for p in cfg.data],
             "peagle_pipeline_version": __version__,
             "batch_size": cfg.batch_size,
+            "template_time": template_time.isoformat(timespec="seconds"),
         },
     }
 
@@ -210,7 +216,10 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
     # A new output is stamped (generate.json: backend, compute dtype) only once its backend has started, so a
     # failed start (vLLM missing, no CUDA, ...) leaves nothing that would refuse the corrected command.
     backend = _start_new(cfg, root, settings, summary, rank, world) if fresh else None
-    writer = _open_output(root, build_meta(cfg, backend_name, dtype, world, stops), rank, world, backend)
+    meta = build_meta(cfg, backend_name, dtype, world, stops, renderer.now)
+    writer = _open_output(root, meta, rank, world, backend)
+    # every rank, and every resume, renders with the date the output was started with
+    renderer.now = recorded_template_time(root) or renderer.now
     try:
         if writer.complete:
             summary.already_complete = True

@@ -366,3 +366,18 @@ def test_reasoning_that_is_not_text_rejects_the_row():
     }
     got = to_conversation(row, "x.jsonl", 5)
     assert isinstance(got, Reject) and got.reason == "reasoning of turn 1 is not a UTF-8 string"
+
+
+def test_the_template_gets_the_renderers_clock_not_the_wall_clock(tmp_path):
+    """gpt-oss's template writes "Current date" from `strftime_now`: a renderer answers it with its own time (fixed
+    when made, or given), so every rendering of a conversation carries one date, past midnight too."""
+    from datetime import datetime
+
+    from tiny import build_harmony_tokenizer
+
+    harmony = build_harmony_tokenizer(tmp_path)
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    pinned = ChatRenderer(harmony, now=datetime(2001, 2, 3, 23, 59, 59))
+    assert "Current date: 2001-02-03\n" in pinned.render_text(conv, generation_prompt=False)
+    made = ChatRenderer(harmony)
+    assert f"Current date: {made.now:%Y-%m-%d}\n" in made.render_text(conv[:1], generation_prompt=True)
