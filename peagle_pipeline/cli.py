@@ -34,6 +34,7 @@ from peagle_pipeline.config import (
     resolve,
 )
 from peagle_pipeline.errors import Interrupted, PeagleError, from_os_error
+from peagle_pipeline.runtime import drop_shipped_config_notices
 
 __all__ = ["app", "main"]
 
@@ -411,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns (and exits with) the process exit code."""
     debug = os.environ.get("PEAGLE_DEBUG") == "1"
     preemption.install()  # SIGTERM (preemption) stops a command the way Ctrl-C does; exit 143
+    drop_shipped_config_notices()
     try:
         # standalone_mode=False: typer returns the code of an Exit (and 130 for a Ctrl-C it caught) instead of
         # exiting, and lets PeagleError and click's usage errors through to the handlers below.

@@ -38,6 +38,7 @@ __all__ = [
     "writer_rank",
     "RankLock",
     "configure_logging",
+    "drop_shipped_config_notices",
     "raise_if_no_space",
     "CPU_BF16_ENV",
     "cpu_has_bf16_units",
@@ -311,6 +312,36 @@ class _LineHandler(logging.Handler):
             tqdm.write(self.format(record), file=sys.stderr)
         except Exception:  # a logging handler must never raise
             self.handleError(record)
+
+
+# What a library says about a target's config as it ships, which the user cannot act on: (logger, message start).
+# transformers asks every Phi-3 / Phi-3.5 / Phi-4-mini config (LongRoPE without `factor`) to set one.
+_SHIPPED_CONFIG_NOTICES = (
+    (
+        "transformers.modeling_rope_utils",
+        "This model config has set a `rope_parameters['original_max_position",
+    ),
+)
+
+
+class _DropNotices(logging.Filter):
+    """Drops the records whose message starts with `start`."""
+
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start)
+
+
+def drop_shipped_config_notices() -> None:
+    """Keep the libraries' notices about a target's config as it ships (`_SHIPPED_CONFIG_NOTICES`) off the
+    terminal; idempotent."""
+    for name, start in _SHIPPED_CONFIG_NOTICES:
+        source = logging.getLogger(name)
+        if not any(isinstance(f, _DropNotices) and f.start == start for f in source.filters):
+            source.addFilter(_DropNotices(start))
 
 
 def configure_logging(level: int = logging.INFO) -> None:

@@ -21,6 +21,7 @@ from tiny import (  # noqa: E402
     build_tiny_gemma4,
     build_tiny_gpt_oss,
     build_tiny_model,
+    build_tiny_phi3,
     build_tiny_qwen3,
     build_tiny_qwen3_hybrid,
 )
@@ -114,6 +115,13 @@ def tiny_gpt_oss(tmp_path_factory) -> Path:
     """A tiny random GptOssForCausalLM (mixture of experts, attention biases and sinks, YaRN RoPE as gpt-oss sets
     it), fp32, with the chatml tokenizer."""
     return build_tiny_gpt_oss(tmp_path_factory.mktemp("tiny-gpt-oss"))
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_longrope(tmp_path_factory) -> Path:
+    """A tiny random Phi3ForCausalLM (fused projections) with LongRoPE over three quarters of each head, as Phi-4-mini
+    sets it, from an original context of 32 positions x 8; fp32, with the chatml tokenizer."""
+    return build_tiny_phi3(tmp_path_factory.mktemp("tiny-phi3-longrope"))
 
 
 @pytest.fixture(scope="session")

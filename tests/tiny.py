@@ -1,7 +1,7 @@
 """Tiny real models and tokenizers for tests: a byte-level BPE tokenizer with a real chat template and a
 random Llama (head_dim 32, so vLLM's CPU attention accepts it), saved as an ordinary HF model directory; a
 random Qwen3 (QK-norm) with Qwen3's own chat template (tests/fixtures/chat_templates/qwen3.jinja); the Qwen3-family
-hybrids (Qwen3-Next, Qwen3.5), a Gemma 4 and a gpt-oss.
+hybrids (Qwen3-Next, Qwen3.5), a Gemma 4, a gpt-oss and a Phi-3 with LongRoPE.
 
 Built from scratch in a second; no hub, no mocks. Used by conftest fixtures and by subprocess tests.
 """
@@ -320,6 +320,42 @@ def build_tiny_gemma4(out_dir: str | Path, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     Gemma4ForCausalLM(config).to(torch.float32).save_pretrained(str(out))
+    return out
+
+
+def build_tiny_phi3(out_dir: str | Path, seed: int = 0) -> Path:
+    """Save a random tiny Phi3ForCausalLM (fused qkv_proj and gate_up_proj) with Phi-4-mini's kind of RoPE: LongRoPE
+    over three quarters of each head, from an original context of 32 positions x 8, whose short and long factor
+    lists are equal (transformers picks a list by the sequence's length, vLLM by the server's context: equal lists
+    make them run one target); chatml tokenizer; return the path."""
+    import torch
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out, "chatml")
+    pairs = int(TINY_TEXT["head_dim"] * 0.75) // 2
+    factors = [1.0 + 0.4 * i for i in range(pairs)]
+    config = Phi3Config(
+        **{**TINY_TEXT, "max_position_embeddings": 256},
+        partial_rotary_factor=0.75,
+        original_max_position_embeddings=32,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": factors,
+            "long_factor": factors,
+        },
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Phi3ForCausalLM(config)
+    _set_weights(model)
+    model.to(torch.float32).save_pretrained(str(out))
     return out
 
 

@@ -157,7 +157,7 @@ class DraftConfig:
             "attention_bias": self.attention_bias,
             "mlp_bias": self.mlp_bias,
             "max_position_embeddings": self.max_position_embeddings,
-            "rope_parameters": self.rope.as_config(),
+            "rope_parameters": self.rope.as_config(self.max_position_embeddings),
             "rope_theta": self.rope.theta,
             "tie_word_embeddings": False,
             "initializer_range": self.initializer_range,

@@ -1,7 +1,7 @@
 """Rotary position embeddings of the draft (SPEC §5.3): the target's RoPE settings and their inverse frequencies.
 
-Pure torch: no I/O, no global state. Default, linear, llama3 and YaRN scaling, computed as transformers and vLLM
-compute them, over all of each head or (partial rotary, as Qwen3-Next and Qwen3.5 set it) over its first
+Pure torch: no I/O, no global state. Default, linear, llama3, YaRN and LongRoPE scaling, computed as transformers and
+vLLM compute them, over all of each head or (partial rotary, as Qwen3-Next and Qwen3.5 set it) over its first
 `partial_rotary_factor * head_dim` dimensions; any other RoPE type is refused.
 
 Worked example: theta = 10000, head_dim = 4 gives inv_freq = [1, 10000**-0.5] = [1.0, 0.01]; linear scaling with
@@ -13,6 +13,14 @@ YaRN (gpt-oss, Qwen3 with its long-context setting, DeepSeek) blends the two per
 beta_fast times over the original context keep their frequency, pairs that turn less than beta_slow times are
 divided by the factor, a linear ramp in between; and cos and sin are multiplied by an attention factor (0.1 ln(factor)
 + 1 unless the config sets it), which scales every attention logit by its square. E.g. factor 4 gives 1.1386.
+
+LongRoPE (Phi-3.5, Phi-4-mini) divides each pair's frequency by its own factor, from one list up to the original
+context ("short") and another past it ("long"), and multiplies cos and sin by sqrt(1 + ln(factor) / ln(original)) (factor =
+max / original positions): 1.1902 for 128k over 4k. Which list the target uses depends on the runtime (transformers:
+the sequence's length; vLLM: the whole server's `max_model_len`), so the draft takes one list for every position, the
+short one (the one the target rotates by at the lengths drafts train on), and exports it as both lists: vLLM then
+turns the draft's queries and keys as training did whatever the server's context. E.g. theta 10000, head_dim 4 and
+short factors [1, 2]: inv_freq = [1.0, 0.005].
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ __all__ = ["RopeSpec", "rope_inv_freq"]
 
 @dataclass(frozen=True, slots=True)
 class RopeSpec:
-    """Rotary embedding settings read from the target config (default, linear, llama3 or yarn scaling)."""
+    """Rotary embedding settings read from the target config (default, linear, llama3, yarn or longrope scaling)."""
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -48,6 +56,8 @@ class RopeSpec:
     """cos and sin are multiplied by it (yarn's attention scaling; 1 for the other types)."""
     partial_rotary_factor: float = 1.0
     """The share of each head's dimensions that turn (the first ones); the rest pass through."""
+    pair_factors: tuple[float, ...] = ()
+    """longrope: each pair's frequency is divided by its factor (the target's short factors; rotary_dim / 2 of them)."""
 
     def rotary_dim(self, head_dim: int) -> int:
         """How many of a head's `head_dim` dimensions turn (as transformers and vLLM round it)."""
@@ -56,7 +66,7 @@ class RopeSpec:
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> RopeSpec:
         """Read `rope_parameters` (transformers >= 5) or legacy `rope_theta` + `rope_scaling`, resolving what
-        transformers derives: yarn's factor (max / original positions when unset) and attention factor.
+        transformers derives: yarn's and longrope's factor (max / original positions when unset) and attention factor.
 
         A target with one RoPE per layer type (Gemma 4: `{"full_attention": {...}, "sliding_attention": {...}}`)
         gives the draft the default rotation, over the whole head, at its full-attention layers' base: the draft
@@ -74,8 +84,10 @@ class RopeSpec:
             }
         theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = str(params.get("rope_type", params.get("type", "default")))
-        if rope_type not in ("default", "linear", "llama3", "yarn"):
-            raise BadInput(f"target RoPE type {rope_type!r} is not supported (default, linear, llama3, yarn)")
+        if rope_type not in ("default", "linear", "llama3", "yarn", "longrope"):
+            raise BadInput(
+                f"target RoPE type {rope_type!r} is not supported (default, linear, llama3, yarn, longrope)"
+            )
         partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
         if not 0.0 < partial <= 1.0:
             raise BadInput(f"target partial_rotary_factor {partial} is outside (0, 1]")
@@ -95,28 +107,15 @@ class RopeSpec:
             original_max_position_embeddings=original,
             partial_rotary_factor=partial,
         )
-        if rope_type != "yarn":
-            return spec
-        if not params.get("factor"):
-            factor = int(cfg.get("max_position_embeddings", original)) / original
-        attention = params.get("attention_factor")
-        if attention is None:
-            mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-            if mscale and mscale_all_dim:
-                attention = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
-            else:
-                attention = _yarn_mscale(factor)
-        return replace(
-            spec,
-            factor=float(factor),
-            beta_fast=float(params.get("beta_fast") or 32.0),
-            beta_slow=float(params.get("beta_slow") or 1.0),
-            truncate=bool(params.get("truncate", True)),
-            attention_factor=float(attention),
-        )
+        if rope_type == "longrope":
+            return _longrope(spec, params, cfg)
+        if rope_type == "yarn":
+            return _yarn(spec, params, cfg)
+        return spec
 
-    def as_config(self) -> dict[str, Any]:
-        """The `rope_parameters` dict for an exported HF config."""
+    def as_config(self, max_position_embeddings: int | None = None) -> dict[str, Any]:
+        """The `rope_parameters` dict for an exported HF config whose `max_position_embeddings` is the one given
+        (vLLM derives LongRoPE's attention factor from it, so a factor that differs is written out for vLLM)."""
         out: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.theta}
         if self.partial_rotary_factor != 1.0:
             out["partial_rotary_factor"] = self.partial_rotary_factor
@@ -138,7 +137,76 @@ class RopeSpec:
                 truncate=self.truncate,
                 attention_factor=self.attention_factor,
             )
+        if self.rope_type == "longrope":  # one list for every position: see the module docstring
+            out.update(
+                short_factor=list(self.pair_factors),
+                long_factor=list(self.pair_factors),
+                original_max_position_embeddings=self.original_max_position_embeddings,
+                factor=self.factor,
+                attention_factor=self.attention_factor,
+            )
+            served = _longrope_mscale(
+                (max_position_embeddings or 0) / self.original_max_position_embeddings,
+                self.original_max_position_embeddings,
+            )
+            if not math.isclose(served, self.attention_factor, rel_tol=1e-12):
+                out.update(short_mscale=self.attention_factor, long_mscale=self.attention_factor)
         return out
+
+
+def _yarn(spec: RopeSpec, params: dict[str, Any], cfg: dict[str, Any]) -> RopeSpec:
+    """YaRN's settings (spec has the common ones): transformers' factor (max / original positions unless set) and
+    attention factor (the config's, else from mscale and mscale_all_dim when both are set, else from the factor)."""
+    original = spec.original_max_position_embeddings
+    factor = float(params.get("factor") or int(cfg.get("max_position_embeddings", original)) / original)
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+        else:
+            attention = _yarn_mscale(factor)
+    return replace(
+        spec,
+        factor=factor,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=float(attention),
+    )
+
+
+def _longrope(spec: RopeSpec, params: dict[str, Any], cfg: dict[str, Any]) -> RopeSpec:
+    """LongRoPE's settings (spec has the common ones): the short factors for every position, transformers'
+    factor (max / original positions unless set) and attention factor (vLLM's `short_mscale` when the target sets
+    it, else the config's `attention_factor`, else derived from the factor).
+
+    Raises:
+        BadInput: the factor lists are missing or not rotary_dim / 2 numbers long.
+    """
+    short, long = params.get("short_factor"), params.get("long_factor")
+    if not (isinstance(short, list | tuple) and isinstance(long, list | tuple)):
+        raise BadInput("target longrope RoPE needs its short_factor and long_factor lists")
+    head_dim = cfg.get("head_dim") or cfg.get("hidden_size", 0) // cfg.get("num_attention_heads", 1)
+    pairs = spec.rotary_dim(int(head_dim)) // 2
+    if pairs and not len(short) == len(long) == pairs:
+        raise BadInput(
+            f"target longrope RoPE has {len(short)} short and {len(long)} long factors, not one per turning pair ({pairs})"
+        )
+    original = spec.original_max_position_embeddings
+    factor = float(params.get("factor") or int(cfg.get("max_position_embeddings", original)) / original)
+    attention = params.get("short_mscale") or params.get("attention_factor")
+    return replace(
+        spec,
+        factor=factor,
+        pair_factors=tuple(float(f) for f in short),
+        attention_factor=float(attention) if attention else _longrope_mscale(factor, original),
+    )
+
+
+def _longrope_mscale(factor: float, original: int) -> float:
+    """LongRoPE's magnitude correction for a context `factor` times the `original`: sqrt(1 + ln factor / ln original)."""
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -164,6 +232,9 @@ def rope_inv_freq(spec: RopeSpec, head_dim: int) -> torch.Tensor:
         return torch.where(medium, smoothed, scaled)
     if spec.rope_type == "yarn":
         return _yarn_inv_freq(spec, head_dim)
+    if spec.rope_type == "longrope":  # as transformers: 1 / (factor * theta ** (2i / dim))
+        shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (torch.tensor(spec.pair_factors, dtype=torch.float32) * spec.theta**shape)
     return inv
 
 

@@ -123,11 +123,14 @@ def _vllm_run(target: Path, export: Path, prompts: list[list[int]], depths: int,
     from vllm import SamplingParams
 
     from peagle_pipeline.backends.vllm import EngineSettings
+    from peagle_pipeline.model_dir import read_target_info, text_config
     from peagle_pipeline.stages.evaluate.acceptance import engine, read_counters, speculative_config
 
     runs = []
     with environment_restored(), recorded_proposals() as calls:
-        settings = EngineSettings(model=str(target), dtype="fp32")
+        # the target's whole context, vLLM's default but for LongRoPE targets (their original context)
+        context = text_config(read_target_info(target).config)["max_position_embeddings"]
+        settings = EngineSettings(model=str(target), dtype="fp32", max_model_len=context)
         with engine(settings, speculative_config(export, depths)) as (llm, _):
             before = read_counters(llm)
             for ids in prompts:

@@ -4,7 +4,7 @@
 argmax of `PEagleDraft.forward_layout` at the same anchor and depth (the forward `train` optimises): they must be
 equal at every depth, for a 4-layer draft of the real SmolLM2, a 2-layer draft of a Qwen3 (QK-norm) target, and
 1-layer drafts of a Qwen3-MoE target, of targets with YaRN RoPE (a Qwen3 with its long-context setting, a
-gpt-oss), with partial rotary (Qwen3-Next's and Qwen3.5's) and of a Gemma 4. The acceptance that the walk over the replies
+gpt-oss), with LongRoPE (a Phi-3), with partial rotary (Qwen3-Next's and Qwen3.5's) and of a Gemma 4. The acceptance that the walk over the replies
 implies must equal vLLM's own counters (but for the tokens a step accepted past `max_tokens`, which the reply does
 not show), so the recorded proposals are the ones vLLM verified; and `core.loss.acceptance_walk`, which the
 trainer reports as `acceptance_walk`, must count the same steps and accepted tokens from our proposals.
@@ -88,6 +88,20 @@ def test_draft_of_a_yarn_target(tiny_qwen3_yarn: Path, tmp_path: Path) -> None:
     )
     _sharpen(export, 3.0)
     _check(tiny_qwen3_yarn, export)
+
+
+def test_draft_of_a_longrope_target(tiny_phi3_longrope: Path, tmp_path: Path) -> None:
+    """A Phi-3 target with LongRoPE over three quarters of each head (Phi-4-mini's rotation): the draft exports its
+    one factor list as both of LongRoPE's, and vLLM, serving past the original 32 positions (its long list), turns
+    the draft's queries and keys by the frequencies and attention factor of training."""
+    export = make_random_draft(
+        tiny_phi3_longrope, tmp_path / "draft", [1, 2, 3], depths=K, draft_vocab_size=300
+    )
+    rope = json.loads((export / "config.json").read_text())["transformer_layer_config"]["rope_parameters"]
+    assert rope["rope_type"] == "longrope" and rope["short_factor"] == rope["long_factor"]
+    assert rope["partial_rotary_factor"] == 0.75 and rope["attention_factor"] > 1.2
+    _sharpen(export, 3.0)
+    _check(tiny_phi3_longrope, export)
 
 
 def test_draft_with_partial_rotary(tiny_qwen3: Path, tmp_path: Path) -> None:

@@ -198,6 +198,65 @@ def test_yarn_rope_matches_transformers(name: str):
     assert torch.equal(again, theirs) and again_attention == pytest.approx(attention, rel=1e-12)
 
 
+# LongRoPE as Phi-3.5-mini (head_dim 96, all of it turning) and Phi-4-mini (head_dim 128, three quarters) set it:
+# 4k original positions, 128k in all, short and long factor lists of one number per turning pair.
+LONGROPE_TARGETS = {"phi-3.5-mini": (3072, 32, 1.0), "phi-4-mini": (3072, 24, 0.75)}
+
+
+@pytest.mark.parametrize("name", sorted(LONGROPE_TARGETS))
+def test_longrope_matches_transformers_short_factors_for_every_position(name: str):
+    """The draft rotates as transformers rotates the target up to its original context (the short factors, the
+    attention factor sqrt(1 + ln 32 / ln 4096)); the export writes that one list as both, so transformers and vLLM
+    (which picks a list by the server's context) turn the draft's queries and keys the same at every length."""
+    import transformers
+    from transformers import LlamaConfig, Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip(f"rope_parameters configs are transformers 5 API (found {transformers.__version__})")
+    hidden, heads, partial = LONGROPE_TARGETS[name]
+    head_dim = hidden // heads
+    pairs = int(head_dim * partial) // 2
+    short = [1.0 + 0.05 * i for i in range(pairs)]
+    long = [1.0 + 1.5 * i for i in range(pairs)]
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short, "long_factor": long}
+    target = Phi3Config(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=8,
+        partial_rotary_factor=partial,
+        rope_parameters={**rope, "partial_rotary_factor": partial},
+        original_max_position_embeddings=4096,
+        max_position_embeddings=131072,
+    )
+    spec = RopeSpec.from_config(target.to_dict())
+    theirs, attention = ROPE_INIT_FUNCTIONS["longrope"](target, "cpu")
+    assert spec.rotary_dim(head_dim) == 2 * pairs and theirs.numel() == pairs
+    assert torch.equal(rope_inv_freq(spec, head_dim), theirs.float())
+    assert spec.attention_factor == pytest.approx(attention, rel=1e-12)
+    assert spec.attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    exported = spec.as_config(131072)
+    assert exported["short_factor"] == exported["long_factor"] == short
+    assert "short_mscale" not in exported  # vLLM derives the same factor from 131072 / 4096
+    draft = LlamaConfig(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        head_dim=head_dim,
+        rope_parameters=dict(exported),
+        max_position_embeddings=131072,
+    )
+    assert RopeSpec.from_config(draft.to_dict()) == spec
+    for seq_len in (None, 100_000):  # up to the original context and past it
+        again, again_attention = ROPE_INIT_FUNCTIONS["longrope"](draft, "cpu", seq_len=seq_len)
+        assert torch.equal(again, theirs) and again_attention == pytest.approx(attention, rel=1e-12)
+    # a draft config with another context: vLLM would derive another factor, so the export names it for vLLM
+    assert (
+        spec.as_config(8192)["short_mscale"] == spec.as_config(8192)["long_mscale"] == spec.attention_factor
+    )
+    with pytest.raises(BadInput, match=f"not one per turning pair \\({pairs}\\)"):
+        RopeSpec.from_config({**target.to_dict(), "rope_parameters": {**rope, "short_factor": short[1:]}})
+
+
 def test_yarn_factor_and_original_length_as_transformers_derives_them():
     derived = RopeSpec.from_config(
         {
@@ -218,8 +277,10 @@ def test_yarn_factor_and_original_length_as_transformers_derives_them():
         }
     )
     assert top.original_max_position_embeddings == 2048 and top.rope_type == "yarn"
-    with pytest.raises(BadInput, match="longrope"):
+    with pytest.raises(BadInput, match="longrope RoPE needs its short_factor and long_factor"):
         RopeSpec.from_config({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
+    with pytest.raises(BadInput, match="'dynamic' is not supported"):
+        RopeSpec.from_config({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
 
 
 def test_gpt_oss_target_gives_a_draft_config():

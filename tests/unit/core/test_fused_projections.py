@@ -20,17 +20,34 @@ if int(transformers.__version__.split(".")[0]) < 5:  # our range admits 4.56+; t
     )
 
 
-def test_a_draft_started_from_a_fused_layer_is_that_layer():
+@pytest.mark.parametrize("rope", ["default", "longrope"])
+def test_a_draft_started_from_a_fused_layer_is_that_layer(rope: str):
+    """Phi-3-mini-4k's plain RoPE, and Phi-4-mini's LongRoPE over three quarters of each head (4k original positions,
+    128k in all): the draft rotates as the target does within the original context."""
     from transformers import Phi3Config
     from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer, Phi3RotaryEmbedding
 
     base = tiny_target_config()
+    head_dim = base["hidden_size"] // base["num_attention_heads"]
+    pairs = int(head_dim * 0.75) // 2
+    longrope = dict(
+        partial_rotary_factor=0.75,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.3 * i for i in range(pairs)],
+            "long_factor": [1.0 + 2.0 * i for i in range(pairs)],
+        },
+        original_max_position_embeddings=4096,
+        max_position_embeddings=131072,
+    )
     config = Phi3Config(
         **{k: base[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")},
         num_key_value_heads=base["num_key_value_heads"],
         num_hidden_layers=1,
         rms_norm_eps=1e-6,
-        max_position_embeddings=4096,
+        **(longrope if rope == "longrope" else {"max_position_embeddings": 4096}),
     )
     config._attn_implementation = "eager"
     target, H = config.to_dict(), config.hidden_size
@@ -44,6 +61,7 @@ def test_a_draft_started_from_a_fused_layer_is_that_layer():
     D = H // config.num_attention_heads
     assert tensors["self_attn.k_proj.weight"].shape == (config.num_key_value_heads * D, H)
     cfg = DraftConfig.from_target_config(target, 1, 3, config.vocab_size, 500)
+    assert cfg.rope.rope_type == rope and (cfg.rope.attention_factor > 1.19) == (rope == "longrope")
     model = PEagleDraft(cfg, None, None, generator=torch.Generator().manual_seed(0))
     init_from_target_layer(model, tensors)
     ours, theirs = draft_and_target_layer(model, layer, Phi3RotaryEmbedding(config), config.vocab_size, H)
