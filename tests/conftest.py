@@ -20,6 +20,7 @@ from tiny import (  # noqa: E402
     add_stop_bias,
     build_tiny_gemma4,
     build_tiny_gpt_oss,
+    build_tiny_llama4,
     build_tiny_model,
     build_tiny_phi3,
     build_tiny_qwen3,
@@ -115,6 +116,13 @@ def tiny_gpt_oss(tmp_path_factory) -> Path:
     """A tiny random GptOssForCausalLM (mixture of experts, attention biases and sinks, YaRN RoPE as gpt-oss sets
     it), fp32, with the chatml tokenizer."""
     return build_tiny_gpt_oss(tmp_path_factory.mktemp("tiny-gpt-oss"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama4(tmp_path_factory) -> Path:
+    """A tiny random Llama4ForCausalLM (mixture-of-experts MLPs, chunked attention with QK-norm, the last layer
+    without RoPE), fp32, with the chatml tokenizer."""
+    return build_tiny_llama4(tmp_path_factory.mktemp("tiny-llama4"))
 
 
 @pytest.fixture(scope="session")

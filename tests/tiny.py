@@ -1,7 +1,7 @@
 """Tiny real models and tokenizers for tests: a byte-level BPE tokenizer with a real chat template and a
 random Llama (head_dim 32, so vLLM's CPU attention accepts it), saved as an ordinary HF model directory; a
 random Qwen3 (QK-norm) with Qwen3's own chat template (tests/fixtures/chat_templates/qwen3.jinja); the Qwen3-family
-hybrids (Qwen3-Next, Qwen3.5), a Gemma 4, a gpt-oss and a Phi-3 with LongRoPE.
+hybrids (Qwen3-Next, Qwen3.5), a Gemma 4, a gpt-oss, a Phi-3 with LongRoPE and a Llama 4.
 
 Built from scratch in a second; no hub, no mocks. Used by conftest fixtures and by subprocess tests.
 """
@@ -354,6 +354,58 @@ def build_tiny_phi3(out_dir: str | Path, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     model = Phi3ForCausalLM(config)
+    _set_weights(model)
+    model.to(torch.float32).save_pretrained(str(out))
+    return out
+
+
+def build_tiny_llama4(out_dir: str | Path, seed: int = 0, multimodal: bool = False) -> Path:
+    """Save a random tiny Llama 4 with the chatml tokenizer; return the path. Its language model as Llama 4 Scout's:
+    mixture-of-experts MLPs (4 experts, 1 per token, and a shared expert) in every layer, chunked attention with
+    weightless QK-norm in the RoPE layers, the fourth layer without RoPE (temperature-tuned attention), the checkpoint
+    prefix `language_model`. Chunks of 128 tokens (vLLM's smallest). `multimodal`: a Llama4ForConditionalGeneration
+    with a one-layer vision tower, as Llama 4 ships; else the text-only Llama4ForCausalLM."""
+    import torch
+    from transformers import (
+        Llama4Config,
+        Llama4ForCausalLM,
+        Llama4ForConditionalGeneration,
+        Llama4TextConfig,
+        Llama4VisionConfig,
+    )
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out, "chatml")
+    text = Llama4TextConfig(
+        **TINY_TEXT,
+        intermediate_size_mlp=TINY_TEXT["intermediate_size"],
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+        attention_chunk_size=128,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    if multimodal:
+        vision = Llama4VisionConfig(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            image_size=56,
+            patch_size=14,
+            vision_output_dim=64,
+            projector_input_dim=64,
+            projector_output_dim=64,
+        )
+        config = Llama4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), tie_word_embeddings=False)
+        model = Llama4ForConditionalGeneration(config)
+    else:
+        model = Llama4ForCausalLM(text)
     _set_weights(model)
     model.to(torch.float32).save_pretrained(str(out))
     return out
