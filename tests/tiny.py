@@ -402,7 +402,9 @@ def build_tiny_llama4(out_dir: str | Path, seed: int = 0, multimodal: bool = Fal
             projector_input_dim=64,
             projector_output_dim=64,
         )
-        config = Llama4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), tie_word_embeddings=False)
+        config = Llama4Config(
+            text_config=text.to_dict(), vision_config=vision.to_dict(), tie_word_embeddings=False
+        )
         model = Llama4ForConditionalGeneration(config)
     else:
         model = Llama4ForCausalLM(text)

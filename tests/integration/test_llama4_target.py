@@ -48,7 +48,8 @@ def test_the_cache_holds_the_targets_own_log_probs(llama4_run: tuple[Path, Path]
     cls = Llama4ForConditionalGeneration if multimodal else Llama4ForCausalLM
     model = cls.from_pretrained(str(target), dtype=torch.float32).eval()
     cache = open_cache(str(run.parent / "cache"))
-    long = [int(i) for i, n in zip(cache.samples["sample_id"], cache.samples["length"]) if n > 128]
+    samples = cache.samples
+    long = [int(i) for i in samples.loc[samples["length"] > 128, "sample_id"]]
     assert long
     for sample_id in long[:2]:
         s = cache.read_sample(sample_id)
