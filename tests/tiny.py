@@ -323,6 +323,28 @@ def build_tiny_gemma4(out_dir: str | Path, seed: int = 0) -> Path:
     return out
 
 
+def build_tiny_causal_lm(out_dir: str | Path, model_type: str, seed: int = 0, **config: object) -> Path:
+    """Save a random tiny causal LM of any transformers `model_type` (TINY_TEXT's sizes, `config` on top) with the
+    chatml tokenizer; return the path."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out, "chatml")
+    ids = dict(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    cfg = AutoConfig.for_model(model_type, **{**TINY_TEXT, "tie_word_embeddings": False, **ids, **config})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    _set_weights(model)
+    model.to(torch.float32).save_pretrained(str(out))
+    return out
+
+
 def build_tiny_phi3(out_dir: str | Path, seed: int = 0) -> Path:
     """Save a random tiny Phi3ForCausalLM (fused qkv_proj and gate_up_proj) with Phi-4-mini's kind of RoPE: LongRoPE
     over three quarters of each head, from an original context of 32 positions x 8, whose short and long factor

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from peagle_pipeline.backends.base import BackendSettings, SampleOutputs
+from peagle_pipeline.core.target_convention import logit_scale
 from peagle_pipeline.errors import BadInput
 from peagle_pipeline.model_dir import check_target, text_config
 
@@ -107,9 +108,7 @@ class HFBackend:
         self.lm_head = model.get_output_embeddings()
         tc = text_config(self.info.config)
         self._softcap: float | None = tc.get("final_logit_softcapping")
-        self._logit_scale: float = float(tc.get("logit_scale") or 1.0) / float(
-            tc.get("logits_scaling") or 1.0
-        )
+        self._logit_scale = logit_scale(self.info.config)
         self._captured: dict[int, torch.Tensor] = {}
         self._ws: tuple[torch.Tensor, torch.Tensor | None] | None = None  # top-k workspace, see _workspace
         self._capturing = False

@@ -18,7 +18,16 @@ the values' ([(heads + 2 * kv_heads) * D, H]); gate_up_proj's are the gate's, th
 And a target MLP with another activation than silu (Gemma's gelu) has no counterpart in the draft's SwiGLU MLP: a
 start from such a layer leaves its MLP out, as for a mixture of experts.
 
-Worked example: a zero-centred final norm stored as [0.0, -0.5, 0.25] is [1.0, 0.5, 1.25] for the draft. A gated
+Scaled targets: Cohere multiplies its logits by `logit_scale`, Granite divides them by `logits_scaling`; the draft's
+logits are lm_head(norm(h)), so the scale is folded into the final norm's weight (the start then gives the target's
+logits, and `train --target exact` the target's distribution). Granite also scales its attention scores by
+`attention_multiplier` instead of 1 / sqrt(D) and each residual branch by `residual_multiplier`: a start from its
+layer folds the first into q_proj (x attention_multiplier x sqrt(D)) and the second into o_proj and down_proj.
+A final LayerNorm (Cohere, StableLM, StarCoder2, Phi-MoE, Nemotron) subtracts the mean, which the draft's RMS norm
+does not: `exact_target_refusal` says why such a target's exact log-probs cannot be computed.
+
+Worked example: a zero-centred final norm stored as [0.0, -0.5, 0.25] is [1.0, 0.5, 1.25] for the draft; a Granite
+final norm [1.0, 2.0] with logits_scaling 8 is [0.125, 0.25]. A gated
 q_proj with 2 heads of D = 2 has rows [q0 q0 g0 g0 q1 q1 g1 g1] ([8, H]); its query rows are [q0 q0 q1 q1] ([4, H]).
 
 Pure torch: no I/O.
@@ -35,7 +44,10 @@ __all__ = [
     "GATED_ATTENTION_MODEL_TYPES",
     "pieces_in_draft_convention",
     "layer_in_draft_convention",
+    "LAYER_NORM_MODEL_TYPES",
+    "exact_target_refusal",
     "has_gated_attention",
+    "logit_scale",
     "mlp_activation",
     "split_fused_projections",
 ]
@@ -45,6 +57,9 @@ __all__ = [
 # these and Gemma 1-3's (GemmaRMSNorm; Gemma 3n's and Gemma 4's scale by w).
 GATED_ATTENTION_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
 ZERO_CENTRED_NORM_MODEL_TYPES = GATED_ATTENTION_MODEL_TYPES | {"gemma", "gemma2", "gemma3_text"}
+
+# Target model types whose final norm is a LayerNorm (mean subtracted; Nemotron's scales by 1 + w), not an RMS norm.
+LAYER_NORM_MODEL_TYPES = frozenset({"cohere", "cohere2", "stablelm", "starcoder2", "phimoe", "nemotron"})
 
 _LAYER_NORMS = (
     "input_layernorm.weight",
@@ -78,15 +93,33 @@ def _norm_offset(target_config: dict[str, Any]) -> float:
     return 1.0 if _model_type(target_config) in ZERO_CENTRED_NORM_MODEL_TYPES else 0.0
 
 
+def logit_scale(target_config: dict[str, Any]) -> float:
+    """What the target multiplies its logits by: Cohere's `logit_scale`, 1 / Granite's `logits_scaling`; 1 else."""
+    text = _text_config(target_config)
+    return float(text.get("logit_scale") or 1.0) / float(text.get("logits_scaling") or 1.0)
+
+
+def exact_target_refusal(target_config: dict[str, Any]) -> str | None:
+    """Why the target's log-probs cannot be computed as log_softmax(lm_head(rms_norm(h_L))) with the pieces in the
+    draft's convention (a logit soft-cap, a final LayerNorm), or None when they can."""
+    text = _text_config(target_config)
+    if text.get("final_logit_softcapping"):
+        return "soft-caps its logits (final_logit_softcapping)"
+    if _model_type(target_config) in LAYER_NORM_MODEL_TYPES:
+        return f"ends with a LayerNorm ({_model_type(target_config)}), not an RMS norm"
+    return None
+
+
 def pieces_in_draft_convention(
     pieces: dict[str, torch.Tensor], target_config: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
     """The target pieces (embed_tokens.weight [V, H], lm_head.weight [V, H], norm.weight [H]) with the final norm's
-    weight as the draft's RMS norm reads it; the same dict when the target's norms are Llama ones."""
-    offset = _norm_offset(target_config)
-    if not offset:
+    weight as the draft's RMS norm reads it and the target's logit scale folded in, so that lm_head(norm(h)) are
+    the target's logits; the same dict for a Llama-convention target."""
+    offset, scale = _norm_offset(target_config), logit_scale(target_config)
+    if not offset and scale == 1.0:
         return pieces
-    return {**pieces, "norm.weight": pieces["norm.weight"].float() + offset}
+    return {**pieces, "norm.weight": (pieces["norm.weight"].float() + offset) * scale}
 
 
 def layer_in_draft_convention(
@@ -107,6 +140,7 @@ def layer_in_draft_convention(
         for name in _LAYER_NORMS:
             if name in out:
                 out[name] = out[name].float() + offset
+    _fold_multipliers(out, text, head_dim)
     q = out.get("self_attn.q_proj.weight")
     if has_gated_attention(target_config) and q is not None and q.shape[0] == 2 * num_heads * head_dim:
         out["self_attn.q_proj.weight"] = q.view(num_heads, 2, head_dim, -1)[:, 0].reshape(
@@ -116,6 +150,21 @@ def layer_in_draft_convention(
         if bias is not None and bias.shape[0] == 2 * num_heads * head_dim:
             out["self_attn.q_proj.bias"] = bias.view(num_heads, 2, head_dim)[:, 0].reshape(-1)
     return out
+
+
+def _fold_multipliers(tensors: dict[str, torch.Tensor], text: dict[str, Any], head_dim: int) -> None:
+    """Granite's attention and residual multipliers folded into the layer's projections, in place (see the module
+    docstring); nothing for a target without them."""
+    scales = {}
+    if text.get("attention_multiplier") is not None:
+        scales["self_attn.q_proj"] = float(text["attention_multiplier"]) * head_dim**0.5
+    if text.get("residual_multiplier") is not None:
+        scales["self_attn.o_proj"] = scales["mlp.down_proj"] = float(text["residual_multiplier"])
+    for proj, scale in scales.items():
+        for kind in ("weight", "bias"):
+            name = f"{proj}.{kind}"
+            if name in tensors:
+                tensors[name] = tensors[name].float() * scale
 
 
 def split_fused_projections(

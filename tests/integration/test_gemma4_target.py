@@ -38,7 +38,7 @@ def test_a_gemma4_target_trains_from_random_weights_and_exports(tiny_gemma4: Pat
     ]
     refused = run_peagle(*train, "--output", str(tmp_path / "exact"), "--target", "exact", check=False)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
-    assert "without the soft cap this target puts on its logits (final_logit_softcapping)" in refused.stderr
+    assert "this target soft-caps its logits (final_logit_softcapping): use target=topk" in refused.stderr
     proc = run_peagle(*train, "--output", str(run))
     out = proc.stdout + proc.stderr
     assert "stores no target layer to start the draft from: random initialisation" in out

@@ -28,8 +28,9 @@ ALLOWED = {
     "config": {"errors", "core.settings"},  # the COD defaults and checks, defined once (torch-free)
     # what a target model folder holds, read without loading the model (TargetInfo and the layer rule from backends)
     "model_dir": {"errors", "cache.layout", "backends.base"},
-    # the cache contract's file names; the vLLM engine defaults (core.settings, torch-free, shared with config)
-    "backends": {"errors", "runtime", "cache.layout", "core.settings", "model_dir"},
+    # the cache contract's file names; the vLLM engine defaults (core.settings, torch-free, shared with config); the
+    # target's logit scale (core.target_convention, read by training too)
+    "backends": {"errors", "runtime", "cache.layout", "core.settings", "core.target_convention", "model_dir"},
     "cache": {"core", "runtime", "errors", "preemption"},
     "stages": {
         "__init__",

@@ -14,10 +14,9 @@ from peagle_pipeline.core import vocab
 from peagle_pipeline.core.draft_config import DraftConfig, has_qk_norm
 from peagle_pipeline.core.model import PEagleDraft
 from peagle_pipeline.core.seeds import mix_seed
-from peagle_pipeline.core.target_convention import has_gated_attention, mlp_activation
+from peagle_pipeline.core.target_convention import exact_target_refusal, has_gated_attention, mlp_activation
 from peagle_pipeline.core.target_init import init_from_target_layer
 from peagle_pipeline.errors import BadConfig
-from peagle_pipeline.model_dir import text_config
 from peagle_pipeline.stages.export.draft_spec import DRAFT_SPEC, DraftSpec
 
 __all__ = [
@@ -38,7 +37,8 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
 
     Raises:
         BadConfig: draft_vocab_size explicitly larger than the target vocabulary; exact target without last
-            hidden states in the cache, or for a target that soft-caps its logits.
+            hidden states in the cache, or for a target whose log-probs it cannot compute
+            (`core.target_convention.exact_target_refusal`: a soft-cap, a final LayerNorm).
     """
     meta = cache.meta
     size = _draft_vocab_size(cfg.draft_vocab_size, int(meta.vocab_size))
@@ -48,10 +48,11 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
     choice = choose_mask_token(cache, int(pieces["embed_tokens.weight"].shape[0]), cfg.mask_token_id)
     mask_id = choice.token_id
     target_config = cache.target_config()
-    if cfg.target == "exact" and text_config(target_config).get("final_logit_softcapping"):
+    refusal = exact_target_refusal(target_config) if cfg.target == "exact" else None
+    if refusal:
         raise BadConfig(
-            "target=exact computes the target's log-probs from the last hidden state without the soft cap this "
-            "target puts on its logits (final_logit_softcapping): use target=topk"
+            f"target=exact computes the target's log-probs as lm_head(rms_norm(last hidden state)), and this "
+            f"target {refusal}: use target=topk"
         )
     qk_norm = draft_qk_norm(cfg, target_config)
     dcfg = DraftConfig.from_target_config(
