@@ -282,13 +282,16 @@ def load_target_pieces_from_model(
     """
     p = _model_dir(model_path)
     files = _weight_files(p)
+    block = (read_config(p).get("quantization_config") or {}).get("weight_block_size")
     pieces: dict[str, Any] = {}
     for key, name in find_piece_names(p).items():
         source = name if name is not None else pieces["embed_tokens.weight"]
-        pieces[key] = _tensor(files, source) if isinstance(source, str) else source.clone()  # tied: a copy
+        pieces[key] = (
+            _weight(files, source, block) if isinstance(source, str) else source.clone()
+        )  # tied: a copy
     if init_layer is not None:
         for key, name in find_layer_names(files, init_layer).items():
-            pieces[LAYER_PIECE_PREFIX + key] = _tensor(files, name)
+            pieces[LAYER_PIECE_PREFIX + key] = _weight(files, name, block)
     return pieces
 
 
@@ -297,6 +300,35 @@ def _tensor(files: dict[str, Path], name: str) -> Any:
 
     with safe_open(str(files[name]), framework="pt") as sf:
         return sf.get_tensor(name).contiguous()
+
+
+def _weight(files: dict[str, Path], name: str, block: list[int] | None) -> Any:
+    """Tensor `name`, dequantised to bf16 when the checkpoint stores it in FP8 with its scale beside it: Qwen3's
+    and DeepSeek's FP8 checkpoints scale blocks (`weight_scale_inv` [ceil(O / b0), ceil(I / b1)], b =
+    quantization_config.weight_block_size), compressed-tensors' FP8 rows or the whole tensor (`weight_scale`
+    [O, 1] or [1]).
+
+    Raises:
+        BadInput: an FP8 tensor without either scale.
+    """
+    import torch
+
+    t = _tensor(files, name)
+    if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t
+    stem = name.removesuffix("weight")
+    if stem + "weight_scale_inv" in files and t.dim() == 2:
+        scale = _tensor(files, stem + "weight_scale_inv").float()
+        rows, cols = block or [-(-t.shape[0] // scale.shape[0]), -(-t.shape[1] // scale.shape[1])]
+        scale = scale.repeat_interleave(rows, 0)[: t.shape[0]].repeat_interleave(cols, 1)[:, : t.shape[1]]
+    elif stem + "weight_scale" in files:
+        scale = _tensor(files, stem + "weight_scale").float()
+        scale = scale.reshape(-1, *[1] * (t.dim() - 1)) if scale.numel() == t.shape[0] else scale.reshape(())
+    else:
+        raise BadInput(
+            f"target tensor {name} is stored in {t.dtype} without a weight_scale to dequantise it by"
+        )
+    return (t.float() * scale).to(torch.bfloat16)
 
 
 # A Llama-style decoder layer's tensors (Llama, Mistral, Qwen2/3, SmolLM): what a draft's fused layer can start

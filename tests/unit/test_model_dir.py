@@ -139,3 +139,51 @@ def test_pieces_with_the_target_layer_are_the_same_bytes_every_time(tiny_model, 
     assert pieces[layout.LAYER_INDEX_KEY].tolist() == [5]
     weights = load_file(str(tiny_model / "model.safetensors"))
     assert torch.equal(pieces["init_layer.mlp.up_proj.weight"], weights["model.layers.5.mlp.up_proj.weight"])
+
+
+def _fp8(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """w / scale in float8_e4m3fn, as an FP8 checkpoint stores it."""
+    return (w.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("kind", ["blocks", "rows"])
+def test_an_fp8_checkpoints_layer_is_read_dequantised(tiny_model, tmp_path, kind):
+    """Qwen3's and DeepSeek's FP8 checkpoints (blocks of 16 x 16 here, `weight_scale_inv`, the block size in
+    quantization_config) and compressed-tensors' (a scale per row, `weight_scale`): the layer the draft starts from
+    is read as the weights times their scales, within FP8's rounding (it was read as the raw FP8 values, up to 448).
+    An FP8 tensor without a scale is refused in one line."""
+    from peagle_pipeline.cache.layout import LAYER_PIECE_PREFIX
+    from peagle_pipeline.model_dir import load_target_pieces_from_model
+
+    model = shutil.copytree(tiny_model, tmp_path / "model")
+    weights = load_file(str(model / "model.safetensors"))
+    layer = "model.layers.5."
+    projections = [n for n in weights if n.startswith(layer) and n.endswith("proj.weight")]
+    assert len(projections) == 7
+    for name in projections:
+        w = weights[name].float()
+        if kind == "blocks":  # one scale per 16 x 16 block: its largest magnitude / 448
+            blocks = w.unflatten(0, (-1, 16)).unflatten(2, (-1, 16)).abs().amax((1, 3)) / 448
+            weights[name.removesuffix("weight") + "weight_scale_inv"] = blocks
+            full = blocks.repeat_interleave(16, 0).repeat_interleave(16, 1)
+        else:
+            full = w.abs().amax(1, keepdim=True) / 448
+            weights[name.removesuffix("weight") + "weight_scale"] = full
+        weights[name] = _fp8(w, full)
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    if kind == "blocks":
+        config = json.loads((model / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
+        (model / "config.json").write_text(json.dumps(config))
+    original = load_file(str(tiny_model / "model.safetensors"))
+    pieces = load_target_pieces_from_model(model, init_layer=5)
+    for name in projections:
+        got = pieces[LAYER_PIECE_PREFIX + name.removeprefix(layer)]
+        assert got.dtype == torch.bfloat16 and got.shape == original[name].shape
+        torch.testing.assert_close(got.float(), original[name].float(), rtol=0.07, atol=2e-3)
+    del weights[
+        projections[0].removesuffix("weight") + ("weight_scale_inv" if kind == "blocks" else "weight_scale")
+    ]
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(BadInput, match="is stored in torch.float8_e4m3fn without a weight_scale"):
+        load_target_pieces_from_model(model, init_layer=5)
