@@ -47,6 +47,7 @@ __all__ = [
     "LAYER_NORM_MODEL_TYPES",
     "exact_target_refusal",
     "has_gated_attention",
+    "has_rope",
     "logit_scale",
     "mlp_activation",
     "split_fused_projections",
@@ -81,6 +82,13 @@ def _model_type(target_config: dict[str, Any]) -> str | None:
 def has_gated_attention(target_config: dict[str, Any]) -> bool:
     """Whether the target's full-attention layers gate their output (Qwen3-Next, Qwen3.5)."""
     return _model_type(target_config) in GATED_ATTENTION_MODEL_TYPES
+
+
+def has_rope(target_config: dict[str, Any], layer: int) -> bool:
+    """Whether the target's decoder layer `layer` rotates its queries and keys: not the layers that Llama 4's and
+    SmolLM3's `no_rope_layers` mark 0 (every fourth)."""
+    flags = _text_config(target_config).get("no_rope_layers")
+    return not (isinstance(flags, list) and 0 <= layer < len(flags) and not flags[layer])
 
 
 def mlp_activation(target_config: dict[str, Any]) -> str:

@@ -65,6 +65,7 @@ def test_the_draft_starts_from_the_last_layers_attention_and_exports_a_llama_lay
     out = (run / "output.txt").read_text()
     assert "held-out: loss" in out
     assert "starts from target layer 3's attention (its MLP is a mixture of experts" in out
+    assert "a layer without RoPE (the draft's attention rotates)" in out  # Llama 4's every fourth layer
     layer = json.loads((run / "export" / "config.json").read_text())["transformer_layer_config"]
     assert layer["model_type"] == "llama" and layer["hidden_size"] == 64
     assert layer["rope_parameters"] == {"rope_type": "default", "rope_theta": 500000.0}

@@ -14,7 +14,12 @@ from peagle_pipeline.core import vocab
 from peagle_pipeline.core.draft_config import DraftConfig, has_qk_norm
 from peagle_pipeline.core.model import PEagleDraft
 from peagle_pipeline.core.seeds import mix_seed
-from peagle_pipeline.core.target_convention import exact_target_refusal, has_gated_attention, mlp_activation
+from peagle_pipeline.core.target_convention import (
+    exact_target_refusal,
+    has_gated_attention,
+    has_rope,
+    mlp_activation,
+)
 from peagle_pipeline.core.target_init import init_from_target_layer
 from peagle_pipeline.errors import BadConfig
 from peagle_pipeline.stages.export.draft_spec import DRAFT_SPEC, DraftSpec
@@ -130,7 +135,8 @@ def start_from_target(model: PEagleDraft, cache: Any) -> None:
     if stored is None:
         log.warning(
             "cache %s stores no target layer to start the draft from: random initialisation (a target whose layers "
-            "are not Llama ones, as Gemma's; or a cache written before the layer was stored: re-extract it)",
+            "are not Llama ones, as Gemma's, or are quantised to integers, as AWQ's and GPTQ's; or a cache written "
+            "before the layer was stored: re-extract it)",
             cache.path,
         )
         return
@@ -154,11 +160,12 @@ def start_from_target(model: PEagleDraft, cache: Any) -> None:
     dropped = "; the target's q_norm/k_norm are not carried over" if norms and not model.cfg.qk_norm else ""
     gate = has_gated_attention(target_config)
     log.info(
-        "draft layer 0 starts from target layer %d%s%s%s; fc passes the last aux state through%s",
+        "draft layer 0 starts from target layer %d%s%s%s%s; fc passes the last aux state through%s",
         index,
         part if attention_only else "",
         with_norms,
         ", without its attention's output gate (the draft's attention has none)" if gate else "",
+        "" if has_rope(target_config, index) else ", a layer without RoPE (the draft's attention rotates)",
         dropped,
     )
 
