@@ -70,7 +70,7 @@ def decoder_stack(model: Any) -> Any:
     """The module holding the decoder `layers` and final `norm`: the base model, or the language model of a
     vision-language one (`model.language_model`). Llama 4's text model names its checkpoint prefix
     (`language_model`) as its base but holds it as `model`."""
-    base = getattr(model, model.base_model_prefix, None) or model.model
+    base = getattr(model, model.base_model_prefix, None) or getattr(model, "model", model)
     inner = getattr(base, "language_model", None)
     return inner if inner is not None and getattr(base, "layers", None) is None else base
 
