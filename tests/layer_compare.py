@@ -1,5 +1,6 @@
 """The comparison behind the "a started draft is the target's layer" tests: the draft's output on the last aux
-state against a transformers decoder layer run on that state with the same positions, causally."""
+state against a transformers decoder layer run on that state with the same positions, causally; and the random
+transformers layer of a target config at the tiny draft's sizes that they compare with."""
 
 from __future__ import annotations
 
@@ -30,3 +31,20 @@ def draft_and_target_layer(
         out = layer(h, position_embeddings=rotary(h, pos[None]), attention_mask=causal)
         out = out[0] if isinstance(out, tuple) else out
         return ours, model.norm(out[0])
+
+
+def random_decoder_layer(config_class: Any, layer_class: Any, **config: Any) -> tuple[Any, Any]:
+    """(a transformers decoder layer of `layer_class` with random weights, norms near 1, and its config): one layer
+    at `bench.reference_step.tiny_target_config`'s sizes, eager attention, `config` on top."""
+    from bench.reference_step import tiny_target_config
+
+    base = tiny_target_config()
+    sizes = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
+    cfg = config_class(**{k: base[k] for k in sizes}, num_hidden_layers=1, rms_norm_eps=1e-6, **config)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    layer = layer_class(cfg, layer_idx=0).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    return layer, cfg

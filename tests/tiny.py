@@ -84,6 +84,15 @@ TINY_TEXT = dict(
 )
 
 
+def _special_ids(tokenizer) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """The bos, eos and pad ids of `tokenizer` as config arguments."""
+    return dict(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
 def _set_weights(model, matrices: float | None = 0.08, norms=None, biases: float | None = None) -> None:  # type: ignore[no-untyped-def]
     """Weights away from transformers' small defaults, so that the layers matter: matrices ~ N(0, `matrices`),
     norm weights ~ U(`norms`), projection biases ~ N(0, `biases`); each left as it is when None."""
@@ -270,9 +279,7 @@ def build_tiny_gemma3(out_dir: str | Path, seed: int = 0, multimodal: bool = Fal
     tokenizer = build_tokenizer(out, "chatml")
     text = dict(**TINY_TEXT, sliding_window=16, final_logit_softcapping=None)
     ids = dict(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **_special_ids(tokenizer),
         tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
@@ -314,9 +321,7 @@ def build_tiny_gemma4(out_dir: str | Path, seed: int = 0) -> Path:
         hidden_size_per_layer_input=16,
         final_logit_softcapping=30.0,
         tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **_special_ids(tokenizer),
     )
     torch.manual_seed(seed)
     Gemma4ForCausalLM(config).to(torch.float32).save_pretrained(str(out))
@@ -331,12 +336,7 @@ def build_tiny_causal_lm(out_dir: str | Path, model_type: str, seed: int = 0, **
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out, "chatml")
-    ids = dict(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    ids = _special_ids(build_tokenizer(out, "chatml"))
     cfg = AutoConfig.for_model(model_type, **{**TINY_TEXT, "tie_word_embeddings": False, **ids, **config})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
@@ -350,35 +350,18 @@ def build_tiny_phi3(out_dir: str | Path, seed: int = 0) -> Path:
     over three quarters of each head, from an original context of 32 positions x 8, whose short and long factor
     lists are equal (transformers picks a list by the sequence's length, vLLM by the server's context: equal lists
     make them run one target); chatml tokenizer; return the path."""
-    import torch
-    from transformers import Phi3Config, Phi3ForCausalLM
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out, "chatml")
     pairs = int(TINY_TEXT["head_dim"] * 0.75) // 2
     factors = [1.0 + 0.4 * i for i in range(pairs)]
-    config = Phi3Config(
-        **{**TINY_TEXT, "max_position_embeddings": 256},
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    return build_tiny_causal_lm(
+        out_dir,
+        "phi3",
+        seed,
+        max_position_embeddings=256,
         partial_rotary_factor=0.75,
         original_max_position_embeddings=32,
-        rope_parameters={
-            "rope_type": "longrope",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.75,
-            "short_factor": factors,
-            "long_factor": factors,
-        },
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        rope_parameters={**rope, "short_factor": factors, "long_factor": factors},
     )
-    torch.manual_seed(seed)
-    model = Phi3ForCausalLM(config)
-    _set_weights(model)
-    model.to(torch.float32).save_pretrained(str(out))
-    return out
 
 
 def build_tiny_llama4(out_dir: str | Path, seed: int = 0, multimodal: bool = False) -> Path:
@@ -398,7 +381,6 @@ def build_tiny_llama4(out_dir: str | Path, seed: int = 0, multimodal: bool = Fal
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out, "chatml")
     text = Llama4TextConfig(
         **TINY_TEXT,
         intermediate_size_mlp=TINY_TEXT["intermediate_size"],
@@ -407,9 +389,7 @@ def build_tiny_llama4(out_dir: str | Path, seed: int = 0, multimodal: bool = Fal
         interleave_moe_layer_step=1,
         attention_chunk_size=128,
         tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **_special_ids(build_tokenizer(out, "chatml")),
     )
     torch.manual_seed(seed)
     if multimodal:
@@ -463,9 +443,7 @@ def build_tiny_gpt_oss(
         rope_parameters={**yarn, "rope_theta": 150000.0, "original_max_position_embeddings": 32},
         max_position_embeddings=256,
         tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **_special_ids(tokenizer),
     )
     torch.manual_seed(seed)
     GptOssForCausalLM(config).to(torch.float32).save_pretrained(str(out))
@@ -502,9 +480,7 @@ def build_tiny_model(
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **_special_ids(tokenizer),
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

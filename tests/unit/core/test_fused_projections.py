@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layer_compare import draft_and_target_layer
+from layer_compare import draft_and_target_layer, random_decoder_layer
 
 from bench.reference_step import tiny_target_config
 from peagle_pipeline.core.draft_config import DraftConfig
@@ -42,20 +42,12 @@ def test_a_draft_started_from_a_fused_layer_is_that_layer(rope: str):
         original_max_position_embeddings=4096,
         max_position_embeddings=131072,
     )
-    config = Phi3Config(
-        **{k: base[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")},
-        num_key_value_heads=base["num_key_value_heads"],
-        num_hidden_layers=1,
-        rms_norm_eps=1e-6,
+    layer, config = random_decoder_layer(
+        Phi3Config,
+        Phi3DecoderLayer,
         **(longrope if rope == "longrope" else {"max_position_embeddings": 4096}),
     )
-    config._attn_implementation = "eager"
     target, H = config.to_dict(), config.hidden_size
-    torch.manual_seed(0)
-    layer = Phi3DecoderLayer(config, layer_idx=0).eval()
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))  # norms near 1
     tensors = split_fused_projections(dict(layer.state_dict()), target)
     assert "self_attn.qkv_proj.weight" not in tensors and "mlp.gate_up_proj.weight" not in tensors
     D = H // config.num_attention_heads

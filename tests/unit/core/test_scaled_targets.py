@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layer_compare import draft_and_target_layer
+from layer_compare import draft_and_target_layer, random_decoder_layer
 
-from bench.reference_step import tiny_target_config
 from peagle_pipeline.core.draft_config import DraftConfig
 from peagle_pipeline.core.model import PEagleDraft
 from peagle_pipeline.core.target_convention import (
@@ -35,21 +34,8 @@ def test_a_draft_started_from_a_granite_layer_is_that_layer():
     from transformers import GraniteConfig
     from transformers.models.granite.modeling_granite import GraniteDecoderLayer, GraniteRotaryEmbedding
 
-    base = tiny_target_config()
-    config = GraniteConfig(
-        **{k: base[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")},
-        num_key_value_heads=base["num_key_value_heads"],
-        num_hidden_layers=1,
-        rms_norm_eps=1e-6,
-        **GRANITE,
-    )
-    config._attn_implementation = "eager"
+    layer, config = random_decoder_layer(GraniteConfig, GraniteDecoderLayer, **GRANITE)
     target, H = config.to_dict(), config.hidden_size
-    torch.manual_seed(0)
-    layer = GraniteDecoderLayer(config, layer_idx=0).eval()
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))  # norms near 1
     cfg = DraftConfig.from_target_config(target, 1, 3, config.vocab_size, 500)
     rotary = GraniteRotaryEmbedding(config)
 
