@@ -360,12 +360,11 @@ _LAYER_OPTIONAL = (
 def find_layer_names(files: dict[str, Path], layer: int) -> dict[str, str]:
     """{name: checkpoint name} of decoder layer `layer`'s ATTENTION_TENSORS, its MLP_TENSORS when it has all three,
     and its present biases and q/k norms; {} when the checkpoint lacks any of ATTENTION_TENSORS under one of the
-    known prefixes, or the layer has norms after its attention and MLP as well as before them (Gemma): another
-    architecture, no copy."""
+    known prefixes, or the layer has other norms than Llama's (`_has_other_norms`): another architecture, no copy."""
     for prefix in _PREFIXES:
         base = f"{prefix}layers.{layer}."
-        if base + "pre_feedforward_layernorm.weight" in files:  # Gemma's norms around attention and MLP
-            return {}  # its post_attention_layernorm scales the attention's output, not the MLP's input
+        if _has_other_norms(files, base):
+            return {}
         for attention, mlp in (
             (ATTENTION_TENSORS, MLP_TENSORS),
             (FUSED_ATTENTION_TENSORS, FUSED_MLP_TENSORS),
@@ -374,6 +373,29 @@ def find_layer_names(files: dict[str, Path], layer: int) -> dict[str, str]:
                 mlp = mlp if all(base + t in files for t in mlp) else ()
                 return {t: base + t for t in (*attention, *mlp, *_LAYER_OPTIONAL) if base + t in files}
     return {}
+
+
+# The norms of a Llama-style layer (Qwen3's per-head q/k norms included), all RMS norms without a bias.
+_LLAMA_NORMS = frozenset(
+    {
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+    }
+)
+
+
+def _has_other_norms(files: dict[str, Path], base: str) -> bool:
+    """Whether the layer under `base` has a norm a Llama layer does not: norms after the attention and the MLP as well
+    as before them (Gemma's `pre_feedforward_layernorm`, GLM-4's `post_self_attn_layernorm`), or LayerNorms with a
+    bias (StableLM, StarCoder2, Phi-MoE, Nemotron)."""
+    for name in files:
+        if name.startswith(base):
+            own = name[len(base) :]
+            if own.endswith("norm.bias") or (own.endswith("norm.weight") and own not in _LLAMA_NORMS):
+                return True
+    return False
 
 
 def target_files(model_path: str | os.PathLike[str]) -> list[Path]:

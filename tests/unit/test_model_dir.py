@@ -187,3 +187,19 @@ def test_an_fp8_checkpoints_layer_is_read_dequantised(tiny_model, tmp_path, kind
     save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(BadInput, match="is stored in torch.float8_e4m3fn without a weight_scale"):
         load_target_pieces_from_model(model, init_layer=5)
+
+
+@pytest.mark.parametrize("model_type", ["glm4", "stablelm"])
+def test_a_layer_with_other_norms_than_llamas_is_not_stored(tmp_path, model_type):
+    """GLM-4 normalises its attention's and MLP's outputs as well (`post_self_attn_layernorm`), StableLM's norms are
+    LayerNorms with a bias: neither layer is a Llama one, so none is stored to start the draft from (both were
+    stored, and the draft started near the layer, not from it)."""
+    from tiny import build_tiny_causal_lm
+
+    from peagle_pipeline.cache.layout import LAYER_PIECE_PREFIX
+    from peagle_pipeline.model_dir import load_target_pieces_from_model
+
+    model = build_tiny_causal_lm(tmp_path / model_type, model_type)
+    pieces = load_target_pieces_from_model(model, init_layer=3)
+    assert set(pieces) == {"embed_tokens.weight", "lm_head.weight", "norm.weight"}
+    assert not any(k.startswith(LAYER_PIECE_PREFIX) for k in pieces)
