@@ -18,6 +18,7 @@ sys.path.insert(0, str(TESTS_DIR))
 
 from tiny import (  # noqa: E402
     add_stop_bias,
+    build_tiny_causal_lm,
     build_tiny_gemma4,
     build_tiny_gpt_oss,
     build_tiny_llama4,
@@ -116,6 +117,16 @@ def tiny_gpt_oss(tmp_path_factory) -> Path:
     """A tiny random GptOssForCausalLM (mixture of experts, attention biases and sinks, YaRN RoPE as gpt-oss sets
     it), fp32, with the chatml tokenizer."""
     return build_tiny_gpt_oss(tmp_path_factory.mktemp("tiny-gpt-oss"))
+
+
+@pytest.fixture(scope="session")
+def tiny_granite(tmp_path_factory) -> Path:
+    """A tiny random GraniteForCausalLM with Granite 3's kind of multipliers (embeddings x 12, attention scores x
+    0.05, residual branches x 0.22, logits / 16), fp32, with the chatml tokenizer."""
+    multipliers = dict(
+        embedding_multiplier=12.0, attention_multiplier=0.05, residual_multiplier=0.22, logits_scaling=16.0
+    )
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny-granite"), "granite", **multipliers)
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@
 argmax of `PEagleDraft.forward_layout` at the same anchor and depth (the forward `train` optimises): they must be
 equal at every depth, for a 4-layer draft of the real SmolLM2, a 2-layer draft of a Qwen3 (QK-norm) target, and
 1-layer drafts of a Qwen3-MoE target, of targets with YaRN RoPE (a Qwen3 with its long-context setting, a
-gpt-oss), with LongRoPE (a Phi-3), with partial rotary (Qwen3-Next's and Qwen3.5's), of a Gemma 4 and of a Llama 4. The acceptance that the walk over the replies
+gpt-oss), with LongRoPE (a Phi-3), with partial rotary (Qwen3-Next's and Qwen3.5's), of a Gemma 4, a Llama 4 and a Granite. The acceptance that the walk over the replies
 implies must equal vLLM's own counters (but for the tokens a step accepted past `max_tokens`, which the reply does
 not show), so the recorded proposals are the ones vLLM verified; and `core.loss.acceptance_walk`, which the
 trainer reports as `acceptance_walk`, must count the same steps and accepted tokens from our proposals.
@@ -144,6 +144,14 @@ def test_draft_of_a_llama4_target(tiny_llama4: Path, tmp_path: Path) -> None:
     export = make_random_draft(tiny_llama4, tmp_path / "draft", [1, 2, 3], depths=K, draft_vocab_size=300)
     _sharpen(export, 3.0)
     _check(tiny_llama4, export)
+
+
+def test_draft_of_a_granite_target(tiny_granite: Path, tmp_path: Path) -> None:
+    """A Granite target (embedding, attention, residual and logit multipliers): the target's aux states that vLLM
+    hands its draft are the ones transformers gives, and the draft drafts there what it computes here."""
+    export = make_random_draft(tiny_granite, tmp_path / "draft", [1, 2, 3], depths=K, draft_vocab_size=300)
+    _sharpen(export, 3.0)
+    _check(tiny_granite, export)
 
 
 def test_draft_of_a_qwen3_moe_target(tiny_qwen3_moe: Path, tmp_path: Path) -> None:
