@@ -12,6 +12,7 @@ per model type; the errors name the failing command. Minutes for the default lis
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -125,7 +126,7 @@ def _errors(model: Path, cache: Path) -> tuple[float, float]:
 def scan(model_type: str, work: Path) -> str:
     from tiny import build_tiny_causal_lm, write_conversations
 
-    subprocess.run(["rm", "-rf", str(work)], check=True)
+    shutil.rmtree(work, ignore_errors=True)
     try:
         model = build_tiny_causal_lm(work / "model", model_type, **EXTRA.get(model_type, {}))
     except Exception as err:  # a config this scan cannot build: say so and go on
@@ -133,20 +134,8 @@ def scan(model_type: str, work: Path) -> str:
     data = write_conversations(work / "conv.jsonl", 12)
     cache = work / "cache"
     extract = _cli(
-        "extract",
-        "--model",
-        str(model),
-        "--data",
-        str(data),
-        "--output",
-        str(cache),
-        "--dtype",
-        "fp32",
-        "--max-length",
-        "128",
-        "--layers",
-        "0,1,2",
-        "--last-hidden",
+        *["extract", "--model", str(model), "--data", str(data), "--output", str(cache), "--last-hidden"],
+        *["--dtype", "fp32", "--max-length", "128", "--layers", "0,1,2"],
     )
     if extract.returncode:
         return f"{model_type}: extract exit {extract.returncode}: {_last_line(extract)}"

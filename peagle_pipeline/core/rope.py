@@ -158,7 +158,7 @@ def _yarn(spec: RopeSpec, params: dict[str, Any], cfg: dict[str, Any]) -> RopeSp
     """YaRN's settings (spec has the common ones): transformers' factor (max / original positions unless set) and
     attention factor (the config's, else from mscale and mscale_all_dim when both are set, else from the factor)."""
     original = spec.original_max_position_embeddings
-    factor = float(params.get("factor") or int(cfg.get("max_position_embeddings", original)) / original)
+    factor = _context_factor(params, cfg, original)
     attention = params.get("attention_factor")
     if attention is None:
         mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
@@ -194,7 +194,7 @@ def _longrope(spec: RopeSpec, params: dict[str, Any], cfg: dict[str, Any]) -> Ro
             f"target longrope RoPE has {len(short)} short and {len(long)} long factors, not one per turning pair ({pairs})"
         )
     original = spec.original_max_position_embeddings
-    factor = float(params.get("factor") or int(cfg.get("max_position_embeddings", original)) / original)
+    factor = _context_factor(params, cfg, original)
     attention = params.get("short_mscale") or params.get("attention_factor")
     return replace(
         spec,
@@ -202,6 +202,11 @@ def _longrope(spec: RopeSpec, params: dict[str, Any], cfg: dict[str, Any]) -> Ro
         pair_factors=tuple(float(f) for f in short),
         attention_factor=float(attention) if attention else _longrope_mscale(factor, original),
     )
+
+
+def _context_factor(params: dict[str, Any], cfg: dict[str, Any], original: int) -> float:
+    """yarn's and longrope's `factor`: the config's, else max / original positions (as transformers derives it)."""
+    return float(params.get("factor") or int(cfg.get("max_position_embeddings", original)) / original)
 
 
 def _longrope_mscale(factor: float, original: int) -> float:
