@@ -259,7 +259,7 @@ def find_piece_names(model_path: str | os.PathLike[str]) -> dict[str, str | None
     names = _weight_files(p)
     embed = _pick(names, _EMBED_NAMES)
     norm = _pick(names, _NORM_NAMES)
-    head = next((n for n in _HEAD_NAMES if n in names), None)
+    head = next((n for n in _HEAD_NAMES if _stored(names, n)), None)
     tied = bool(text_config(config).get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     if embed is None:
         raise BadInput(f"target model {p}: no embedding tensor (embed_tokens.weight) in its safetensors")
@@ -282,16 +282,25 @@ def load_target_pieces_from_model(
     """
     p = _model_dir(model_path)
     files = _weight_files(p)
-    block = (read_config(p).get("quantization_config") or {}).get("weight_block_size")
+    quant = read_config(p).get("quantization_config") or {}
     pieces: dict[str, Any] = {}
     for key, name in find_piece_names(p).items():
         source = name if name is not None else pieces["embed_tokens.weight"]
-        pieces[key] = (
-            _weight(files, source, block) if isinstance(source, str) else source.clone()
-        )  # tied: a copy
+        try:
+            pieces[key] = (
+                _weight(files, source, quant) if isinstance(source, str) else source.clone()
+            )  # tied: a copy
+        except _UnreadableWeight as err:
+            raise BadInput(f"target model {p}: {err}") from None
     if init_layer is not None:
-        for key, name in find_layer_names(files, init_layer).items():
-            pieces[LAYER_PIECE_PREFIX + key] = _weight(files, name, block)
+        try:
+            layer = {
+                LAYER_PIECE_PREFIX + k: _weight(files, n, quant)
+                for k, n in find_layer_names(files, init_layer).items()
+            }
+        except _UnreadableWeight:
+            layer = {}  # no layer stored: train starts the draft at random and says so
+        pieces.update(layer)
     return pieces
 
 
@@ -302,33 +311,88 @@ def _tensor(files: dict[str, Path], name: str) -> Any:
         return sf.get_tensor(name).contiguous()
 
 
-def _weight(files: dict[str, Path], name: str, block: list[int] | None) -> Any:
-    """Tensor `name`, dequantised to bf16 when the checkpoint stores it in FP8 with its scale beside it: Qwen3's
-    and DeepSeek's FP8 checkpoints scale blocks (`weight_scale_inv` [ceil(O / b0), ceil(I / b1)], b =
-    quantization_config.weight_block_size), compressed-tensors' FP8 rows or the whole tensor (`weight_scale`
-    [O, 1] or [1]).
+def _stored(files: dict[str, Path], name: str) -> bool:
+    """Whether the checkpoint holds weight `name`, dense or in one of the integer forms that replace it (AWQ's and
+    GPTQ's `qweight`, compressed-tensors' `weight_packed`)."""
+    stem = name.removesuffix("weight")
+    return name in files or (name.endswith("weight") and any(stem + q in files for q in _INTEGER_FORMS))
+
+
+_INTEGER_FORMS = ("qweight", "weight_packed")
+
+
+class _UnreadableWeight(Exception):
+    """A weight stored in an integer form this package does not read (its layer is not stored: the draft starts
+    at random)."""
+
+
+def _weight(files: dict[str, Path], name: str, quant: dict[str, Any]) -> Any:
+    """Weight `name` as a dense tensor: as stored, or dequantised (`core.quantized_weights`) when the checkpoint
+    stores it in FP8 with its scale beside it or in an integer form in its place. `quant`: config.json's
+    quantization_config ({} for none).
 
     Raises:
         BadInput: an FP8 tensor without either scale.
+        _UnreadableWeight: an integer form of an unknown method or packing.
     """
     import torch
 
+    from peagle_pipeline.core import quantized_weights as qw
+
+    stem = name.removesuffix("weight")
+    if name not in files:
+        return _integer_weight(files, stem, quant)
     t = _tensor(files, name)
     if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         return t
-    stem = name.removesuffix("weight")
-    if stem + "weight_scale_inv" in files and t.dim() == 2:
-        scale = _tensor(files, stem + "weight_scale_inv").float()
-        rows, cols = block or [-(-t.shape[0] // scale.shape[0]), -(-t.shape[1] // scale.shape[1])]
-        scale = scale.repeat_interleave(rows, 0)[: t.shape[0]].repeat_interleave(cols, 1)[:, : t.shape[1]]
-    elif stem + "weight_scale" in files:
-        scale = _tensor(files, stem + "weight_scale").float()
-        scale = scale.reshape(-1, *[1] * (t.dim() - 1)) if scale.numel() == t.shape[0] else scale.reshape(())
-    else:
-        raise BadInput(
-            f"target tensor {name} is stored in {t.dtype} without a weight_scale to dequantise it by"
-        )
-    return (t.float() * scale).to(torch.bfloat16)
+    if stem + "weight_scale_inv" in files:
+        return qw.fp8_weight(t, _tensor(files, stem + "weight_scale_inv"), quant.get("weight_block_size"))
+    if stem + "weight_scale" in files:
+        return qw.fp8_weight(t, _tensor(files, stem + "weight_scale"))
+    raise BadInput(f"target tensor {name} is stored in {t.dtype} without a weight_scale to dequantise it by")
+
+
+def _integer_weight(files: dict[str, Path], stem: str, quant: dict[str, Any]) -> Any:
+    """The dense [O, I] weight of the linear `stem` stored as AWQ (GEMM), GPTQ or compressed-tensors'
+    pack-quantized tensors (`core.quantized_weights`)."""
+    from peagle_pipeline.core import quantized_weights as qw
+
+    t = {k: _tensor(files, stem + k) for k in _INTEGER_TENSORS if stem + k in files}
+    method = str(quant.get("quant_method", "")).lower()
+    groups = [g.get("weights") or {} for g in (quant.get("config_groups") or {}).values()]
+    widths = {g["num_bits"] for g in groups if "num_bits" in g}  # compressed-tensors names it per group
+    bits = quant.get("bits") or quant.get("w_bit") or (widths.pop() if len(widths) == 1 else None)
+    try:
+        if {"qweight", "qzeros", "scales"} <= t.keys():
+            if method == "awq" and str(quant.get("version", "gemm")).lower() == "gemm":
+                return qw.awq_weight(t["qweight"], t["qzeros"], t["scales"], bits)
+            if method == "gptq":
+                offset = 0 if quant.get("checkpoint_format") == "gptq_v2" else 1
+                return qw.gptq_weight(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), offset, bits)
+        elif {"weight_packed", "weight_scale", "weight_shape"} <= t.keys():
+            zero, shape = t.get("weight_zero_point"), t["weight_shape"].tolist()
+            return qw.packed_weight(
+                t["weight_packed"], t["weight_scale"], zero, shape, t.get("weight_g_idx"), bits
+            )
+    except ValueError as err:  # a packing other than 2, 4 or 8 bits
+        raise _UnreadableWeight(f"{stem}weight: {err}") from None
+    raise _UnreadableWeight(
+        f"{stem}weight is stored quantised ({method or 'no quant_method'}) in a form not read here"
+    )
+
+
+# The tensors of a linear layer stored in an integer form: AWQ's and GPTQ's, then compressed-tensors'.
+_INTEGER_TENSORS = (
+    "qweight",
+    "qzeros",
+    "scales",
+    "g_idx",
+    "weight_packed",
+    "weight_scale",
+    "weight_zero_point",
+    "weight_shape",
+    "weight_g_idx",
+)
 
 
 # A Llama-style decoder layer's tensors (Llama, Mistral, Qwen2/3, SmolLM): what a draft's fused layer can start
@@ -369,9 +433,13 @@ def find_layer_names(files: dict[str, Path], layer: int) -> dict[str, str]:
             (ATTENTION_TENSORS, MLP_TENSORS),
             (FUSED_ATTENTION_TENSORS, FUSED_MLP_TENSORS),
         ):
-            if all(base + t in files for t in attention):
-                mlp = mlp if all(base + t in files for t in mlp) else ()
-                return {t: base + t for t in (*attention, *mlp, *_LAYER_OPTIONAL) if base + t in files}
+            if all(_stored(files, base + t) for t in attention):
+                found = (
+                    *attention,
+                    *(mlp if all(_stored(files, base + t) for t in mlp) else ()),
+                    *_LAYER_OPTIONAL,
+                )
+                return {t: base + t for t in found if _stored(files, base + t)}
     return {}
 
 

@@ -26,8 +26,9 @@ ALLOWED = {
     "data": {"errors", "runtime", "core.settings"},
     "preemption": {"errors"},  # SIGTERM/SIGINT handling, shared by the stages and the cache writer's commit
     "config": {"errors", "core.settings"},  # the COD defaults and checks, defined once (torch-free)
-    # what a target model folder holds, read without loading the model (TargetInfo and the layer rule from backends)
-    "model_dir": {"errors", "cache.layout", "backends.base"},
+    # what a target model folder holds, read without loading the model (TargetInfo and the layer rule from backends;
+    # quantised weights made dense by core.quantized_weights)
+    "model_dir": {"errors", "cache.layout", "backends.base", "core.quantized_weights"},
     # the cache contract's file names; the vLLM engine defaults (core.settings, torch-free, shared with config); the
     # target's logit scale (core.target_convention, read by training too)
     "backends": {"errors", "runtime", "cache.layout", "core.settings", "core.target_convention", "model_dir"},

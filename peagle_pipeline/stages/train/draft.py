@@ -135,8 +135,8 @@ def start_from_target(model: PEagleDraft, cache: Any) -> None:
     if stored is None:
         log.warning(
             "cache %s stores no target layer to start the draft from: random initialisation (a target whose layers "
-            "are not Llama ones, as Gemma's, GLM-4's or those with LayerNorms, or are quantised to integers, as AWQ's "
-            "and GPTQ's; or a cache written before the layer was stored: re-extract it)",
+            "are not Llama ones, as Gemma's, GLM-4's or those with LayerNorms, or are quantised in a form not read here "
+            "(AWQ's GEMV layout, 3-bit packings); or a cache written before the layer was stored: re-extract it)",
             cache.path,
         )
         return
