@@ -47,7 +47,7 @@ def load_causal_lm(model_dir: str, dtype: torch.dtype) -> Any:
     axis: plain RoPE).
 
     Raises:
-        BadInput: the model cannot be loaded (one line naming the cause).
+        BadInput: the model cannot be loaded (one line naming the cause), a quantised one's package missing included.
     """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -64,6 +64,11 @@ def load_causal_lm(model_dir: str, dtype: torch.dtype) -> Any:
             return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype)
     except (OSError, ValueError) as err:
         raise BadInput(f"cannot load target model {model_dir}: {str(err).splitlines()[0]}") from None
+    except ImportError as err:  # a quantised checkpoint whose transformers integration needs another package
+        raise BadInput(
+            f"cannot load target model {model_dir} in transformers: {str(err).splitlines()[0]} "
+            "(or use --backend vllm, which reads quantised checkpoints itself)"
+        ) from None
 
 
 def decoder_stack(model: Any) -> Any:

@@ -206,6 +206,14 @@ def setup_model_garbage_tokenizer(ph: dict[str, str], fx: dict[str, Path]) -> No
     ph["model"] = str(model)
 
 
+def setup_model_awq_config(ph: dict[str, str], fx: dict[str, Path]) -> None:
+    model = _model_copy(fx["model"], Path(ph["tmp"]) / "model")
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"}
+    (model / "config.json").write_text(json.dumps(config))
+    ph["model"] = str(model)
+
+
 SETUPS = {
     "cache": setup_cache,
     "cache_old_format": setup_cache_old_format,
@@ -222,6 +230,7 @@ SETUPS = {
     "model_garbage_config": setup_model_garbage_config,
     "model_no_template": setup_model_no_template,
     "model_garbage_tokenizer": setup_model_garbage_tokenizer,
+    "model_awq_config": setup_model_awq_config,
 }
 
 
