@@ -12,11 +12,13 @@ Never writes the cache (the runner does) and never imports vLLM at module import
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -195,8 +197,25 @@ def _start_llm(
     try:
         return LLM(**args)
     except (ValueError, TypeError, OSError, RuntimeError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise BadInput(f"vLLM could not start {settings.model}: {first} (vLLM's log: {log_file})") from err
+        raise BadInput(
+            f"vLLM could not start {settings.model}: {_reason(err)} (vLLM's log: {log_file})"
+        ) from err
+
+
+def _reason(err: Exception) -> str:
+    """The line of `err` that says what is wrong: its first, or for a config validation error (pydantic's "1 validation
+    error for VllmConfig", then the reason) the reason, without pydantic's "Value error, " and "[type=...]".
+
+    E.g. "torch.float32 is not supported for quantization method awq. Supported dtypes: [torch.float16, ...]".
+    """
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    if " validation error" in lines[0]:
+        reasons = [line for line in lines[1:] if "[type=" in line]
+        if reasons:
+            return reasons[0].split(" [type=")[0].removeprefix("Value error, ")
+    return lines[0]
 
 
 def _has_linear_attention(model: str) -> bool:
@@ -216,6 +235,39 @@ def shutdown_llm(llm: LLM | None) -> None:
     if core is not None and hasattr(core, "shutdown"):
         with quiet():
             core.shutdown()
+
+
+@contextlib.contextmanager
+def engine_call(llm: LLM) -> Iterator[None]:
+    """Around a call into `llm`: vLLM's output to its log (`quiet`), and a call that cannot wait forever on a dead
+    engine. vLLM 0.32's multiprocess client can: when its monitor thread sees the engine process gone first, it
+    marks the engine dead and shuts the client down, and the thread that feeds the outputs queue then exits without
+    queueing an error (its async client does queue EngineDeadError), so the caller waits on the queue for good
+    (seen with the engine process killed at the first batch). A watchdog queues that error once the engine is marked
+    dead; `quiet` turns it into one line. An in-process engine has no such queue: nothing to watch.
+    """
+    core = getattr(llm.llm_engine, "engine_core", None)
+    resources, outputs = getattr(core, "resources", None), getattr(core, "outputs_queue", None)
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.5):
+            if getattr(resources, "engine_dead", False):
+                from vllm.v1.engine.exceptions import EngineDeadError
+
+                outputs.put_nowait(EngineDeadError())  # type: ignore[union-attr]
+                return
+
+    watchdog = threading.Thread(target=watch, daemon=True, name="peagle-engine-watch")
+    if resources is not None and outputs is not None:
+        watchdog.start()
+    try:
+        with quiet():
+            yield
+    finally:
+        done.set()
+        if watchdog.is_alive():
+            watchdog.join()
 
 
 def parse_topk(flat: Any, k: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -337,7 +389,7 @@ class VLLMBackend:
         if min(len(x) for x in batch) == 0:
             raise ValueError("empty sample in batch")
         prompts: list[Any] = [{"prompt_token_ids": list(map(int, x))} for x in batch]
-        with quiet():
+        with engine_call(self.llm):
             outputs = self.llm.generate(prompts, self._params, use_tqdm=False)
         if len(outputs) != len(batch):
             raise VLLMMismatch(f"vLLM returned {len(outputs)} outputs for {len(batch)} prompts")

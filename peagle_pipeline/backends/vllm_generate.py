@@ -16,7 +16,7 @@ from peagle_pipeline.backends.generation import (
     GeneratorSettings,
     SamplingSettings,
 )
-from peagle_pipeline.backends.vllm import EngineSettings, VLLMMismatch, build_llm, shutdown_llm
+from peagle_pipeline.backends.vllm import EngineSettings, VLLMMismatch, build_llm, engine_call, shutdown_llm
 from peagle_pipeline.backends.vllm_log import quiet
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class VLLMGenerator:
             return []
         requests: list[Any] = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
         params = [sampling_params(sampling, seed) for seed in seeds]
-        with quiet():
+        with engine_call(self.llm):
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         if len(outputs) != len(prompts):
             raise VLLMMismatch(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")

@@ -5,7 +5,9 @@ chat-template warm-up it recovers from when it has no tokenizer), and its C++, t
 file descriptors directly. `route_to(folder)` picks the file (`folder/vllm.log`, else a temporary file) and sends
 the `vllm` logger and Python warnings there; `announce()` says where, once, as an engine starts; `quiet()` points
 file descriptors 1 and 2 at it around each call into vLLM (engine start, generation, shutdown), so worker
-processes started inside inherit it too. Our own lines are printed between those calls. Never imports vLLM.
+processes started inside inherit it too, and turns an engine that died inside (vLLM's EngineDeadError, whose cause
+only its log holds) into one line naming that cause. Our own lines are printed between those calls. Never imports
+vLLM.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["LOG_FILE", "route_to", "announce", "current", "quiet"]
+from peagle_pipeline.errors import PeagleError
+
+__all__ = ["LOG_FILE", "route_to", "announce", "current", "quiet", "last_error"]
 
 LOG_FILE = "vllm.log"
 _LOGGERS = ("vllm", "py.warnings")  # vLLM's records; warnings (FutureWarning, ...) that its imports raise
@@ -113,8 +118,13 @@ def quiet() -> Iterator[Path]:
     finally:
         os.close(fd)
     _Route.depth, _Route.terminal_err = 1, saved[1]
+    start = path.stat().st_size
     try:
         yield path
+    except Exception as err:
+        if type(err).__name__ != "EngineDeadError":  # by name: this module never imports vLLM
+            raise
+        raise PeagleError(f"vLLM's engine stopped: {last_error(path, start)} (vLLM's log: {path})") from None
     finally:
         _Route.depth, _Route.terminal_err = 0, None
         _flush()
@@ -122,6 +132,26 @@ def quiet() -> Iterator[Path]:
         os.dup2(saved[1], 2)
         os.close(saved[0])
         os.close(saved[1])
+
+
+_ERROR_LINE = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\.)?\w*(?:Error|Exception): .+")
+
+
+def last_error(log: Path, start: int = 0) -> str:
+    """The last exception line (`SomeError: ...`) the log got after byte `start`, other than the engine's own
+    EngineDeadError; when there is none, what that means (a process killed by a signal writes none)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(start)
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return "its log could not be read"
+    found = [x.strip() for x in lines if _ERROR_LINE.match(x) and "EngineDeadError" not in x]
+    return (
+        found[-1]
+        if found
+        else "no error in its log (a process killed by a signal, or for memory, says nothing)"
+    )
 
 
 def _flush() -> None:

@@ -37,3 +37,38 @@ def test_third_party_output_goes_to_the_log_file(tmp_path: Path) -> None:
     for line in ("c-level noise", "python noise", "stderr noise", "a vllm warning", "a deprecation"):
         assert line in text, text
     assert "a vllm warning outside quiet()" in text
+
+
+def test_the_error_line_of_a_dead_engine_is_the_last_one_written_during_the_call(tmp_path: Path) -> None:
+    """`quiet()` names the last exception line the log got during the failed call: not one vLLM logged and recovered
+    from before it (a chat-template warm-up's ValueError at every engine start), nor the EngineDeadError itself."""
+    from peagle_pipeline.backends import vllm_log
+
+    log = tmp_path / "vllm.log"
+    log.write_text("ValueError: Tokenizer not available when `skip_tokenizer_init=True`\n")
+    start = log.stat().st_size
+    with open(log, "a") as f:
+        f.write("Traceback (most recent call last):\n  ...\nAttributeError: no attribute 'cpu_gemm_wna16'\n")
+        f.write("RuntimeError: Worker failed with error 'no attribute cpu_gemm_wna16'\n")
+        f.write("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n")
+    assert (
+        vllm_log.last_error(log, start)
+        == "RuntimeError: Worker failed with error 'no attribute cpu_gemm_wna16'"
+    )
+    assert vllm_log.last_error(log, log.stat().st_size).startswith("no error in its log (a process killed")
+
+
+def test_a_config_validation_error_is_named_by_its_reason() -> None:
+    """vLLM's config errors are pydantic's: "1 validation error for VllmConfig", then the reason on the next line."""
+    from peagle_pipeline.backends.vllm import _reason
+
+    text = (
+        "1 validation error for VllmConfig\n  Value error, torch.float32 is not supported for quantization method "
+        "awq. Supported dtypes: [torch.float16, torch.bfloat16] [type=value_error, input_value=ArgsKwargs((), {}), "
+        "input_type=ArgsKwargs]\n    For further information visit https://errors.pydantic.dev/2.14/v/value_error"
+    )
+    assert _reason(ValueError(text)) == (
+        "torch.float32 is not supported for quantization method awq. Supported dtypes: [torch.float16, torch.bfloat16]"
+    )
+    assert _reason(RuntimeError("first line\nsecond")) == "first line"
+    assert _reason(OSError()) == "OSError"
