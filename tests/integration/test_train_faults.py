@@ -75,8 +75,11 @@ def test_sequence_partitions_give_the_same_update(tiny_cache: Path, tmp_path: Pa
     (l1, w1) = weights[0]
     for losses, w in weights[1:]:
         assert losses == pytest.approx(l1, rel=1e-5)
+        # atol 1e-5, 1.7 % of one AdamW step (lr 6e-4): Adam divides each gradient by its own size, so summation-
+        # order noise on a near-zero gradient moves that weight by up to a step's fraction (1.4e-6 on one of 4,096
+        # v_proj weights on an AVX2-only CPU, 2026-11-28); a segment's gradient lost moves thousands by ~lr
         for key in w1:
-            torch.testing.assert_close(w[key], w1[key], rtol=1e-5, atol=1e-6, msg=key)
+            torch.testing.assert_close(w[key], w1[key], rtol=1e-5, atol=1e-5, msg=key)
 
 
 def test_sparse_embedding_gradient_gives_the_dense_update(tiny_cache: Path, tmp_path: Path) -> None:
