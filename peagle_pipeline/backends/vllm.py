@@ -44,6 +44,8 @@ __all__ = [
     "parse_topk",
     "VLLMMismatch",
     "local_gpu_devices",
+    "cpu_runs_bf16_only",
+    "CPU_BF16_ONLY",
 ]
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,8 @@ CONNECTOR_NAME = "PeagleHiddenStatesConnector"
 # conversations in flight at ~22 and made 268 against 318 new tokens/s (2 cores, fp32; 8 GiB: 316).
 CPU_KV_CACHE_BYTES = 4 << 30
 CPU_KV_CACHE_MIN_BYTES = 512 << 20
+# Why `auto` computes in bf16 for a target `cpu_runs_bf16_only` says yes to (the stage's dtype line).
+CPU_BF16_ONLY = "auto: vLLM's CPU kernel for linear attention runs bf16 only"
 
 
 def cpu_kv_cache_bytes(meminfo: str = "/proc/meminfo") -> int:
@@ -189,10 +193,10 @@ def _start_llm(
         args["max_num_batched_tokens"] = settings.max_num_batched_tokens
     args.update(_cpu_workarounds(in_process_on_cpu))
     args.update(engine_args)
-    if settings.dtype == "fp32" and _on_cpu() and _has_linear_attention(settings.model):
+    if settings.dtype == "fp32" and _on_cpu() and cpu_runs_bf16_only(settings.model):
         raise BadInput(  # vLLM's CPU kernel asserts in the engine process, which then dies with a traceback
             f"vLLM on a CPU runs the linear attention of {settings.model} (Qwen3-Next, Qwen3.5) in bf16 only: "
-            "use --dtype bf16 (the hf backend of extract and generate runs fp32)"
+            "use --compute-dtype bf16 or auto (the hf backend of extract and generate runs fp32)"
         )
     try:
         return LLM(**args)
@@ -218,8 +222,10 @@ def _reason(err: Exception) -> str:
     return lines[0]
 
 
-def _has_linear_attention(model: str) -> bool:
-    """Whether the target has linear-attention layers (the Qwen3-Next and Qwen3.5 hybrids)."""
+def cpu_runs_bf16_only(model: str) -> bool:
+    """Whether vLLM's CPU backend runs `model` in bf16 only: a target with linear-attention layers (the Qwen3-Next
+    and Qwen3.5 hybrids), whose CPU kernel asserts on any other dtype. `auto` then means bf16 on a CPU
+    (`CPU_BF16_ONLY`), whatever the CPU's bf16 speed."""
     try:
         config = text_config(read_config(model))
     except BadInput:  # not a local model directory: vLLM says what is wrong with it

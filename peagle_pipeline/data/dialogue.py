@@ -349,7 +349,7 @@ class DialogueBuilder:
         that is not the template's end-of-turn; gpt-oss's <|end|> for an earlier reply, after <|return|> was
         generated), the stop token is left out and the template's own end-of-turn token closes the reply.
         """
-        if stop_written:
+        if stop_written and stop_id is not None:  # written implies a stop token was generated
             return [*kept, stop_id], delta
         if delta and delta[0] in self._earlier_end_ids:
             return [*kept, delta[0]], delta[1:]

@@ -76,9 +76,9 @@ def test_a_qwen3_next_target_extracts_through_vllm(
     tiny_qwen3_next: Path, tmp_path: Path, vllm_env: dict[str, str]
 ) -> None:
     """Qwen3-Next (linear attention in three layers of four, gated full attention with partial rotary, mixture of
-    experts) through vLLM in bf16 (its CPU kernel for linear attention takes nothing else) agrees with the HF
-    backend's fp32 cache to bf16's precision: the same samples, aux states within 2 % and the same top-1 token but
-    where two candidates nearly tie."""
+    experts) through vLLM in bf16 (its CPU kernel for linear attention takes nothing else, so `auto` picks it on
+    any CPU) agrees with the HF backend's fp32 cache to bf16's precision: the same samples, aux states within 2 %
+    and the same top-1 token but where two candidates nearly tie."""
     from tiny import write_conversations
 
     from peagle_pipeline.cache.reader import open_cache
@@ -91,12 +91,19 @@ def test_a_qwen3_next_target_extracts_through_vllm(
             "--output", str(tmp_path / backend), "--backend", backend, "--dtype", dtype, *flags,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
+        if (
+            backend == "vllm"
+        ):  # auto, also on a CPU without bf16 units, where auto means fp32 for other targets
+            assert (
+                "compute dtype bf16 on cpu (auto: vLLM's CPU kernel for linear attention runs bf16 only)"
+                in (proc.stdout + proc.stderr)
+            )
     hf, vl = open_cache(tmp_path / "hf"), open_cache(tmp_path / "vllm")
     assert hf.samples["length"].equals(vl.samples["length"]) and len(hf.samples) == 16
     # fp32 through vLLM on a CPU: one line before the engine starts (its kernel asserts in the engine otherwise)
     proc = run_cli(
-        vllm_env, "extract", "--model", str(tiny_qwen3_next), "--data", str(data),
-        "--output", str(tmp_path / "fp32"), "--backend", "vllm", "--dtype", "fp32", *flags,
+        vllm_env, "extract", "--model", str(tiny_qwen3_next), "--data", str(data), "--output",
+        str(tmp_path / "fp32"), "--backend", "vllm", "--dtype", "fp32", "--compute-dtype", "fp32", *flags,
     )  # fmt: skip
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: vLLM on a CPU runs the linear attention")

@@ -82,16 +82,20 @@ def finite(obj: Any) -> Any:
     return obj
 
 
-def engine_dtype(requested: str) -> Literal["bf16", "fp32"]:
-    """The vLLM model dtype: `requested`, or for auto bf16 on a GPU and the CPU rule of
-    `runtime.resolve_compute_dtype` on vLLM's CPU backend (fp32 where bf16 is not measured faster)."""
+def engine_dtype(requested: str, target: str = "") -> Literal["bf16", "fp32"]:
+    """The vLLM model dtype: `requested`, or for auto bf16 on a GPU and, on vLLM's CPU backend, bf16 for a `target`
+    it runs only in bf16 (`cpu_runs_bf16_only`), else the CPU rule of `runtime.resolve_compute_dtype` (fp32 where
+    bf16 is not measured faster)."""
+    from peagle_pipeline.backends.vllm import cpu_runs_bf16_only
     from peagle_pipeline.runtime import resolve_compute_dtype
 
     if requested != "auto":
         return requested  # type: ignore[return-value]
     from vllm.platforms import current_platform
 
-    return resolve_compute_dtype("auto", "cpu") if current_platform.is_cpu() else "bf16"
+    if not current_platform.is_cpu() or (target and cpu_runs_bf16_only(target)):
+        return "bf16"
+    return resolve_compute_dtype("auto", "cpu")
 
 
 def _figure_settings(opts: EvalOptions, depths: int, concurrency: int, hardware: str) -> dict[str, Any]:
@@ -358,7 +362,7 @@ def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any
     info = read_target_info(target)
     _check_drafts(drafts, target, info.vocab_size, opts, say)
     require_vllm()
-    dtype = engine_dtype(opts.dtype)
+    dtype = engine_dtype(opts.dtype, target)
     opts = replace(opts, dtype=dtype)
     tokenizer = load_tokenizer(target)
     sets = [

@@ -80,21 +80,26 @@ class Settled(NamedTuple):
 _COMPUTED: dict[str, Literal["bf16", "fp32"]] = {"bfloat16": "bf16", "float32": "fp32"}
 
 
-def settle_auto(cfg: ExtractConfig, recorded: dict[str, Any] | None, device: str) -> Settled:
+def settle_auto(
+    cfg: ExtractConfig, recorded: dict[str, Any] | None, device: str, bf16_only: str | None = None
+) -> Settled:
     """Settle the "auto" values of `cfg` from the cache being resumed (`recorded`: its cache.json as read once,
     None for a new cache) and the device the target runs on. Reads nothing itself.
 
     Under `compute_dtype: auto` a cache that already exists keeps the forward dtype it was started with (one cache
     never mixes bf16 and fp32 forwards, whichever machine resumes it or writes another rank); otherwise
     `forward_dtype` decides from the stored dtype and the hardware. An explicit setting is used as given (and
-    refused by `prepare_output` if the cache recorded another). An unset length_window keeps the resumed cache's
-    storage order, else takes DEFAULT_LENGTH_WINDOW.
+    refused by `prepare_output` if the cache recorded another). `bf16_only`: why the backend runs this target in
+    bf16 only on `device` (None when any dtype runs); auto then means bf16. An unset length_window keeps the resumed
+    cache's storage order, else takes DEFAULT_LENGTH_WINDOW.
     """
     chosen = forward_dtype(cfg, device)
     kept = _COMPUTED.get(compute_dtype_in(recorded) or "") if cfg.compute_dtype == "auto" else None
     if kept is not None:
         line = describe_compute_dtype("auto", device, kept)
         compute, why = kept, line[: line.index(" (")] + " (auto: kept from the cache being resumed)"
+    elif cfg.compute_dtype == "auto" and bf16_only is not None:
+        compute, why = "bf16", f"compute dtype bf16 on {device} ({bf16_only})"
     elif cfg.compute_dtype == "auto" and cfg.dtype == "fp32":
         compute, why = chosen, f"compute dtype fp32 on {device} (auto: dtype is fp32)"
     else:

@@ -114,7 +114,8 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
         raise BadInput(f"topk {cfg.topk} exceeds the target vocabulary ({info.vocab_size})")
     renderer = _checked_renderer(cfg)
     place = _place(cfg.output)
-    cfg, run_cfg, why = settle_auto(cfg, read_recorded_meta(place.local), target_device(cfg))
+    device = target_device(cfg)
+    cfg, run_cfg, why = settle_auto(cfg, read_recorded_meta(place.local), device, _bf16_only(cfg, device))
     run_cfg, length_note = fit_to_positions(run_cfg, text_config(info.config).get("max_position_embeddings"))
     meta = build_meta(cfg, info, layer_ids, world, run_cfg.compute_dtype)  # type: ignore[arg-type]  # settled
     existed, created = Path(place.local).exists(), not (Path(place.local) / layout.CACHE_META).exists()
@@ -136,6 +137,15 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     _write_store(run_cfg, meta, writer, renderer, rank, world, summary, backend, undo)
     summary.elapsed_s = time.perf_counter() - start
     return _unstage(_finish(summary, writer, already=False), place.remote, writer)
+
+
+def _bf16_only(cfg: ExtractConfig, device: str) -> str | None:
+    """Why the backend runs this target in bf16 only on `device`, or None (see `settle_auto`)."""
+    if cfg.backend != "vllm" or device != "cpu":
+        return None
+    from peagle_pipeline.backends.vllm import CPU_BF16_ONLY, cpu_runs_bf16_only
+
+    return CPU_BF16_ONLY if cpu_runs_bf16_only(cfg.model) else None
 
 
 def _checked_renderer(cfg: ExtractConfig) -> ChatRenderer:

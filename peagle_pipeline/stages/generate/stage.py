@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from peagle_pipeline.backends import vllm_log
 from peagle_pipeline.backends.generation import (
@@ -205,7 +205,7 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
     stops = resolve_stop_ids(cfg.model, renderer)
     builder = DialogueBuilder(renderer, cfg.turns, stops, cfg.thinking)
     backend_name = resolve_backend(cfg.backend)
-    dtype = resolve_compute_dtype(cfg.compute_dtype, _device_type(cfg.device, backend_name))
+    dtype = _compute_dtype(cfg, backend_name)
     settings, sampling = _settings(cfg, dtype, max_model_len, stops)
     root = Path(cfg.output)
     summary = GenerateSummary(output=str(root), rows_file=rows_file(rank, world), backend=backend_name)
@@ -336,6 +336,18 @@ def _start_new(
     backend = get_generation_backend(summary.backend, settings)
     summary.engine_s = time.perf_counter() - t0
     return backend
+
+
+def _compute_dtype(cfg: GenerateConfig, backend: str) -> Literal["bf16", "fp32"]:
+    """`cfg.compute_dtype` settled for the device: auto is bf16 for a target vLLM's CPU backend runs only in bf16
+    (`cpu_runs_bf16_only`), else the hardware's choice (`resolve_compute_dtype`)."""
+    device = _device_type(cfg.device, backend)
+    if cfg.compute_dtype == "auto" and backend == "vllm" and device == "cpu":
+        from peagle_pipeline.backends.vllm import cpu_runs_bf16_only
+
+        if cpu_runs_bf16_only(cfg.model):
+            return "bf16"
+    return resolve_compute_dtype(cfg.compute_dtype, device)
 
 
 def _device_type(device: str, backend: str) -> str:

@@ -1,4 +1,5 @@
-"""backends/vllm.py: the KV cache size a vLLM engine on a CPU gets, from the memory this machine has available."""
+"""backends/vllm.py: the KV cache size a vLLM engine on a CPU gets, from the memory this machine has available, and
+the dtype `auto` means for a target vLLM runs in bf16 only on a CPU."""
 
 from __future__ import annotations
 
@@ -28,3 +29,24 @@ def test_an_unreadable_meminfo_gives_the_cap(tmp_path):
 def test_this_machine_gets_a_size_within_the_bounds():
     size = cpu_kv_cache_bytes()
     assert CPU_KV_CACHE_MIN_BYTES <= size <= CPU_KV_CACHE_BYTES
+
+
+def test_auto_is_bf16_for_a_target_vllm_runs_in_bf16_only_on_a_cpu(tiny_qwen3_next, tiny_model):
+    """generate: auto computes a linear-attention target (Qwen3-Next) in bf16 under vLLM on a CPU, whatever the CPU's
+    bf16 speed; other targets, the HF backend and a given dtype follow the usual rule."""
+    from peagle_pipeline.backends.vllm import cpu_runs_bf16_only
+    from peagle_pipeline.config import GenerateConfig
+    from peagle_pipeline.runtime import resolve_compute_dtype
+    from peagle_pipeline.stages.generate.stage import _compute_dtype
+
+    assert cpu_runs_bf16_only(str(tiny_qwen3_next)) and not cpu_runs_bf16_only(str(tiny_model))
+    usual = resolve_compute_dtype("auto", "cpu")
+
+    def dtype(model, backend, given="auto"):
+        cfg = GenerateConfig(
+            model=str(model), data=["d.jsonl"], output="o", device="cpu", compute_dtype=given
+        )
+        return _compute_dtype(cfg, backend)
+
+    assert dtype(tiny_qwen3_next, "vllm") == "bf16" and dtype(tiny_qwen3_next, "vllm", "fp32") == "fp32"
+    assert dtype(tiny_qwen3_next, "hf") == usual and dtype(tiny_model, "vllm") == usual

@@ -33,6 +33,16 @@ def test_a_resumed_cache_keeps_what_it_recorded():
     assert settle_auto(_cfg(), {"hidden_dtype": "bfloat16"}, "cpu").cfg.length_window == 1
 
 
+def test_auto_is_bf16_where_the_backend_runs_the_target_in_bf16_only():
+    only = "auto: vLLM's CPU kernel for linear attention runs bf16 only"
+    for dtype in ("fp32", "bf16"):  # whatever is stored, and whatever this CPU's bf16 speed
+        _, run_cfg, why = settle_auto(_cfg(dtype=dtype, backend="vllm"), None, "cpu", only)
+        assert run_cfg.compute_dtype == "bf16" and why == f"compute dtype bf16 on cpu ({only})"
+    # a given dtype is used as given (the backend refuses fp32 in one line), a resumed cache keeps its own
+    assert settle_auto(_cfg(compute_dtype="fp32"), None, "cpu", only).run_cfg.compute_dtype == "fp32"
+    assert settle_auto(_cfg(), {"compute_dtype": "float32"}, "cpu", only).run_cfg.compute_dtype == "fp32"
+
+
 def test_setting_differences_names_each_setting_once_in_a_stable_order():
     saved, now = {"b": 1, "a": {"x": 1, "y": 2}, "c": 3}, {"a": {"x": 1, "y": 5}, "b": 2, "d": 4, "c": 3}
     assert setting_differences(saved, now) == [
