@@ -127,8 +127,9 @@ def test_missing_draft_and_not_an_export(tmp_path: Path, tiny_model: Path, vllm_
 def test_a_qwen3_next_draft_serves(tiny_qwen3_next: Path, tmp_path: Path, vllm_env: dict[str, str]) -> None:
     """A Qwen3-Next target (linear attention, gated full attention with partial rotary, mixture of experts): vLLM
     loads its Qwen3 draft layer with the quarter-head rotation beside the hybrid target and drafts with it (auto
-    dtype: bf16 on any CPU, vLLM's CPU kernel for linear attention takes nothing else). `test_drafts_match_vllm` checks the rotation
-    token for token; the tiny Qwen3.5 is trained in tests/integration (vLLM's Qwen3.5 needs torchvision)."""
+    dtype: bf16 on any CPU, vLLM's CPU kernel for linear attention takes nothing else). `test_drafts_match_vllm`
+    checks the rotation token for token; the tiny Qwen3.5 is trained in tests/integration (vLLM's Qwen3.5 needs
+    torchvision)."""
     export = make_random_draft(tiny_qwen3_next, tmp_path / "draft", [1, 2, 3], depths=3, draft_vocab_size=300)
     layer = json.loads((export / "config.json").read_text())["transformer_layer_config"]
     assert layer["model_type"] == "qwen3" and layer["rope_parameters"]["partial_rotary_factor"] == 0.25
