@@ -277,11 +277,18 @@ def figures(out: Path, demo: Path | None = None) -> list[dict[str, Any]]:
             "bench_vllm_extract",
             r and r["ratio"],
             f"{r['ratio']:.3f}x ({r['extract_tokens_per_s']:.0f} vs {r['bare_tokens_per_s']:.0f} tokens/s, "
-            f"{r['tokens']} tokens, vLLM {r['vllm']} on {r['device']})"
+            f"{r['tokens']} tokens, vLLM {r['vllm']} on {r['device']}"
+            + (
+                f"; the bare prefill with prompt_logprobs={r['topk']}, vLLM's own part: {r['logprobs_ratio']:.3f}x, "
+                f"extraction vs it: {r['extract_vs_logprobs']:.3f}x)"
+                if "logprobs_ratio" in r
+                else ")"
+            )
+            + (f"; measured {r['measured_at']} on {r['cpu']}" if "measured_at" in r else "")
             if r
             else missing,
             r and r["ratio"] >= 0.85,
-            "both engines run side by side; engine start excluded; bare = max_tokens 1, no log-probs",
+            "both engines run side by side on the same cores; engine start excluded; bare = max_tokens 1, no log-probs",
         )
     )
 
