@@ -45,6 +45,8 @@ __all__ = [
     "VLLMMismatch",
     "local_gpu_devices",
     "cpu_runs_bf16_only",
+    "bf16_only_reason",
+    "engine_compute_dtype",
     "CPU_BF16_ONLY",
 ]
 
@@ -231,6 +233,24 @@ def cpu_runs_bf16_only(model: str) -> bool:
     except BadInput:  # not a local model directory: vLLM says what is wrong with it
         return False
     return "linear_attention" in (config.get("layer_types") or [])
+
+
+def bf16_only_reason(model: str, device: str) -> str | None:
+    """Why vLLM runs `model` in bf16 only on `device` (CPU_BF16_ONLY, for the stage's dtype line), or None where
+    it runs any dtype. E.g. a Qwen3-Next target on "cpu": CPU_BF16_ONLY; on "cuda" or a Llama target: None."""
+    if device.split(":", 1)[0] != "cpu" or not cpu_runs_bf16_only(model):
+        return None
+    return CPU_BF16_ONLY
+
+
+def engine_compute_dtype(requested: str, model: str, device: str) -> Literal["bf16", "fp32"]:
+    """The dtype a vLLM engine runs `model` in on `device`: `requested`, or for auto bf16 where
+    `bf16_only_reason` gives one, else the hardware's choice (`runtime.resolve_compute_dtype`)."""
+    from peagle_pipeline.runtime import resolve_compute_dtype
+
+    if requested == "auto" and bf16_only_reason(model, device) is not None:
+        return "bf16"
+    return resolve_compute_dtype(requested, device)
 
 
 def shutdown_llm(llm: LLM | None) -> None:

@@ -82,20 +82,16 @@ def finite(obj: Any) -> Any:
     return obj
 
 
-def engine_dtype(requested: str, target: str = "") -> Literal["bf16", "fp32"]:
-    """The vLLM model dtype: `requested`, or for auto bf16 on a GPU and, on vLLM's CPU backend, bf16 for a `target`
-    it runs only in bf16 (`cpu_runs_bf16_only`), else the CPU rule of `runtime.resolve_compute_dtype` (fp32 where
-    bf16 is not measured faster)."""
-    from peagle_pipeline.backends.vllm import cpu_runs_bf16_only
-    from peagle_pipeline.runtime import resolve_compute_dtype
-
+def engine_dtype(requested: str, target: str) -> Literal["bf16", "fp32"]:
+    """The vLLM model dtype: `requested`, or for auto the engine's rule (`vllm.engine_compute_dtype`) on the
+    platform vLLM runs on here."""
     if requested != "auto":
         return requested  # type: ignore[return-value]
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu() or (target and cpu_runs_bf16_only(target)):
-        return "bf16"
-    return resolve_compute_dtype("auto", "cpu")
+    from peagle_pipeline.backends.vllm import engine_compute_dtype
+
+    return engine_compute_dtype(requested, target, "cpu" if current_platform.is_cpu() else "cuda")
 
 
 def _figure_settings(opts: EvalOptions, depths: int, concurrency: int, hardware: str) -> dict[str, Any]:

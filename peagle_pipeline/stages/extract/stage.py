@@ -141,11 +141,11 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
 
 def _bf16_only(cfg: ExtractConfig, device: str) -> str | None:
     """Why the backend runs this target in bf16 only on `device`, or None (see `settle_auto`)."""
-    if cfg.backend != "vllm" or device != "cpu":
+    if cfg.backend != "vllm":
         return None
-    from peagle_pipeline.backends.vllm import CPU_BF16_ONLY, cpu_runs_bf16_only
+    from peagle_pipeline.backends.vllm import bf16_only_reason
 
-    return CPU_BF16_ONLY if cpu_runs_bf16_only(cfg.model) else None
+    return bf16_only_reason(cfg.model, device)
 
 
 def _checked_renderer(cfg: ExtractConfig) -> ChatRenderer:

@@ -339,14 +339,13 @@ def _start_new(
 
 
 def _compute_dtype(cfg: GenerateConfig, backend: str) -> Literal["bf16", "fp32"]:
-    """`cfg.compute_dtype` settled for the device: auto is bf16 for a target vLLM's CPU backend runs only in bf16
-    (`cpu_runs_bf16_only`), else the hardware's choice (`resolve_compute_dtype`)."""
+    """`cfg.compute_dtype` settled for the device: under vLLM the engine's rule (`vllm.engine_compute_dtype`: bf16
+    for a target its CPU backend runs only in bf16), else the hardware's choice (`resolve_compute_dtype`)."""
     device = _device_type(cfg.device, backend)
-    if cfg.compute_dtype == "auto" and backend == "vllm" and device == "cpu":
-        from peagle_pipeline.backends.vllm import cpu_runs_bf16_only
+    if backend == "vllm":
+        from peagle_pipeline.backends.vllm import engine_compute_dtype
 
-        if cpu_runs_bf16_only(cfg.model):
-            return "bf16"
+        return engine_compute_dtype(cfg.compute_dtype, cfg.model, device)
     return resolve_compute_dtype(cfg.compute_dtype, device)
 
 

@@ -50,3 +50,18 @@ def test_auto_is_bf16_for_a_target_vllm_runs_in_bf16_only_on_a_cpu(tiny_qwen3_ne
 
     assert dtype(tiny_qwen3_next, "vllm") == "bf16" and dtype(tiny_qwen3_next, "vllm", "fp32") == "fp32"
     assert dtype(tiny_qwen3_next, "hf") == usual and dtype(tiny_model, "vllm") == usual
+
+
+def test_the_bf16_only_reason_is_given_on_a_cpu_only(tiny_qwen3_next, tiny_model):
+    """extract's dtype line and evaluate's engine use the same rule as generate (`engine_compute_dtype`)."""
+    from peagle_pipeline.backends.vllm import CPU_BF16_ONLY, bf16_only_reason, engine_compute_dtype
+    from peagle_pipeline.runtime import resolve_compute_dtype
+
+    assert bf16_only_reason(str(tiny_qwen3_next), "cpu") == CPU_BF16_ONLY
+    assert (
+        bf16_only_reason(str(tiny_qwen3_next), "cuda:0") is None
+        and bf16_only_reason(str(tiny_model), "cpu") is None
+    )
+    assert engine_compute_dtype("auto", str(tiny_qwen3_next), "cpu") == "bf16"
+    assert engine_compute_dtype("auto", str(tiny_model), "cpu") == resolve_compute_dtype("auto", "cpu")
+    assert engine_compute_dtype("fp32", str(tiny_qwen3_next), "cpu") == "fp32"

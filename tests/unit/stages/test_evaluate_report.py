@@ -261,6 +261,6 @@ def test_dtype_is_auto_by_default_and_checked() -> None:
     from peagle_pipeline.stages.evaluate.stage import engine_dtype
 
     assert EvalOptions(drafts=["d"]).dtype == "auto"
-    assert engine_dtype("fp32") == "fp32" and engine_dtype("bf16") == "bf16"  # given: used as it is
+    assert engine_dtype("fp32", "t") == "fp32" and engine_dtype("bf16", "t") == "bf16"  # given: used as it is
     with pytest.raises(BadInput, match="--dtype must be auto, bf16 or fp32"):
         EvalOptions(drafts=["d"], dtype="fp16")  # type: ignore[arg-type]
