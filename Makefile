@@ -86,9 +86,13 @@ demo-assets: setup
 	$(PY) scripts/prepare_demo.py --out $(DEMO_DIR)
 
 # The first tier runs on TEST_WORKERS processes (pytest-xdist): most of its time is CLI subprocesses starting up
-# and waiting, which overlap well even on 2 cores. TEST_WORKERS=0 runs it in one process.
+# and waiting, which overlap well even on 2 cores. TEST_WORKERS=0 runs it in one process. Meanwhile the vLLM env
+# installs (2.5 min from empty on a 2-core host, mostly waiting on downloads; its output in $(VLLM_VENV).log).
 test: setup demo-assets
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --ignore=tests/vllm $(PYTEST_ARGS)
+	@$(MAKE) setup-vllm >$(VLLM_VENV).log 2>&1 & install=$$!; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --ignore=tests/vllm $(PYTEST_ARGS); tier=$$?; \
+	wait $$install || { tail -n 40 $(VLLM_VENV).log; echo "make setup-vllm failed: $(VLLM_VENV).log"; exit 1; }; \
+	exit $$tier
 	$(MAKE) test-vllm
 
 test-fast: setup

@@ -284,6 +284,11 @@ def figures(out: Path, demo: Path | None = None) -> list[dict[str, Any]]:
                 if "logprobs_ratio" in r
                 else ")"
             )
+            + (
+                f"; this target's ceiling, with the lm_head on every row: {r['matmul_ceiling']:.3f}x"
+                if r.get("matmul_ceiling")
+                else ""
+            )
             + (f"; measured {r['measured_at']} on {r['cpu']}" if "measured_at" in r else "")
             if r
             else missing,

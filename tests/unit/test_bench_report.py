@@ -163,3 +163,19 @@ def test_no_chart_without_a_numeric_goal(tmp_path: Path) -> None:
 
     figure = {"figure": "Demo", "goal": "loads; reported", "value": 1.27}
     assert write_chart([figure], tmp_path / "c.png", "t") is None and not (tmp_path / "c.png").exists()
+
+
+def test_the_vllm_extraction_ceiling_is_the_bare_prefills_share_of_the_matmul_work() -> None:
+    from bench.bench_vllm_extract import matmul_ceiling
+
+    cfg = {
+        "hidden_size": 8,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "vocab_size": 100,
+    }
+    # a layer: projections 8 x 4 x (2 x 2 + 2 x 1) = 192, MLP 3 x 8 x 16 = 384, attention 2 x 2 x 4 x 10 = 160
+    assert matmul_ceiling(cfg, 10) == pytest.approx(2 * 736 / (2 * 736 + 8 * 100))
+    assert matmul_ceiling({**cfg, "num_experts": 8}, 10) is None
