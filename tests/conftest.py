@@ -42,6 +42,22 @@ except ImportError:  # the vLLM env may lack hypothesis; its tests do not use it
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# Under pytest-xdist the workers share the cores, and torch's OpenMP threads spin-wait on siblings the other worker's
+# work has descheduled: an in-process `generate` test took 14 s alone, 184 s beside one busy 2-thread process, 17 s
+# with one thread (2-core AMD EPYC). So each worker, and the CLI subprocesses it starts, computes on one thread, and
+# vLLM's CPU engines, which bind their OpenMP threads to every core unless told otherwise, get the worker's own
+# share of the cores (worker i: every n-th core from the i-th).
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1:
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    _worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    _cores = sorted(os.sched_getaffinity(0))
+    _share = _cores[_worker % _XDIST_WORKERS :: _XDIST_WORKERS] or _cores
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, _share)))
+
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):

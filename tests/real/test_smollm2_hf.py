@@ -79,7 +79,6 @@ def backend(smollm2_dir):
         topk_chunk=64,
         last_hidden=True,
     )
-    torch.set_num_threads(2)
     be = HFBackend(backend_settings(cfg), [2, 15, 27, 30])
     yield be
     be.close()
