@@ -87,7 +87,7 @@ demo-assets: setup
 
 # The first tier runs on TEST_WORKERS processes (pytest-xdist): most of its time is CLI subprocesses starting up
 # and waiting, which overlap well even on 2 cores. TEST_WORKERS=0 runs it in one process. Meanwhile the vLLM env
-# installs (2.5 min from empty on a 2-core host, mostly waiting on downloads; its output in $(VLLM_VENV).log).
+# installs (2.5 min from empty on a 2-core host, using about half a core; its output in $(VLLM_VENV).log).
 test: setup demo-assets
 	@$(MAKE) setup-vllm >$(VLLM_VENV).log 2>&1 & install=$$!; \
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --ignore=tests/vllm $(PYTEST_ARGS); tier=$$?; \
