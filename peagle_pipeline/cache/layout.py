@@ -6,7 +6,8 @@ Layout of a cache directory (see docs/reference/cache-format.md, which mirrors t
       cache.json                       CacheMeta (written once, atomically, by the first writer)
       extract.yaml                     the resolved extract settings of the first writer
       target/                          what training needs from the target (never the full model)
-        config.json, tokenizer files, pieces.safetensors (embed_tokens.weight, lm_head.weight, norm.weight)
+        config.json, tokenizer files, pieces.safetensors (embed_tokens.weight, lm_head.weight, norm.weight),
+        tokenizer_facts.json             what training needs of the tokenizer (core.vocab.TokenizerFacts)
       stores/
         rank-00000-of-00002.zarr/      one Zarr v3 group per writer rank, flat token axis
           zarr.json, input_ids/, loss_mask/, aux_hidden/, topk_ids/, topk_logprobs/, [last_hidden/]
@@ -37,6 +38,7 @@ __all__ = [
     "EXTRACT_YAML",
     "TARGET_DIR",
     "PIECES_FILE",
+    "TOKENIZER_FACTS",
     "STORES_DIR",
     "MANIFEST",
     "SAMPLES_TABLE",
@@ -71,6 +73,9 @@ CACHE_META = "cache.json"
 EXTRACT_YAML = "extract.yaml"
 TARGET_DIR = "target"
 PIECES_FILE = "pieces.safetensors"
+TOKENIZER_FACTS = (
+    "tokenizer_facts.json"  # absent in caches written before it existed: training loads the tokenizer
+)
 STORES_DIR = "stores"
 MANIFEST = "manifest.json"
 SAMPLES_TABLE = "samples.parquet"

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     import pandas as pd
     import torch
 
+    from peagle_pipeline.core.vocab import TokenizerFacts
+
 __all__ = ["SampleArrays", "Cache", "open_cache", "prompt_length"]
 
 # Token rows read at once by `Cache.prompt_keys` (input_ids and loss_mask: 5 bytes a token, so about 80 MB).
@@ -292,6 +294,14 @@ class Cache:
             if n:
                 ids = rows["input_ids"][start : start + n].astype(np.int64)
                 keys[k] = hashlib.blake2b(ids.tobytes(), digest_size=16).digest()
+
+    def tokenizer_facts(self) -> TokenizerFacts | None:
+        """What training needs of the tokenizer (target/tokenizer_facts.json), or None for a cache written before
+        extraction kept them, or with that file unreadable (then use `tokenizer()`)."""
+        from peagle_pipeline.cache.target import parse_tokenizer_facts
+
+        rel = f"{layout.TARGET_DIR}/{layout.TOKENIZER_FACTS}"
+        return parse_tokenizer_facts(self._root.read_bytes(rel)) if self._root.exists(rel) else None
 
     # ---------------------------------------------------------------------------------- human-readable
     def tokenizer(self) -> Any:

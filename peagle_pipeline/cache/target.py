@@ -1,5 +1,5 @@
-"""target/ of a cache: the target's config and tokenizer files copied as they are, and pieces.safetensors
-(embedding, lm_head, final norm) -- what training needs of the target besides activations.
+"""target/ of a cache: the target's config and tokenizer files copied as they are, pieces.safetensors
+(embedding, lm_head, final norm) and tokenizer_facts.json -- what training needs of the target besides activations.
 
 Writes files only; the tensors come from the caller (`TargetSource.load_pieces`, read by `model_dir.py`),
 so this module never opens a model.
@@ -7,17 +7,21 @@ so this module never opens a model.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from peagle_pipeline.cache import layout
-from peagle_pipeline.runtime import atomic_copy, fsync_file, make_readable
+from peagle_pipeline.runtime import atomic_copy, atomic_write_bytes, fsync_file, make_readable
 
-__all__ = ["TargetSource", "save_target_pieces"]
+if TYPE_CHECKING:
+    from peagle_pipeline.core.vocab import TokenizerFacts
+
+__all__ = ["TargetSource", "save_target_pieces", "tokenizer_facts_bytes", "parse_tokenizer_facts"]
 
 
 @dataclass(frozen=True)
@@ -31,12 +35,30 @@ class TargetSource:
             optionally with decoder layer `init_layer`'s tensors under layout.LAYER_PIECE_PREFIX; called only when
             target/ is written.
         init_layer: the index of that decoder layer (stored as layout.LAYER_INDEX_KEY when its tensors came).
+        tokenizer_facts: written as layout.TOKENIZER_FACTS when given.
     """
 
     source: str
     files: tuple[Path, ...]
     load_pieces: Callable[[], dict[str, Any]]
     init_layer: int | None = None
+    tokenizer_facts: TokenizerFacts | None = None
+
+
+def tokenizer_facts_bytes(facts: TokenizerFacts) -> bytes:
+    """The content of layout.TOKENIZER_FACTS for `facts` (the same facts give the same bytes)."""
+    return (json.dumps(facts.to_dict(), ensure_ascii=False) + "\n").encode()
+
+
+def parse_tokenizer_facts(data: bytes) -> TokenizerFacts | None:
+    """The facts in a layout.TOKENIZER_FACTS file's `data`, or None when it cannot be read as such (its reader then
+    falls back to the tokenizer itself: a damaged derived file costs time, never a wrong mask token)."""
+    from peagle_pipeline.core.vocab import TokenizerFacts
+
+    try:
+        return TokenizerFacts.from_dict(json.loads(data))
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 def save_target_pieces(out_dir: str | os.PathLike[str], target: TargetSource) -> Path:
@@ -57,6 +79,8 @@ def save_target_pieces(out_dir: str | os.PathLike[str], target: TargetSource) ->
     pieces = target.load_pieces()
     for path in target.files:
         atomic_copy(path, out / path.name)
+    if target.tokenizer_facts is not None:
+        atomic_write_bytes(out / layout.TOKENIZER_FACTS, tokenizer_facts_bytes(target.tokenizer_facts))
     fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{layout.PIECES_FILE}.", suffix=".tmp")
     os.close(fd)
     try:

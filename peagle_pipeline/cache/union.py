@@ -8,11 +8,14 @@ nothing here writes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from peagle_pipeline.cache.reader import Cache, SampleArrays
+
+if TYPE_CHECKING:
+    from peagle_pipeline.core.vocab import TokenizerFacts
 
 __all__ = ["CacheUnion", "cache_differences"]
 
@@ -110,6 +113,9 @@ class CacheUnion:
 
     def tokenizer(self) -> Any:
         return self.primary.tokenizer()
+
+    def tokenizer_facts(self) -> TokenizerFacts | None:
+        return self.primary.tokenizer_facts()
 
     def close(self) -> None:
         for cache in self.caches:

@@ -17,6 +17,7 @@ __all__ = [
     "DraftVocab",
     "build_draft_vocab",
     "MaskTokenCandidates",
+    "TokenizerFacts",
     "MaskTokenChoice",
     "choose_mask_token_id",
 ]
@@ -93,6 +94,71 @@ class MaskTokenCandidates:
     """bos/eos/pad/unk and every id the chat template itself produces: never a mask token by rule 4."""
     pad_id: int | None = None
     eos_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerFacts:
+    """What the mask-token rule and its log line need of a tokenizer, without the tokenizer.
+
+    Extraction writes them into the cache (target/tokenizer_facts.json), so `train` never loads a tokenizer (which
+    costs ~5 s of imports). Example (SmolLM2): length 49152, mask_id None, special_ids 0..16, reserved_ids {0, 1, 2,
+    ...}, pad_id 2, eos_id 2, names {3: "<repo_name>", ...}.
+    """
+
+    length: int
+    """len(tokenizer)."""
+    mask_id: int | None
+    special_ids: tuple[int, ...]
+    reserved_ids: frozenset[int]
+    pad_id: int | None
+    eos_id: int | None
+    names: dict[int, str]
+    """Token strings of the special ids and of mask/pad/eos: the ids the rule can pick without an override."""
+
+    def candidates(self, embedding_rows: int) -> MaskTokenCandidates:
+        """The mask-token rule's input for an embedding of `embedding_rows` rows."""
+        return MaskTokenCandidates(
+            embedding_rows=embedding_rows,
+            tokenizer_len=self.length,
+            tokenizer_mask_id=self.mask_id,
+            special_ids=self.special_ids,
+            reserved_ids=self.reserved_ids,
+            pad_id=self.pad_id,
+            eos_id=self.eos_id,
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready dict (ids sorted, so equal facts give equal bytes)."""
+        return {
+            "length": self.length,
+            "mask_id": self.mask_id,
+            "special_ids": sorted(self.special_ids),
+            "reserved_ids": sorted(self.reserved_ids),
+            "pad_id": self.pad_id,
+            "eos_id": self.eos_id,
+            "names": {str(i): self.names[i] for i in sorted(self.names)},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> TokenizerFacts:
+        """The inverse of `to_dict`. Raises KeyError, TypeError or ValueError for a malformed dict."""
+
+        def opt(key: str) -> int | None:
+            value = d[key]
+            return None if value is None else int(value)  # type: ignore[call-overload]
+
+        names = d["names"]
+        if not isinstance(names, dict):
+            raise TypeError(f"names must be a dict, got {type(names).__name__}")
+        return cls(
+            length=int(d["length"]),  # type: ignore[call-overload]
+            mask_id=opt("mask_id"),
+            special_ids=tuple(int(i) for i in d["special_ids"]),  # type: ignore[attr-defined]
+            reserved_ids=frozenset(int(i) for i in d["reserved_ids"]),  # type: ignore[attr-defined]
+            pad_id=opt("pad_id"),
+            eos_id=opt("eos_id"),
+            names={int(k): str(v) for k, v in names.items()},
+        )
 
 
 @dataclass(frozen=True, slots=True)

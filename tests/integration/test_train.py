@@ -275,6 +275,22 @@ def test_start_prints_draft_vocabulary_coverage(tiny_cache: Path, tmp_path: Path
     ]
 
 
+def test_a_training_run_never_imports_transformers(tiny_cache: Path, tmp_path: Path) -> None:
+    """Training reads what it needs of the tokenizer from the cache (target/tokenizer_facts.json): a whole run,
+    export included, never imports transformers, whose import costs ~5 s of every start on 2 cores."""
+    import subprocess
+    import sys
+
+    argv = ["train", "--cache", str(tiny_cache), "--output", str(tmp_path / "run"), *SMALL, "--steps", "2"]
+    code = (
+        "import sys\nfrom peagle_pipeline.cli import main\n"
+        f"rc = main({argv!r})\nprint(rc, 'transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split()[-2:] == ["0", "False"], out.stderr[-2000:]
+    assert (tmp_path / "run" / "export" / "config.json").is_file()
+
+
 def _eval_records(out: Path) -> list[dict]:
     return [r for r in metrics.read_metrics(out) if r["kind"] == "eval"]
 

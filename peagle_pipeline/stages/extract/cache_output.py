@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import errno
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.layout import CacheMeta
@@ -19,6 +19,9 @@ from peagle_pipeline.core.target_init import target_init_layer
 from peagle_pipeline.errors import BadInput
 from peagle_pipeline.stages.extract.batch_plan import DEFAULT_LENGTH_WINDOW
 from peagle_pipeline.stages.extract.settings import forward_dtype, target_device
+
+if TYPE_CHECKING:
+    from peagle_pipeline.core.vocab import TokenizerFacts
 
 __all__ = ["build_meta", "target_source", "prepare_output", "raise_if_unwritable"]
 
@@ -76,9 +79,12 @@ def build_meta(
     )
 
 
-def target_source(model: str, init_layer: int | None = None) -> TargetSource:
-    """Where a cache's target/ comes from: the model's config and tokenizer files, and its pieces (read from its
-    safetensors only when target/ is written), with decoder layer `init_layer` for the draft's initialisation.
+def target_source(
+    model: str, init_layer: int | None = None, tokenizer_facts: TokenizerFacts | None = None
+) -> TargetSource:
+    """Where a cache's target/ comes from: the model's config and tokenizer files, its pieces (read from its
+    safetensors only when target/ is written), with decoder layer `init_layer` for the draft's initialisation, and
+    the facts of its tokenizer that training needs.
 
     Raises:
         BadInput: missing model directory or config.json.
@@ -90,12 +96,18 @@ def target_source(model: str, init_layer: int | None = None) -> TargetSource:
         files=tuple(model_dir.target_files(model)),
         load_pieces=lambda: model_dir.load_target_pieces_from_model(model, init_layer),
         init_layer=init_layer,
+        tokenizer_facts=tokenizer_facts,
     )
 
 
-def prepare_output(cfg: ExtractConfig, meta: CacheMeta, root: str | None = None) -> Path:
+def prepare_output(
+    cfg: ExtractConfig,
+    meta: CacheMeta,
+    root: str | None = None,
+    tokenizer_facts: TokenizerFacts | None = None,
+) -> Path:
     """Create or check the cache directory at cfg.output, or at `root` (an object store's staging directory)
-    (`cache.location.prepare_cache`).
+    (`cache.location.prepare_cache`); a new target/ keeps `tokenizer_facts`.
 
     Raises:
         OutputExists, IncompatibleCache, ResumeMismatch: see `prepare_cache`.
@@ -104,7 +116,9 @@ def prepare_output(cfg: ExtractConfig, meta: CacheMeta, root: str | None = None)
 
     settings = yaml.safe_dump({"extract": to_dict(cfg)}, sort_keys=False)
     init_layer = target_init_layer(meta.num_hidden_layers)
-    return prepare_cache(root or cfg.output, meta, settings, target_source(cfg.model, init_layer))
+    return prepare_cache(
+        root or cfg.output, meta, settings, target_source(cfg.model, init_layer, tokenizer_facts)
+    )
 
 
 def raise_if_unwritable(err: OSError, output: str) -> NoReturn:

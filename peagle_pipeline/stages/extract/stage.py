@@ -44,8 +44,10 @@ from peagle_pipeline.stages.extract.settings import (
     settle_auto,
     target_device,
 )
+from peagle_pipeline.stages.tokenizer_facts import tokenizer_facts
 
 if TYPE_CHECKING:
+    from peagle_pipeline.core.vocab import TokenizerFacts
     from peagle_pipeline.data.chat import ChatRenderer
 
 __all__ = ["run", "ExtractSummary"]
@@ -124,7 +126,7 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     if cfg.backend == "vllm":  # vLLM's own output: OUTPUT/vllm.log, a temporary file until the output exists
         vllm_log.route_to(place.local if place.remote is None and Path(place.local).is_dir() else None)
     backend = _start_new(run_cfg, Path(place.local), meta) if created else None
-    root, writer = _open_store(cfg, meta, place, rank, world, backend)
+    root, writer = _open_store(cfg, meta, place, rank, world, backend, tokenizer_facts(renderer.tokenizer))
     summary = ExtractSummary(output=cfg.output if place.remote is not None else str(root), store=writer.store)
     note = collapsed_layers_note(cfg, info.num_hidden_layers)
     summary.notes += [n for n in (note, length_note) if n] + split_notes(cfg.data, cfg.split)
@@ -178,12 +180,18 @@ def _place(output: str) -> _Place:
 
 
 def _open_store(
-    cfg: ExtractConfig, meta: CacheMeta, place: _Place, rank: int, world: int, backend: TargetBackend | None
+    cfg: ExtractConfig,
+    meta: CacheMeta,
+    place: _Place,
+    rank: int,
+    world: int,
+    backend: TargetBackend | None,
+    facts: TokenizerFacts,
 ) -> tuple[Path, CacheWriter]:
-    """Create or check the cache (pushed to the object store, if any) and open this rank's writer; a started
-    `backend` is closed if that fails."""
+    """Create or check the cache (pushed to the object store, if any; a new one keeps the tokenizer's `facts`) and
+    open this rank's writer; a started `backend` is closed if that fails."""
     try:
-        root = prepare_output(cfg, meta, root=place.local)
+        root = prepare_output(cfg, meta, root=place.local, tokenizer_facts=facts)
         if place.remote is not None:
             place.remote.push_root(meta)
         return root, CacheWriter(root, meta, rank, world, remote=place.remote).open()

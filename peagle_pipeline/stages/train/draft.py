@@ -192,28 +192,18 @@ def require_last_hidden(target: str, meta: Any, label: str) -> None:
 def choose_mask_token(cache: Any, embedding_rows: int, override: int | None) -> vocab.MaskTokenChoice:
     """The mask token of a draft trained on `cache` (SPEC §5.3), logged with the rule that chose it.
 
-    Uses the cache's tokenizer (special tokens, ids its chat template produces) and the counts of every token
-    in the cached samples, so a special token that occurs in the data is never chosen by rule.
+    Uses the cache's tokenizer facts (special tokens, ids its chat template produces; `stages.tokenizer_facts`)
+    and the counts of every token in the cached samples, so a special token that occurs in the data is never chosen
+    by rule.
     """
-    from peagle_pipeline.data.chat import template_token_ids
+    from peagle_pipeline.stages.tokenizer_facts import cache_tokenizer_facts
 
-    tok = cache.tokenizer()
-    reserved = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id}
-    special = [i for i, t in tok.added_tokens_decoder.items() if t.special]
-    candidates = vocab.MaskTokenCandidates(
-        embedding_rows=embedding_rows,
-        tokenizer_len=len(tok),
-        tokenizer_mask_id=tok.mask_token_id,
-        special_ids=tuple(sorted(special)),
-        reserved_ids=frozenset(i for i in reserved | template_token_ids(tok) if i is not None),
-        pad_id=tok.pad_token_id,
-        eos_id=tok.eos_token_id,
-    )
+    facts = cache_tokenizer_facts(cache)
+    candidates = facts.candidates(embedding_rows)
     choice = vocab.choose_mask_token_id(
         candidates, torch.from_numpy(cache.all_token_counts()), override=override
     )
-    name = tok.convert_ids_to_tokens(choice.token_id) if choice.token_id < len(tok) else "<unused row>"
-    log.debug("mask_token_id %d (%s): %s", choice.token_id, name, choice.rule)
+    log.debug("mask_token_id %d: %s", choice.token_id, choice.rule)
     if choice.warning:
         log.warning(choice.warning)
     return choice
@@ -244,7 +234,16 @@ def describe_vocab_coverage(cache: Any, dvocab: vocab.DraftVocab | None) -> str:
 
 def describe_mask_token(cache: Any, mask_token_id: int) -> str:
     """One line for the start of training: the mask token and how often it occurs in the cached samples."""
-    tok = cache.tokenizer()
-    name = tok.convert_ids_to_tokens(mask_token_id) if mask_token_id < len(tok) else "an unused embedding row"
     seen = int(cache.all_token_counts()[mask_token_id]) if mask_token_id < cache.meta.vocab_size else 0
-    return f"mask token: id {mask_token_id} ({name}), seen {seen} times in the cached samples"
+    return f"mask token: id {mask_token_id} ({_token_name(cache, mask_token_id)}), seen {seen} times in the cached samples"
+
+
+def _token_name(cache: Any, token_id: int) -> str:
+    """The token string of `token_id` from the cache's tokenizer facts (the tokenizer is loaded only for an id they
+    do not name: an explicit mask_token_id that is an ordinary token), or "an unused embedding row"."""
+    from peagle_pipeline.stages.tokenizer_facts import cache_tokenizer_facts
+
+    facts = cache_tokenizer_facts(cache)
+    if token_id >= facts.length:
+        return "an unused embedding row"
+    return facts.names.get(token_id) or str(cache.tokenizer().convert_ids_to_tokens(token_id))

@@ -178,8 +178,9 @@ def _check_same_cache(out: Path, saved: str, now: str, facts: dict[str, Any]) ->
 
 def write_run_files(cfg: TrainConfig, world: int, micro_steps: int, resumed: bool, total_steps: int) -> None:
     """Write train.yaml (the current settings) and append this start to run.json (argv, versions, total steps)."""
+    from importlib.metadata import version
+
     import torch
-    import transformers
     import yaml
 
     out = Path(cfg.output)
@@ -208,7 +209,7 @@ def write_run_files(cfg: TrainConfig, world: int, micro_steps: int, resumed: boo
             "versions": {
                 "peagle_pipeline": __version__,
                 "torch": torch.__version__,
-                "transformers": transformers.__version__,
+                "transformers": version("transformers"),  # not imported: training never needs it
                 "python": platform.python_version(),
             },
         }

@@ -154,6 +154,67 @@ def test_mask_token_override_and_rule(cache_dir: Path) -> None:
     )
 
 
+def test_the_cache_keeps_the_tokenizer_facts_and_old_caches_fall_back_to_the_tokenizer(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """Extraction writes target/tokenizer_facts.json (what the mask-token rule needs of the tokenizer); a cache
+    without it, or with it unreadable, gives the same facts and the same mask token from the tokenizer itself."""
+    import shutil
+
+    from peagle_pipeline.cache import layout
+    from peagle_pipeline.cache.target import parse_tokenizer_facts, tokenizer_facts_bytes
+    from peagle_pipeline.stages.tokenizer_facts import cache_tokenizer_facts, tokenizer_facts
+
+    cache = open_cache(cache_dir)
+    kept = cache.tokenizer_facts()
+    tok = cache.tokenizer()
+    assert kept is not None and kept == tokenizer_facts(tok)
+    assert kept.length == len(tok) and set(kept.special_ids) == {
+        i for i, t in tok.added_tokens_decoder.items() if t.special
+    }
+    assert tok.eos_token_id in kept.reserved_ids and kept.names[tok.eos_token_id] == tok.eos_token
+    assert parse_tokenizer_facts(tokenizer_facts_bytes(kept)) == kept
+    rows = int(cache.target_pieces()["embed_tokens.weight"].shape[0])
+    for damage in (None, b"{not json", b'{"length": 3}'):
+        old = tmp_path / f"old-{damage!r}"
+        shutil.copytree(cache_dir, old)
+        facts_file = old / layout.TARGET_DIR / layout.TOKENIZER_FACTS
+        if damage is None:
+            facts_file.unlink()
+        else:
+            facts_file.write_bytes(damage)
+        old_cache = open_cache(old)
+        assert old_cache.tokenizer_facts() is None and cache_tokenizer_facts(old_cache) == kept
+        for override in (None, 5, 100, tok.eos_token_id):
+            assert draft.choose_mask_token(old_cache, rows, override) == draft.choose_mask_token(
+                cache, rows, override
+            )
+    # a name the facts do not hold (an ordinary token as an explicit mask token) comes from the tokenizer
+    assert 100 not in kept.names
+    assert draft.describe_mask_token(cache, 100).startswith(
+        f"mask token: id 100 ({tok.convert_ids_to_tokens(100)}), seen"
+    )
+
+
+def test_tokenizer_facts_without_unused_rows_choose_the_first_unused_special_token() -> None:
+    """core.vocab's worked example (SmolLM2: tokenizer = embedding = 49152 rows, no mask token): rule 4 on the facts."""
+    facts = vocab.TokenizerFacts(
+        length=49152,
+        mask_id=None,
+        special_ids=tuple(range(17)),
+        reserved_ids=frozenset({0, 1, 2}),
+        pad_id=2,
+        eos_id=2,
+        names={3: "<repo_name>"},
+    )
+    assert vocab.TokenizerFacts.from_dict(facts.to_dict()) == facts
+    counts = torch.zeros(49152, dtype=torch.long)
+    choice = vocab.choose_mask_token_id(facts.candidates(49152), counts)
+    assert (choice.token_id, choice.rule) == (3, "the lowest unused special token")
+    counts[3] = 1  # seen in the data: the next one
+    assert vocab.choose_mask_token_id(facts.candidates(49152), counts).token_id == 4
+
+
 def test_vocab_coverage() -> None:
     counts = torch.tensor([5, 0, 3, 2])
     assert draft.vocab_coverage(counts, None) == (10, 10)
