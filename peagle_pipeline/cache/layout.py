@@ -73,9 +73,8 @@ CACHE_META = "cache.json"
 EXTRACT_YAML = "extract.yaml"
 TARGET_DIR = "target"
 PIECES_FILE = "pieces.safetensors"
-TOKENIZER_FACTS = (
-    "tokenizer_facts.json"  # absent in caches written before it existed: training loads the tokenizer
-)
+# absent in caches written before it existed: training then loads the tokenizer
+TOKENIZER_FACTS = "tokenizer_facts.json"
 STORES_DIR = "stores"
 MANIFEST = "manifest.json"
 SAMPLES_TABLE = "samples.parquet"

@@ -18,9 +18,8 @@ def tokenizer_facts(tok: Any) -> TokenizerFacts:
     rule (bos/eos/pad/unk and what the chat template writes) and the names of the ids the rule can pick."""
     from peagle_pipeline.data.chat import template_token_ids
 
-    reserved = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id} | template_token_ids(
-        tok
-    )
+    by_role = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id}
+    reserved = by_role | template_token_ids(tok)
     special = sorted(i for i, t in tok.added_tokens_decoder.items() if t.special)
     named = set(special) | {
         i for i in (tok.mask_token_id, tok.pad_token_id, tok.eos_token_id) if i is not None
