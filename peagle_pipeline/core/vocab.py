@@ -16,7 +16,6 @@ from peagle_pipeline.errors import BadInput
 __all__ = [
     "DraftVocab",
     "build_draft_vocab",
-    "MaskTokenCandidates",
     "TokenizerFacts",
     "MaskTokenChoice",
     "choose_mask_token_id",
@@ -80,23 +79,6 @@ def build_draft_vocab(token_counts: torch.Tensor, size: int) -> DraftVocab:
 
 
 @dataclass(frozen=True, slots=True)
-class MaskTokenCandidates:
-    """What the mask-token rule needs to know about the tokenizer and the data (SPEC §5.3)."""
-
-    embedding_rows: int
-    """Rows of the target's embedding matrix (V)."""
-    tokenizer_len: int
-    """len(tokenizer): ids at or above it are unused embedding rows."""
-    tokenizer_mask_id: int | None = None
-    special_ids: tuple[int, ...] = ()
-    """Ids of the tokenizer's special (added) tokens."""
-    reserved_ids: frozenset[int] = frozenset()
-    """bos/eos/pad/unk and every id the chat template itself produces: never a mask token by rule 4."""
-    pad_id: int | None = None
-    eos_id: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class TokenizerFacts:
     """What the mask-token rule and its log line need of a tokenizer, without the tokenizer.
 
@@ -106,26 +88,17 @@ class TokenizerFacts:
     """
 
     length: int
-    """len(tokenizer)."""
+    """len(tokenizer): ids at or above it are unused embedding rows."""
     mask_id: int | None
+    """The tokenizer's mask token, if it has one."""
     special_ids: tuple[int, ...]
+    """Ids of the tokenizer's special (added) tokens."""
     reserved_ids: frozenset[int]
+    """bos/eos/pad/unk and every id the chat template itself produces: never a mask token by rule 4."""
     pad_id: int | None
     eos_id: int | None
     names: dict[int, str]
     """Token strings of the special ids and of mask/pad/eos: the ids the rule can pick without an override."""
-
-    def candidates(self, embedding_rows: int) -> MaskTokenCandidates:
-        """The mask-token rule's input for an embedding of `embedding_rows` rows."""
-        return MaskTokenCandidates(
-            embedding_rows=embedding_rows,
-            tokenizer_len=self.length,
-            tokenizer_mask_id=self.mask_id,
-            special_ids=self.special_ids,
-            reserved_ids=self.reserved_ids,
-            pad_id=self.pad_id,
-            eos_id=self.eos_id,
-        )
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready dict (ids sorted, so equal facts give equal bytes)."""
@@ -171,7 +144,10 @@ class MaskTokenChoice:
 
 
 def choose_mask_token_id(
-    c: MaskTokenCandidates, token_counts: torch.Tensor | None = None, override: int | None = None
+    facts: TokenizerFacts,
+    embedding_rows: int,
+    token_counts: torch.Tensor | None = None,
+    override: int | None = None,
 ) -> MaskTokenChoice:
     """The token fed at every depth >= 1 slot (SPEC §5.3); its embedding row is trained as the mask embedding.
 
@@ -183,7 +159,8 @@ def choose_mask_token_id(
     reserved (bos/eos/pad and ChatML's <|im_start|>/<|im_end|>) -> id 3 (`<repo_name>`) unless the data holds it.
 
     Args:
-        c: tokenizer facts (see MaskTokenCandidates).
+        facts: the tokenizer's facts (TokenizerFacts).
+        embedding_rows: rows of the target's embedding matrix (V).
         token_counts: Int/LongTensor[V] of every token in the data (context and supervised), or None (unknown:
             rule 4 is skipped).
         override: an explicit `mask_token_id` setting.
@@ -191,7 +168,7 @@ def choose_mask_token_id(
     Raises:
         BadInput: the override is outside the embedding, or no candidate exists.
     """
-    rows = c.embedding_rows
+    rows = embedding_rows
     counts = None if token_counts is None else torch.as_tensor(token_counts).to(torch.long)
     if override is not None:
         if not 0 <= override < rows:
@@ -205,15 +182,19 @@ def choose_mask_token_id(
             if seen and counts is not None
             else None,
         )
-    if c.tokenizer_mask_id is not None and 0 <= c.tokenizer_mask_id < rows:
-        return MaskTokenChoice(int(c.tokenizer_mask_id), "the tokenizer's mask token")
-    if c.tokenizer_len < rows:
-        return MaskTokenChoice(int(c.tokenizer_len), "the first unused embedding row")
+    if facts.mask_id is not None and 0 <= facts.mask_id < rows:
+        return MaskTokenChoice(int(facts.mask_id), "the tokenizer's mask token")
+    if facts.length < rows:
+        return MaskTokenChoice(int(facts.length), "the first unused embedding row")
     if counts is not None:
-        for tid in sorted(set(c.special_ids)):
-            if 0 <= tid < min(rows, counts.numel()) and tid not in c.reserved_ids and int(counts[tid]) == 0:
+        for tid in sorted(set(facts.special_ids)):
+            if (
+                0 <= tid < min(rows, counts.numel())
+                and tid not in facts.reserved_ids
+                and int(counts[tid]) == 0
+            ):
                 return MaskTokenChoice(int(tid), "the lowest unused special token")
-    for name, fallback in (("pad", c.pad_id), ("eos", c.eos_id)):
+    for name, fallback in (("pad", facts.pad_id), ("eos", facts.eos_id)):
         if fallback is not None and 0 <= fallback < rows:
             return MaskTokenChoice(
                 int(fallback),

@@ -198,10 +198,11 @@ def choose_mask_token(cache: Any, embedding_rows: int, override: int | None) -> 
     """
     from peagle_pipeline.stages.tokenizer_facts import cache_tokenizer_facts
 
-    facts = cache_tokenizer_facts(cache)
-    candidates = facts.candidates(embedding_rows)
     choice = vocab.choose_mask_token_id(
-        candidates, torch.from_numpy(cache.all_token_counts()), override=override
+        cache_tokenizer_facts(cache),
+        embedding_rows,
+        torch.from_numpy(cache.all_token_counts()),
+        override=override,
     )
     log.debug("mask_token_id %d: %s", choice.token_id, choice.rule)
     if choice.warning:

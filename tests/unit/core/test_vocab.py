@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from peagle_pipeline.core.vocab import MaskTokenCandidates, build_draft_vocab, choose_mask_token_id
+from peagle_pipeline.core.vocab import TokenizerFacts, build_draft_vocab, choose_mask_token_id
 from peagle_pipeline.errors import BadInput
 
 
@@ -33,41 +33,44 @@ def test_bad_sizes():
         build_draft_vocab(torch.zeros(2, 2), 1)
 
 
-def _candidates(**kw):
-    base = dict(embedding_rows=512, tokenizer_len=512, pad_id=3, eos_id=1)
+def _facts(**kw):
+    """Facts of a 512-token tokenizer (pad 3, eos 1, no mask or special tokens) with the given fields changed."""
+    base = dict(
+        length=512, mask_id=None, special_ids=(), reserved_ids=frozenset(), pad_id=3, eos_id=1, names={}
+    )
     base.update(kw)
-    return MaskTokenCandidates(**base)
+    return TokenizerFacts(**base)
 
 
 def test_mask_token_rule_order():
     counts = torch.zeros(512, dtype=torch.long)
     # (1) explicit setting, (2) tokenizer mask token, (3) first unused embedding row
-    assert choose_mask_token_id(_candidates(tokenizer_mask_id=7), counts, override=9).token_id == 9
-    assert choose_mask_token_id(_candidates(tokenizer_mask_id=7), counts).token_id == 7
-    assert choose_mask_token_id(_candidates(tokenizer_len=400), counts).token_id == 400
+    assert choose_mask_token_id(_facts(mask_id=7), 512, counts, override=9).token_id == 9
+    assert choose_mask_token_id(_facts(mask_id=7), 512, counts).token_id == 7
+    assert choose_mask_token_id(_facts(length=400), 512, counts).token_id == 400
     # (4) lowest special token that is not reserved and never occurs in the data
-    c = _candidates(special_ids=(0, 1, 2, 5, 6, 8), reserved_ids=frozenset({0, 1, 2}))
-    choice = choose_mask_token_id(c, counts)
+    c = _facts(special_ids=(0, 1, 2, 5, 6, 8), reserved_ids=frozenset({0, 1, 2}))
+    choice = choose_mask_token_id(c, 512, counts)
     assert (choice.token_id, choice.warning) == (5, None) and "special" in choice.rule
     counts[5] = 1  # seen in a sample (context or supervised): not a mask token
-    assert choose_mask_token_id(c, counts).token_id == 6
+    assert choose_mask_token_id(c, 512, counts).token_id == 6
     counts[6] = 4
-    assert choose_mask_token_id(c, counts).token_id == 8
+    assert choose_mask_token_id(c, 512, counts).token_id == 8
 
 
 def test_mask_token_falls_back_to_pad_then_eos_with_a_warning():
     counts = torch.ones(512, dtype=torch.long)  # every special token occurs in the data
-    choice = choose_mask_token_id(_candidates(special_ids=(5,)), counts)
+    choice = choose_mask_token_id(_facts(special_ids=(5,)), 512, counts)
     assert choice.token_id == 3 and "pad" in choice.warning
-    choice = choose_mask_token_id(_candidates(pad_id=None), None)  # counts unknown: rule 4 is skipped
+    choice = choose_mask_token_id(_facts(pad_id=None), 512, None)  # counts unknown: rule 4 is skipped
     assert choice.token_id == 1 and "eos" in choice.warning
     with pytest.raises(BadInput):
-        choose_mask_token_id(_candidates(pad_id=None, eos_id=None), counts)
+        choose_mask_token_id(_facts(pad_id=None, eos_id=None), 512, counts)
 
 
 def test_mask_token_override_is_checked_and_warned_when_seen():
     counts = torch.zeros(512, dtype=torch.long)
     counts[9] = 2
-    assert "occurs 2 times" in choose_mask_token_id(_candidates(), counts, override=9).warning
+    assert "occurs 2 times" in choose_mask_token_id(_facts(), 512, counts, override=9).warning
     with pytest.raises(BadInput):
-        choose_mask_token_id(_candidates(), counts, override=512)
+        choose_mask_token_id(_facts(), 512, counts, override=512)

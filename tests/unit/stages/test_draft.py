@@ -209,10 +209,10 @@ def test_tokenizer_facts_without_unused_rows_choose_the_first_unused_special_tok
     )
     assert vocab.TokenizerFacts.from_dict(facts.to_dict()) == facts
     counts = torch.zeros(49152, dtype=torch.long)
-    choice = vocab.choose_mask_token_id(facts.candidates(49152), counts)
+    choice = vocab.choose_mask_token_id(facts, 49152, counts)
     assert (choice.token_id, choice.rule) == (3, "the lowest unused special token")
     counts[3] = 1  # seen in the data: the next one
-    assert vocab.choose_mask_token_id(facts.candidates(49152), counts).token_id == 4
+    assert vocab.choose_mask_token_id(facts, 49152, counts).token_id == 4
 
 
 def test_vocab_coverage() -> None:
