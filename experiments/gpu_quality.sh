@@ -107,7 +107,7 @@ PYEOF
   carry_check
 }
 
-pack_gguf() {  # here: the GGUF xz-compressed (11 % smaller) and cut where stage-a's and go's carries are equal
+pack_gguf() {  # here: the GGUF xz-compressed (8 % smaller) and cut where stage-a's and go's carries are equal
   local gguf=$1 packed=.gpu/gguf.xz size cut
   rm -f .gpu/a/gguf.* .gpu/b/gguf.*
   xz -9 -T2 -c "$gguf" >"$packed" && sha256sum "$gguf" | cut -d' ' -f1 >.gpu/a/gguf.sha256 || return 1
