@@ -143,6 +143,21 @@ class MaskTokenChoice:
     warning: str | None = None
 
 
+def _chosen_by_setting(override: int, rows: int, counts: torch.Tensor | None) -> MaskTokenChoice:
+    """Rule 1: the `mask_token_id` setting, with a warning when the data holds it (counts: LongTensor[V] or None)."""
+    if not 0 <= override < rows:
+        raise BadInput(f"mask_token_id {override} is outside the target vocabulary (0..{rows - 1})")
+    seen = counts is not None and override < counts.numel() and int(counts[override]) > 0
+    return MaskTokenChoice(
+        int(override),
+        "the mask_token_id setting",
+        f"mask_token_id {override} occurs {int(counts[override])} times in the data; its embedding will "
+        "serve both as a real token and as the mask"
+        if seen and counts is not None
+        else None,
+    )
+
+
 def choose_mask_token_id(
     facts: TokenizerFacts,
     embedding_rows: int,
@@ -171,17 +186,7 @@ def choose_mask_token_id(
     rows = embedding_rows
     counts = None if token_counts is None else torch.as_tensor(token_counts).to(torch.long)
     if override is not None:
-        if not 0 <= override < rows:
-            raise BadInput(f"mask_token_id {override} is outside the target vocabulary (0..{rows - 1})")
-        seen = counts is not None and override < counts.numel() and int(counts[override]) > 0
-        return MaskTokenChoice(
-            int(override),
-            "the mask_token_id setting",
-            f"mask_token_id {override} occurs {int(counts[override])} times in the data; its embedding will "
-            "serve both as a real token and as the mask"
-            if seen and counts is not None
-            else None,
-        )
+        return _chosen_by_setting(override, rows, counts)
     if facts.mask_id is not None and 0 <= facts.mask_id < rows:
         return MaskTokenChoice(int(facts.mask_id), "the tokenizer's mask token")
     if facts.length < rows:
