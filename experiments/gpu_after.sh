@@ -45,7 +45,7 @@ done
 [[ -f $EXPORT/sha256 && -f $EXPORT/config.json ]] || { say "error: no call brought back the export's sha256 and config.json"; exit 1; }
 parts=$(find "$EXPORT" -name 'model.safetensors.part*' | wc -l)
 # the parts in their order (part0 .. part9, then part10 ..): split numbered them with one digit
-find "$EXPORT" -name 'model.safetensors.part*' | sort -V | xargs cat >"$EXPORT/model.safetensors"
+find "$EXPORT" -name 'model.safetensors.part*' | sort -V | xargs -r cat >"$EXPORT/model.safetensors"
 want=$(cut -d' ' -f1 "$EXPORT/sha256")
 got=$(sha256sum "$EXPORT/model.safetensors" | cut -d' ' -f1)
 if [[ $got != "$want" ]]; then

@@ -88,6 +88,12 @@ def test_a_missing_or_damaged_part_stops_in_one_line(tmp_path: Path) -> None:
     part.write_bytes(b"\0" + part.read_bytes()[1:])
     assert _after(repo, str(repo / "r"), f"go1={go1}", f"go2={go2}").returncode == 1
 
+    bare = tmp_path / "files" / "bare"  # config and checksum, no part at all (go 540 ended before the export)
+    bare.mkdir()
+    for name in ("sha256", "config.json"):
+        shutil.copy(go1 / name, bare)
+    assert _after(repo, str(repo / "r"), f"go1={bare}").returncode == 1
+
     no_dir = _after(repo, str(repo / "r"), f"go1={tmp_path / 'nowhere'}")
     assert no_dir.returncode == 2 and "no folder" in no_dir.stdout
     assert _after(repo, str(repo / "r"), "go1").returncode == 2  # not CALL=DIR
