@@ -109,7 +109,8 @@ PYEOF
 
 pack_gguf() {  # here: the GGUF xz-compressed (8 % smaller) and cut where stage-a's and go's carries are equal
   local gguf=$1 packed=.gpu/gguf.xz size cut
-  rm -f .gpu/a/gguf.* .gpu/b/gguf.*
+  [[ -f $gguf && -d .whl ]] || { say "error: pack-gguf needs the GGUF ($gguf) and .whl (assets makes both)"; return 2; }
+  mkdir -p .gpu/a .gpu/b && rm -f .gpu/a/gguf.* .gpu/b/gguf.*
   xz -9 -T2 -c "$gguf" >"$packed" && sha256sum "$gguf" | cut -d' ' -f1 >.gpu/a/gguf.sha256 || return 1
   size=$(stat -c %s "$packed")
   # stage-a carries .gpu/a and .whl, go .gpu/b: part0 + .whl = part1 + the rest of .gpu/b
@@ -370,7 +371,7 @@ gen_bench() {  # there, after stage-a, carrying .gpu/b: the HF generate stage vs
 case ${1:-} in
   assets) assets ;;
   carry) carry_check ;;
-  pack-gguf) pack_gguf "$2" ;;
+  pack-gguf) pack_gguf "${2:-}" ;;
   unpack-gguf) unpack_gguf ;;
   stage-a) stage_a ;;
   gen-bench) gen_bench ;;
