@@ -83,9 +83,9 @@ test-vllm: setup-vllm demo-assets bytecode
 	$(VLLM_PY) -m pytest -q -n $(TEST_WORKERS) tests/vllm $(PYTEST_ARGS)
 
 # The bytecode of this checkout's modules (an editable install: pip compiles only site-packages). Where
-# PYTHONDONTWRITEBYTECODE is set (containers, this project's CI machines), Python never caches it, and every CLI
-# process a test starts compiles the modules it imports again: about 0.5 s of CPU each. Only changed files are
-# compiled; both envs run the same Python, so they share it.
+# PYTHONDONTWRITEBYTECODE is set (containers; this project's development machines), Python never caches it, and
+# every CLI process a test starts compiles the modules it imports again: about 0.5 s of CPU each. Only changed
+# files are compiled; both envs run the same Python, so they share it.
 bytecode: setup
 	$(PY) -m compileall -q peagle_pipeline bench scripts experiments
 
