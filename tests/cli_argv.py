@@ -1,13 +1,101 @@
-"""Helpers for tests that run the real CLI as a subprocess (run to completion, Popen + kill -9, torchrun)."""
+"""Helpers for tests that run the real CLI as a subprocess (run to completion, Popen + kill -9, torchrun).
+
+Runs to completion go through `fast_cli`: a child of a fork server that has done the CLI's imports once
+(tests/zygote.py), about 5 s of CPU saved a run; runs a test kills, signals by process group or limits between fork
+and exec start a fresh interpreter (`PEAGLE` itself). PEAGLE_TEST_FORK_SERVER=0 starts every run fresh.
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 PEAGLE = [sys.executable, "-m", "peagle_pipeline.cli"]
 """`peagle-pipeline` run with this interpreter: PEAGLE + ["train", ...]."""
+
+ZYGOTE = Path(__file__).resolve().parent / "zygote.py"
+FORK_SERVER_ENV = "PEAGLE_TEST_FORK_SERVER"
+"""Set to 0 to start every CLI run as a fresh interpreter instead of a child of the fork server."""
+_RUNTIME_ONLY = ("PEAGLE_", "AWS_", "PYTEST_CURRENT_TEST", "PATH")
+"""Variables read when a command runs, never while the server imports: a server serves every value of them."""
+_MAX_SERVERS = 3
+"""Servers kept per test process (one per import-time environment in use; the tests use two or three)."""
+_servers: dict[tuple[tuple[str, str], ...], tuple[subprocess.Popen[str], str]] = {}
+
+
+def _server_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, v) for k, v in env.items() if not k.startswith(_RUNTIME_ONLY)))
+
+
+def _server_for(env: dict[str, str]) -> str | None:
+    """The socket of a running fork server (tests/zygote.py) that imported under `env`'s import-time variables;
+    started on first use, one per such environment and test process. None if it cannot start (then the run starts
+    a fresh interpreter, only slower)."""
+    key = _server_key(env)
+    if key in _servers and _servers[key][0].poll() is None:
+        return _servers[key][1]
+    socket_path = os.path.join(tempfile.mkdtemp(prefix="peagle-zygote-"), "socket")
+    server_env = {k: v for k, v in env.items() if not k.startswith(_RUNTIME_ONLY)}
+    server = subprocess.Popen(
+        [sys.executable, str(ZYGOTE), "serve", socket_path],
+        env=server_env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    if not (server.stdout and server.stdout.readline().startswith("ready")):
+        server.kill()
+        print(
+            f"tests: the fork server did not start (exit {server.wait()}); CLI runs start fresh",
+            file=sys.stderr,
+        )
+        return None
+    _servers[key] = (server, socket_path)
+    while len(_servers) > _MAX_SERVERS:  # the oldest goes (each holds about 1 GB)
+        _stop(*_servers.pop(next(iter(_servers))))
+    return socket_path
+
+
+def _stop(server: subprocess.Popen[str], socket_path: str) -> None:
+    server.kill()
+    server.wait()
+    shutil.rmtree(os.path.dirname(socket_path), ignore_errors=True)
+
+
+def fork_server_pids() -> list[int]:
+    """Pids of this process's running fork servers."""
+    return [server.pid for server, _ in _servers.values() if server.poll() is None]
+
+
+@atexit.register
+def _stop_servers() -> None:
+    for server, socket_path in _servers.values():
+        _stop(server, socket_path)
+
+
+def fast_cli(argv: list[str], env: dict[str, str]) -> list[str]:
+    """`argv` of a run to completion under `env`, made to run as a child of the fork server when it is PEAGLE + args
+    and the server can run (the child is a real process of the real CLI, its imports already done: tests/zygote.py).
+    Anything else is returned unchanged."""
+    if argv[: len(PEAGLE)] != PEAGLE or os.environ.get(FORK_SERVER_ENV) == "0" or sys.platform != "linux":
+        return argv
+    socket_path = _server_for(env)
+    if socket_path is None:
+        return argv
+    return [sys.executable, str(ZYGOTE), "run", socket_path, *argv[len(PEAGLE) :]]
+
+
+def run_to_end(
+    argv: list[str], env: dict[str, str], timeout: float | None = 300
+) -> subprocess.CompletedProcess[str]:
+    """`argv` (PEAGLE + args) run to completion under `env` through the fork server (`fast_cli`), output captured
+    as text."""
+    return subprocess.run(fast_cli(argv, env), env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def extract_argv(model: object, data: object, out: object, *extra: str) -> list[str]:
@@ -43,7 +131,7 @@ def run_peagle(
     full_env = dict(os.environ if env is None else env)
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.pop("PEAGLE_DEBUG", None)
-    proc = subprocess.run([*PEAGLE, *args], capture_output=True, text=True, env=full_env, timeout=timeout)
+    proc = run_to_end([*PEAGLE, *args], full_env, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"peagle-pipeline {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"

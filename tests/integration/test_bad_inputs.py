@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 from cache_compare import assert_same_cache
-from cli_argv import PEAGLE, run_peagle
+from cli_argv import PEAGLE, run_peagle, run_to_end
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
@@ -356,9 +356,11 @@ def test_bad_input(
         finally:
             read_only.chmod(0o755)
         assert not any(read_only.iterdir()), "a command refused for a read-only output wrote into it"
-    else:
-        preexec = _limit_file_size(int(exp["fsize_limit"])) if mode == "rlimit_fsize" else None
+    elif mode == "rlimit_fsize":  # the limit is set between fork and exec: a fresh interpreter
+        preexec = _limit_file_size(int(exp["fsize_limit"]))
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, preexec_fn=preexec)
+    else:
+        proc = run_to_end(argv, env)
 
     report = f"{case}: exit {proc.returncode}\nstdout: {proc.stdout[-2000:]}\nstderr: {proc.stderr[-3000:]}"
     assert proc.returncode == exp["exit_code"], report
@@ -389,7 +391,7 @@ def test_bad_input(
             assert len(partial.samples) > 0 and verify_cache(partial) == [
                 f"{STORE}: incomplete ({len(partial.samples)} samples committed); re-run extract to finish it"
             ]
-        again = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        again = run_to_end(argv, env)
         assert again.returncode == 0, again.stderr[-3000:]
         assert_same_cache(tiny_cache, out)
         assert verify_cache(open_cache(out)) == []

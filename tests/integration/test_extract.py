@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cache_compare import assert_same_cache
-from cli_argv import PEAGLE, extract_argv
+from cli_argv import PEAGLE, extract_argv, run_to_end
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.location import recorded_length_window
@@ -70,17 +70,11 @@ def extract(
     cmd = extract_argv(model, data, out, *SMALL, *extra)
     if not wait:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return run_to_end(cmd, env)
 
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*PEAGLE, *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_to_end([*PEAGLE, *args], env, timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import fsspec
 import numpy as np
 import pytest
 from cache_compare import assert_same_cache
-from cli_argv import PEAGLE, extract_argv, small_train_flags
+from cli_argv import PEAGLE, extract_argv, run_to_end, small_train_flags
 
 from peagle_pipeline import cli
 from peagle_pipeline.cache import layout
@@ -385,12 +385,9 @@ def test_a_slow_server_gives_the_same_cache(
     proxy = _Proxy(s3_server.port, delay_s=0.03)
     env = _env(s3_server, AWS_ENDPOINT_URL=proxy.endpoint)
     try:
-        done = subprocess.run(extract_argv(tiny_model, conversations, url, *SETTINGS), env=env,
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        done = run_to_end(extract_argv(tiny_model, conversations, url, *SETTINGS), env)
         assert done.returncode == 0, done.stderr[-2000:]
-        checked = subprocess.run(
-            [*PEAGLE, "verify", url], env=env, capture_output=True, text=True, timeout=300
-        )
+        checked = run_to_end([*PEAGLE, "verify", url], env)
     finally:
         proxy.down()
     assert checked.returncode == 0, checked.stderr[-2000:]
@@ -498,7 +495,7 @@ def test_training_stops_in_one_line_when_the_store_goes_away_and_resumes(
     ]
     assert 5 <= steps[-1] < 400
     proxy.up()
-    done = subprocess.run([*argv, "--resume"], env=env, capture_output=True, text=True, timeout=600)
+    done = run_to_end([*argv, "--resume"], env, timeout=600)
     proxy.down()
     assert done.returncode == 0, done.stderr[-2000:]
     final = [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from cache_compare import assert_same_cache
-from cli_argv import PEAGLE, small_train_flags
+from cli_argv import PEAGLE, run_to_end, small_train_flags
 from safetensors.torch import load_file
 
 from peagle_pipeline.cache import layout
@@ -120,9 +120,7 @@ def test_extract_stops_on_sigterm_and_sigint_and_resumes_to_the_same_bytes(
     tiny_model: Path, conversations: Path, tmp_path: Path
 ) -> None:
     ref, out = tmp_path / "ref", tmp_path / "out"
-    done = subprocess.run(
-        _extract_cmd(tiny_model, conversations, ref), env=_env(), capture_output=True, text=True
-    )
+    done = run_to_end(_extract_cmd(tiny_model, conversations, ref), _env(), timeout=None)
     assert done.returncode == 0, done.stderr[-2000:]
     rng, stops = random.Random(SEED), 0
     for i in range(STOPS):
@@ -145,9 +143,7 @@ def test_extract_stops_on_sigterm_and_sigint_and_resumes_to_the_same_bytes(
         assert f": {man['committed_samples']} samples of {layout.store_name(0, 1)} are committed" in line, (
             line
         )
-    final = subprocess.run(
-        _extract_cmd(tiny_model, conversations, out), env=_env(), capture_output=True, text=True
-    )
+    final = run_to_end(_extract_cmd(tiny_model, conversations, out), _env(), timeout=None)
     assert final.returncode == 0, final.stderr[-2000:]
     assert stops >= 2, f"only {stops} stops landed before the extraction finished"
     assert_same_cache(ref, out)
@@ -187,9 +183,7 @@ def test_generate_stops_on_sigterm_and_sigint_and_resumes_to_the_same_bytes(
     tiny_stop_model: Path, conversations: Path, tmp_path: Path
 ) -> None:
     ref, out = tmp_path / "ref", tmp_path / "out"
-    done = subprocess.run(
-        _generate_cmd(tiny_stop_model, conversations, ref), env=_env(), capture_output=True, text=True
-    )
+    done = run_to_end(_generate_cmd(tiny_stop_model, conversations, ref), _env(), timeout=None)
     assert done.returncode == 0, done.stderr[-2000:]
     rng, stops = random.Random(SEED + 2), 0
     for i in range(STOPS):
@@ -211,9 +205,7 @@ def test_generate_stops_on_sigterm_and_sigint_and_resumes_to_the_same_bytes(
         stops += 1
         st = _state(out)
         assert not st["complete"] and f": {st['rows']} rows of {rows_file(0, 1)} are committed" in line, line
-    final = subprocess.run(
-        _generate_cmd(tiny_stop_model, conversations, out), env=_env(), capture_output=True, text=True
-    )
+    final = run_to_end(_generate_cmd(tiny_stop_model, conversations, out), _env(), timeout=None)
     assert final.returncode == 0, final.stderr[-2000:]
     assert stops >= 2, f"only {stops} stops landed before generation finished"
     for name in (rows_file(0, 1), rejects_file(0, 1), state_file(0, 1)):
@@ -242,7 +234,7 @@ def test_train_stops_on_sigterm_and_sigint_saves_and_resumes_exactly(
     """save_every is past the end: every checkpoint but the last is written by a stop (a DataLoader worker runs and
     gets the signal too, as under SLURM, and must not break the stop)."""
     ref, out = tmp_path / "ref", tmp_path / "run"
-    done = subprocess.run(_train_cmd(tiny_cache, ref), env=_env(), capture_output=True, text=True)
+    done = run_to_end(_train_cmd(tiny_cache, ref), _env(), timeout=None)
     assert done.returncode == 0, done.stderr[-2000:]
     rng, stops = random.Random(SEED + 3), 0
     for i in range(STOPS):
@@ -257,9 +249,7 @@ def test_train_stops_on_sigterm_and_sigint_saves_and_resumes_exactly(
         stopped = int(line.split(" at step ")[1].split()[0])
         assert f"checkpoint step-{stopped} saved" in line and "--resume" in line, line
         assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{stopped:08d}"
-    final = subprocess.run(
-        _train_cmd(tiny_cache, out, "--resume"), env=_env(), capture_output=True, text=True
-    )
+    final = run_to_end(_train_cmd(tiny_cache, out, "--resume"), _env(), timeout=None)
     assert final.returncode == 0, final.stderr[-2000:]
     assert stops >= 2, f"only {stops} stops landed before training finished"
     name = f"step-{STEPS:08d}"

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cli_argv import PEAGLE, run_peagle, small_train_flags
+from cli_argv import PEAGLE, fast_cli, run_peagle, small_train_flags
 
 pytestmark = pytest.mark.slow
 
@@ -42,9 +42,11 @@ def _capped(limit: int):  # type: ignore[no-untyped-def]
 
 
 def _run(argv: list[str], limit: int | None = None) -> subprocess.CompletedProcess[str]:
+    """`peagle-pipeline ARGV` to completion; with a file-size limit, set between fork and exec of a fresh one."""
+    env = _env()
     return subprocess.run(
-        [*PEAGLE, *argv],
-        env=_env(),
+        [*PEAGLE, *argv] if limit else fast_cli([*PEAGLE, *argv], env),
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,

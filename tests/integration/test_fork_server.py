@@ -1,0 +1,108 @@
+"""The tests' fork server (tests/zygote.py): a CLI run through it is the run a fresh interpreter gives, and it ends
+when its caller ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from cli_argv import FORK_SERVER_ENV, PEAGLE, extract_argv, fast_cli, fork_server_pids
+
+from peagle_pipeline.cache import layout
+from peagle_pipeline.cache.writer import SLEEP_ENV
+
+pytestmark = pytest.mark.skipif(os.environ.get(FORK_SERVER_ENV) == "0", reason="fork server turned off")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", **extra)
+    env.pop("PEAGLE_DEBUG", None)
+    return env
+
+
+def _children_of(pid: int) -> list[int]:
+    """Live processes whose parent is `pid` (from /proc/*/stat)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--version"],
+        ["train", "--help"],
+        ["inspect", "/nonexistent/cache"],
+        ["train", "--cache", "c", "--output", "o", "--lr", "-1"],
+        ["extract", "--no-such-flag"],
+    ],
+    ids=["version", "help", "not-a-cache", "bad-setting", "usage-error"],
+)
+def test_a_run_through_the_server_prints_and_exits_as_a_fresh_one(args: list[str], tmp_path: Path) -> None:
+    env = _env()
+    forked_argv = fast_cli([*PEAGLE, *args], env)
+    assert forked_argv[:3] != PEAGLE  # it did go through the server
+    fresh = subprocess.run(
+        [*PEAGLE, *args], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
+    forked = subprocess.run(forked_argv, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+
+
+def _start_slow_extraction(
+    tiny_model: Path, conversations: Path, out: Path, sleep_s: float
+) -> subprocess.Popen[str]:
+    """An extraction through the server that sleeps `sleep_s` at each commit; returned once its first commit, not
+    its last, is on disk."""
+    env = _env(**{SLEEP_ENV: str(sleep_s)})
+    argv = extract_argv(tiny_model, conversations, out, "--dtype", "fp32", "--shard-tokens", "2048")
+    client = subprocess.Popen(
+        fast_cli([*argv, "--chunk-tokens", "256"], env),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (manifests := list((out / layout.STORES_DIR).glob(f"*/{layout.MANIFEST}"))):
+        assert client.poll() is None, client.communicate()
+        assert time.monotonic() < deadline, "no commit within 120 s"
+        time.sleep(0.05)
+    assert not json.loads(manifests[0].read_text())["complete"]
+    return client
+
+
+def test_the_run_dies_with_its_client(tiny_model: Path, conversations: Path, tmp_path: Path) -> None:
+    """A test's timeout kills the client: the CLI child must not run on beside the next test."""
+    client = _start_slow_extraction(tiny_model, conversations, tmp_path / "out", sleep_s=30.0)
+    runs = {child for server in fork_server_pids() for child in _children_of(server)}
+    assert runs, "no CLI child under the fork server"
+    client.kill()
+    client.wait()
+    deadline = time.monotonic() + 5  # the run itself sleeps 30 s at its next commit
+    while runs & {child for server in fork_server_pids() for child in _children_of(server)}:
+        assert time.monotonic() < deadline, "the CLI child outlived its client by 5 s"
+        time.sleep(0.05)
+
+
+def test_ctrl_c_reaches_the_run(tiny_model: Path, conversations: Path, tmp_path: Path) -> None:
+    """SIGINT sent to the client stops the CLI child the way Ctrl-C stops the CLI: one line, exit 130."""
+    client = _start_slow_extraction(tiny_model, conversations, tmp_path / "out", sleep_s=1.0)
+    client.send_signal(signal.SIGINT)
+    _, stderr = client.communicate(timeout=120)
+    assert client.returncode == 130, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and "Traceback" not in stderr, stderr
