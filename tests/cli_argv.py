@@ -26,6 +26,7 @@ _RUNTIME_ONLY = ("PEAGLE_", "AWS_", "PYTEST_CURRENT_TEST", "PATH")
 _MAX_SERVERS = 3
 """Servers kept per test process (one per import-time environment in use; the tests use two or three)."""
 _servers: dict[tuple[tuple[str, str], ...], tuple[subprocess.Popen[str], str]] = {}
+_unstartable: set[tuple[tuple[str, str], ...]] = set()
 
 
 def _server_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
@@ -39,6 +40,8 @@ def _server_for(env: dict[str, str]) -> str | None:
     key = _server_key(env)
     if key in _servers and _servers[key][0].poll() is None:
         return _servers[key][1]
+    if key in _unstartable:
+        return None
     socket_path = os.path.join(tempfile.mkdtemp(prefix="peagle-zygote-"), "socket")
     server_env = {k: v for k, v in env.items() if not k.startswith(_RUNTIME_ONLY)}
     server = subprocess.Popen(
@@ -54,6 +57,7 @@ def _server_for(env: dict[str, str]) -> str | None:
             f"tests: the fork server did not start (exit {server.wait()}); CLI runs start fresh",
             file=sys.stderr,
         )
+        _unstartable.add(key)
         return None
     _servers[key] = (server, socket_path)
     while len(_servers) > _MAX_SERVERS:  # the oldest goes (each holds about 1 GB)
@@ -96,6 +100,26 @@ def run_to_end(
     """`argv` (PEAGLE + args) run to completion under `env` through the fork server (`fast_cli`), output captured
     as text."""
     return subprocess.run(fast_cli(argv, env), env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (torchrun starts each rank in a session of its own; the fork server's
+    runs are its children)."""
+    parent: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, todo = [], [pid]
+    while todo:
+        top = todo.pop()
+        kids = [c for c, p in parent.items() if p == top]
+        found += kids
+        todo += kids
+    return found
 
 
 def extract_argv(model: object, data: object, out: object, *extra: str) -> list[str]:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_argv import FORK_SERVER_ENV, PEAGLE, extract_argv, fast_cli, fork_server_pids
+from cli_argv import FORK_SERVER_ENV, PEAGLE, descendants, extract_argv, fast_cli, fork_server_pids
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.writer import SLEEP_ENV
@@ -23,21 +23,6 @@ def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", **extra)
     env.pop("PEAGLE_DEBUG", None)
     return env
-
-
-def _children_of(pid: int) -> list[int]:
-    """Live processes whose parent is `pid` (from /proc/*/stat)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.append(int(entry.name))
-    return found
 
 
 @pytest.mark.parametrize(
@@ -88,12 +73,12 @@ def _start_slow_extraction(
 def test_the_run_dies_with_its_client(tiny_model: Path, conversations: Path, tmp_path: Path) -> None:
     """A test's timeout kills the client: the CLI child must not run on beside the next test."""
     client = _start_slow_extraction(tiny_model, conversations, tmp_path / "out", sleep_s=30.0)
-    runs = {child for server in fork_server_pids() for child in _children_of(server)}
+    runs = {child for server in fork_server_pids() for child in descendants(server)}
     assert runs, "no CLI child under the fork server"
     client.kill()
     client.wait()
     deadline = time.monotonic() + 5  # the run itself sleeps 30 s at its next commit
-    while runs & {child for server in fork_server_pids() for child in _children_of(server)}:
+    while runs & {child for server in fork_server_pids() for child in descendants(server)}:
         assert time.monotonic() < deadline, "the CLI child outlived its client by 5 s"
         time.sleep(0.05)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_argv import descendants
 from safetensors.torch import load_file
 
 from peagle_pipeline.config import TrainConfig, resolve
@@ -68,25 +69,6 @@ def _torchrun(cache: Path, run: Path, ckpt_sleep: str = "0", **extra: object) ->
     )
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (torchrun starts each rank in a session of its own)."""
-    parent: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parent[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, todo = [], [pid]
-    while todo:
-        top = todo.pop()
-        kids = [c for c, p in parent.items() if p == top]
-        found += kids
-        todo += kids
-    return found
-
-
 def test_fsdp_two_ranks_equal_one_process_and_resume_after_kill(tiny_cache: Path, tmp_path: Path) -> None:
     single = tmp_path / "single"
     train.run(
@@ -101,7 +83,7 @@ def test_fsdp_two_ranks_equal_one_process_and_resume_after_kill(tiny_cache: Path
     deadline = time.monotonic() + 300
     while 10 not in ckpts.complete_steps() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    for pid in [proc.pid, *_descendants(proc.pid)]:  # the whole job, as a lost node
+    for pid in [proc.pid, *descendants(proc.pid)]:  # the whole job, as a lost node
         os.kill(pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=60)
     assert 10 in ckpts.complete_steps(), err[-3000:]
