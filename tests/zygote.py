@@ -4,8 +4,9 @@ A tiny `extract` spends most of its seconds importing torch, transformers and a 
 2-core AVX2 host), and the first tier starts the CLI hundreds of times. Here one server process per environment
 imports those modules, then for each run forks a child that takes the caller's stdin/stdout/stderr, environment,
 working directory and umask, and runs `peagle_pipeline.cli.main()` as the `peagle-pipeline` console script does,
-exiting through the interpreter's normal shutdown (atexit, thread joins, flushes). The child is a real process
-running the real CLI; only the imports are shared.
+then exits as the interpreter would (non-daemon threads joined, atexit handlers run, output flushed) less the
+teardown of the thousands of modules it holds. The child is a real process running the real CLI; only the imports
+are shared.
 
     server: python tests/zygote.py serve SOCKET      (prints "ready" once the imports are done)
     client: python tests/zygote.py run SOCKET ARGS   (exits with the child's code; -N if a signal N ended it)
@@ -99,12 +100,11 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
 def _serve(path: str) -> tuple[dict, list[int], bytes]:
     """Accept runs until the parent (the pytest process) goes; returns only in a forked child, with its request."""
     noise = _preload()
-    tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
-    print(f"ready {len(tasks)} threads", flush=True)
+    print("ready", flush=True)
     children: dict[socket.socket, int] = {}
     while True:
         readable, _, _ = select.select([listener, *children], [], [], _POLL_S)
