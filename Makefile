@@ -84,17 +84,18 @@ test-vllm: setup-vllm demo-assets bytecode
 
 # The bytecode of this checkout's modules (an editable install: pip compiles only site-packages). Where
 # PYTHONDONTWRITEBYTECODE is set (containers; this project's development machines), Python never caches it, and
-# every CLI process a test starts compiles the modules it imports again: 0.13 s of CPU each (extract and train's
-# imports, 2.67 against 2.54 s on a 2-core AVX2 host), about 20 s of `make test`. Only changed files are
-# compiled; both envs run the same Python, so they share it.
+# every fresh CLI process a test starts compiles the modules it imports again: 0.13 s of CPU each (extract and
+# train's imports, 2.67 against 2.54 s on a 2-core AVX2 host; most runs now fork from tests/zygote.py's server,
+# which compiles once). Only changed files are compiled; both envs run the same Python, so they share it.
 bytecode: setup
 	$(PY) -m compileall -q peagle_pipeline bench scripts experiments
 
 demo-assets: setup
 	$(PY) scripts/prepare_demo.py --out $(DEMO_DIR)
 
-# The first tier runs on TEST_WORKERS processes (pytest-xdist): most of its time is CLI subprocesses starting up
-# and waiting, which overlap well even on 2 cores. TEST_WORKERS=0 runs it in one process. Meanwhile the vLLM env
+# The first tier runs on TEST_WORKERS processes (pytest-xdist): much of its time is CLI subprocesses and waiting,
+# which overlap well even on 2 cores; runs that a test lets finish fork from a server that has done the CLI's
+# imports (tests/zygote.py: 752 s against 1,446 for the tier on a 2-core AVX2 host). TEST_WORKERS=0 runs it in one process. Meanwhile the vLLM env
 # installs (2.5 min from empty on a 2-core host, using about half a core; its output in $(VLLM_VENV).log).
 test: setup demo-assets bytecode
 	@$(MAKE) setup-vllm >$(VLLM_VENV).log 2>&1 & install=$$!; \
