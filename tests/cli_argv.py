@@ -1,7 +1,7 @@
 """Helpers for tests that run the real CLI as a subprocess (run to completion, Popen + kill -9, torchrun).
 
 Runs to completion go through `fast_cli`: a child of a fork server that has done the CLI's imports once
-(tests/zygote.py), about 5 s of CPU saved a run; runs a test kills, signals by process group or limits between fork
+(tests/zygote.py), about 6 s saved a run; runs a test kills, signals by process group or limits between fork
 and exec start a fresh interpreter (`PEAGLE` itself). PEAGLE_TEST_FORK_SERVER=0 starts every run fresh.
 """
 

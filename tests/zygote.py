@@ -1,7 +1,7 @@
 """A fork server for the tests' CLI runs: import what `peagle-pipeline` imports once, then fork a child per run.
 
-A tiny `extract` spends most of its seconds importing torch, transformers and a model class (about 11 s of CPU on a
-2-core AVX2 host), and the first tier starts the CLI hundreds of times. Here one server process per environment
+A tiny `extract` spends most of its seconds importing torch, transformers and a model class (about 6 of its 7.7 s
+on a 2-core AVX2 host), and the first tier starts the CLI hundreds of times. Here one server process per environment
 imports those modules, then for each run forks a child that takes the caller's stdin/stdout/stderr, environment,
 working directory and umask, and runs `peagle_pipeline.cli.main()` as the `peagle-pipeline` console script does,
 then exits as the interpreter would (non-daemon threads joined, atexit handlers run, output flushed) less the
