@@ -2,7 +2,8 @@
 
 Runs to completion go through `fast_cli`: a child of a fork server that has done the CLI's imports once
 (tests/zygote.py), about 6 s saved a run; runs a test kills, signals by process group or limits between fork
-and exec start a fresh interpreter (`PEAGLE` itself). PEAGLE_TEST_FORK_SERVER=0 starts every run fresh.
+and exec start a fresh interpreter (`PEAGLE` itself), as does every run on a machine with an NVIDIA GPU.
+PEAGLE_TEST_FORK_SERVER=0 starts every run fresh.
 """
 
 from __future__ import annotations
@@ -82,11 +83,21 @@ def _stop_servers() -> None:
         _stop(server, socket_path)
 
 
+def fork_server_allowed() -> bool:
+    """Whether runs may fork from the server here: Linux, not turned off, and no NVIDIA GPU (the CUDA driver, once an
+    import has touched it, cannot be used after a fork)."""
+    return (
+        os.environ.get(FORK_SERVER_ENV) != "0"
+        and sys.platform == "linux"
+        and not os.path.exists("/dev/nvidiactl")
+    )
+
+
 def fast_cli(argv: list[str], env: dict[str, str]) -> list[str]:
     """`argv` of a run to completion under `env`, made to run as a child of the fork server when it is PEAGLE + args
     and the server can run (the child is a real process of the real CLI, its imports already done: tests/zygote.py).
     Anything else is returned unchanged."""
-    if argv[: len(PEAGLE)] != PEAGLE or os.environ.get(FORK_SERVER_ENV) == "0" or sys.platform != "linux":
+    if argv[: len(PEAGLE)] != PEAGLE or not fork_server_allowed():
         return argv
     socket_path = _server_for(env)
     if socket_path is None:

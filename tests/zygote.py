@@ -11,7 +11,7 @@ are shared.
     server: python tests/zygote.py serve SOCKET      (prints "ready" once the imports are done)
     client: python tests/zygote.py run SOCKET ARGS   (exits with the child's code; -N if a signal N ended it)
 
-The client is what the test starts (`cli_argv.run_peagle`): SIGINT and SIGTERM sent to it are passed on to the
+The client is what the test starts (`cli_argv.run_to_end`): SIGINT and SIGTERM sent to it are passed on to the
 child, and when the client dies (a test's timeout kills it) the server kills the child. Tests that kill the CLI with
 `kill -9`, signal its process group or set limits between fork and exec start a fresh interpreter instead.
 

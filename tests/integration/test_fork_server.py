@@ -11,12 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_argv import FORK_SERVER_ENV, PEAGLE, descendants, extract_argv, fast_cli, fork_server_pids
+from cli_argv import PEAGLE, descendants, extract_argv, fast_cli, fork_server_allowed, fork_server_pids
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.writer import SLEEP_ENV
 
-pytestmark = pytest.mark.skipif(os.environ.get(FORK_SERVER_ENV) == "0", reason="fork server turned off")
+pytestmark = pytest.mark.skipif(
+    not fork_server_allowed(), reason="no fork server here (turned off, or a GPU machine)"
+)
 
 
 def _env(**extra: str) -> dict[str, str]:
