@@ -95,7 +95,8 @@ demo-assets: setup
 
 # The first tier runs on TEST_WORKERS processes (pytest-xdist): much of its time is CLI subprocesses and waiting,
 # which overlap well even on 2 cores; runs that a test lets finish fork from a server that has done the CLI's
-# imports (tests/zygote.py: 752 s against 1,446 for the tier on a 2-core AVX2 host). TEST_WORKERS=0 runs it in one process. Meanwhile the vLLM env
+# imports (tests/zygote.py: 752 s against 1,446 for the tier on a 2-core AVX2 host). TEST_WORKERS=0 runs it in one
+# process. Meanwhile the vLLM env
 # installs (2.5 min from empty on a 2-core host, using about half a core; its output in $(VLLM_VENV).log).
 test: setup demo-assets bytecode
 	@$(MAKE) setup-vllm >$(VLLM_VENV).log 2>&1 & install=$$!; \

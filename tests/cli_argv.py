@@ -1,6 +1,6 @@
 """Helpers for tests that run the real CLI as a subprocess (run to completion, Popen + kill -9, torchrun).
 
-Runs to completion go through `fast_cli`: a child of a fork server that has done the CLI's imports once
+Runs to completion go through `run_to_end` (`fast_cli`): a child of a fork server that has done the CLI's imports once
 (tests/zygote.py), about 6 s saved a run; runs a test kills, signals by process group or limits between fork
 and exec start a fresh interpreter (`PEAGLE` itself), as does every run on a machine with an NVIDIA GPU.
 PEAGLE_TEST_FORK_SERVER=0 starts every run fresh.
@@ -44,10 +44,9 @@ def _server_for(env: dict[str, str]) -> str | None:
     if key in _unstartable:
         return None
     socket_path = os.path.join(tempfile.mkdtemp(prefix="peagle-zygote-"), "socket")
-    server_env = {k: v for k, v in env.items() if not k.startswith(_RUNTIME_ONLY)}
     server = subprocess.Popen(
         [sys.executable, str(ZYGOTE), "serve", socket_path],
-        env=server_env,
+        env=dict(key),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         text=True,

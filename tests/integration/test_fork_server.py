@@ -72,15 +72,20 @@ def _start_slow_extraction(
     return client
 
 
+def _forked_runs() -> set[int]:
+    """Pids of the processes under this test process's fork servers."""
+    return {child for server in fork_server_pids() for child in descendants(server)}
+
+
 def test_the_run_dies_with_its_client(tiny_model: Path, conversations: Path, tmp_path: Path) -> None:
     """A test's timeout kills the client: the CLI child must not run on beside the next test."""
     client = _start_slow_extraction(tiny_model, conversations, tmp_path / "out", sleep_s=30.0)
-    runs = {child for server in fork_server_pids() for child in descendants(server)}
+    runs = _forked_runs()
     assert runs, "no CLI child under the fork server"
     client.kill()
     client.wait()
     deadline = time.monotonic() + 5  # the run itself sleeps 30 s at its next commit
-    while runs & {child for server in fork_server_pids() for child in descendants(server)}:
+    while runs & _forked_runs():
         assert time.monotonic() < deadline, "the CLI child outlived its client by 5 s"
         time.sleep(0.05)
 
