@@ -34,6 +34,7 @@ from peagle_pipeline.config import (
     resolve,
 )
 from peagle_pipeline.errors import Interrupted, PeagleError, from_os_error
+from peagle_pipeline.process_exit import skip_final_collection
 from peagle_pipeline.runtime import drop_shipped_config_notices
 
 __all__ = ["app", "main"]
@@ -411,6 +412,7 @@ _INTERRUPTED = "interrupted" + _STOPPED
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns (and exits with) the process exit code."""
     debug = os.environ.get("PEAGLE_DEBUG") == "1"
+    skip_final_collection()  # seconds less at exit, once the command is done (process_exit.py)
     preemption.install()  # SIGTERM (preemption) stops a command the way Ctrl-C does; exit 143
     drop_shipped_config_notices()
     try:

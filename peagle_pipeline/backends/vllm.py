@@ -253,14 +253,25 @@ def engine_compute_dtype(requested: str, model: str, device: str) -> Literal["bf
     return resolve_compute_dtype(requested, device)
 
 
+# Seconds a CPU engine's processes get to exit before they are killed, once every output has come back. vLLM waits
+# 5 by default, and on a 2-core host its worker always needed more: its interpreter's exit (a garbage collection
+# over vLLM's imports) took 7.6 s, so every extraction through vLLM ended with 5 s of waiting and a kill anyway
+# (2026-11-29, AVX2 host). Nothing the engine still holds is needed then: its outputs, and the hidden-state files
+# of every request, have been read. A GPU engine keeps vLLM's own grace (it releases device memory as it exits).
+CPU_ENGINE_EXIT_GRACE_S = 1.0
+
+
 def shutdown_llm(llm: LLM | None) -> None:
-    """Shut an engine down now (its worker processes exit) instead of at garbage collection."""
+    """Shut an engine down now (its processes exit; on a CPU they are killed after `CPU_ENGINE_EXIT_GRACE_S`)
+    instead of at garbage collection."""
     if llm is None:
         return
+    from vllm.platforms import current_platform
+
     core = getattr(llm.llm_engine, "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
         with quiet():
-            core.shutdown()
+            core.shutdown(timeout=CPU_ENGINE_EXIT_GRACE_S if current_platform.is_cpu() else None)
 
 
 @contextlib.contextmanager

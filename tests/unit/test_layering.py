@@ -24,6 +24,7 @@ ALLOWED = {
     # the on-policy data format (data/onpolicy_files.py) is written as well as read: atomic files and rank locks
     # from runtime, the settings comparison on resume from core.settings
     "data": {"errors", "runtime", "core.settings"},
+    "process_exit": set(),  # how a command's process ends (the CLI's exit without a final garbage collection)
     "preemption": {"errors"},  # SIGTERM/SIGINT handling, shared by the stages and the cache writer's commit
     "config": {"errors", "core.settings"},  # the COD defaults and checks, defined once (torch-free)
     # what a target model folder holds, read without loading the model (TargetInfo and the layer rule from backends;
@@ -45,7 +46,7 @@ ALLOWED = {
         "errors",
         "preemption",
     },
-    "cli": {"__init__", "config", "errors", "stages", "cache", "runtime", "preemption"},
+    "cli": {"__init__", "config", "errors", "stages", "cache", "runtime", "preemption", "process_exit"},
     "__init__": {"cache"},
 }
 FORBIDDEN_IN_CORE = {
