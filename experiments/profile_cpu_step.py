@@ -4,7 +4,7 @@
 
 Runs the real CLI in this process (the real `Trainer`, data and optimizer) and, for steps `first` to
 `first + steps - 1`, records every op; then prints the ops by CPU time, the matmuls by shape, and the median time
-of a step after the first `first`. Used for docs/results/what-we-learned.md ("A host without bf16 units"), with
+of a step from step `first` on (the profiled steps included). Used for docs/results/what-we-learned.md ("A host without bf16 units"), with
 `make quality`'s training settings (experiments/quality_settings.py `TRAIN`) on a cache of 120 ShareGPT records cut
 at 384 tokens.
 """
@@ -54,7 +54,7 @@ def main() -> None:
     averages = prof.key_averages()
     print(averages.table(sort_by="self_cpu_time_total", row_limit=20))
     print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=15))
-    print(f"median step after the first {args.first - 1}: {statistics.median(seen[args.first - 1 :]):.3f} s")
+    print(f"median step from step {args.first} on: {statistics.median(seen[args.first - 1 :]):.3f} s")
     sys.exit(code)
 
 
