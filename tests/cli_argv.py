@@ -1,9 +1,11 @@
 """Helpers for tests that run the real CLI as a subprocess (run to completion, Popen + kill -9, torchrun).
 
 Runs to completion go through `run_to_end` (`fast_cli`): a child of a fork server that has done the CLI's imports once
-(tests/zygote.py), about 6 s saved a run; runs a test kills, signals by process group or limits between fork
-and exec start a fresh interpreter (`PEAGLE` itself), as does every run on a machine with an NVIDIA GPU.
-PEAGLE_TEST_FORK_SERVER=0 starts every run fresh.
+(tests/zygote.py), about 6 s saved a run. So do runs a test watches while they run, or kills with kill -9 when the
+run has no process of its own below it (`start_cli`: the killed client takes its run with it, and
+`end_of_killed_runs` waits until it has gone). Runs a test signals by process group (DataLoader workers must get
+the signal too), stops with SIGSTOP or limits between fork and exec start a fresh interpreter (`PEAGLE` itself), as
+does every run on a machine with an NVIDIA GPU. PEAGLE_TEST_FORK_SERVER=0 starts every run fresh.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 PEAGLE = [sys.executable, "-m", "peagle_pipeline.cli"]
 """`peagle-pipeline` run with this interpreter: PEAGLE + ["train", ...]."""
@@ -110,6 +114,24 @@ def run_to_end(
     """`argv` (PEAGLE + args) run to completion under `env` through the fork server (`fast_cli`), output captured
     as text."""
     return subprocess.run(fast_cli(argv, env), env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def start_cli(argv: list[str], env: dict[str, str], **popen: Any) -> subprocess.Popen[str]:
+    """Start `argv` (PEAGLE + args) under `env` through the fork server (`fast_cli`) without waiting, for a run the
+    test watches, or kills with kill -9 (`popen`: subprocess.Popen's other arguments). Killing the returned client, or its process group,
+    makes the server kill -9 the run itself; call `end_of_killed_runs()` after the kill, before anything that must
+    see the run gone (a resume takes its locks). Started fresh where the server cannot run."""
+    return subprocess.Popen(fast_cli(argv, env), env=env, **popen)
+
+
+def end_of_killed_runs(timeout: float = 30) -> None:
+    """Wait until no fork server of this process has a run left (the server kills a run as soon as it sees its
+    client gone, and reaps it at once; this waits those few milliseconds out). Raises TimeoutError after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while any(descendants(pid) for pid in fork_server_pids()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"a fork server's run was still alive {timeout:.0f} s after its client died")
+        time.sleep(0.005)
 
 
 def descendants(pid: int) -> list[int]:

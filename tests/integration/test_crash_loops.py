@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from cache_compare import assert_same_cache
-from cli_argv import extract_argv, run_to_end, small_train_flags, train_argv
+from cli_argv import end_of_killed_runs, extract_argv, run_to_end, small_train_flags, start_cli, train_argv
 from safetensors.torch import load_file
 
 from peagle_pipeline.cache import layout
@@ -60,12 +60,12 @@ def _env(**extra: str) -> dict[str, str]:
 def _kill_when(
     cmd: list[str], env: dict[str, str], ready: Callable[[], bool], extra_delay: float, timeout: float = 180
 ) -> bool:
-    """Start `cmd`; once `ready()` holds, wait `extra_delay` s and kill -9 its process group.
+    """Start `cmd` (through the fork server); once `ready()` holds, wait `extra_delay` s and kill -9 it.
 
     Returns False when the process finished on its own before the kill (nothing left to interrupt).
     """
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    proc = start_cli(
+        cmd, env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     deadline = time.monotonic() + timeout
     try:
@@ -82,6 +82,7 @@ def _kill_when(
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         proc.wait()
+        end_of_killed_runs()
         if proc.stderr:
             proc.stderr.close()
     assert proc.returncode == -signal.SIGKILL

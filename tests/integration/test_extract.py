@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cache_compare import assert_same_cache
-from cli_argv import PEAGLE, extract_argv, run_to_end
+from cli_argv import PEAGLE, end_of_killed_runs, extract_argv, run_to_end, start_cli
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.location import recorded_length_window
@@ -68,8 +68,8 @@ def extract(
     model: Path, data: Path, out: Path, env: dict[str, str], *extra: str, wait: bool = True
 ) -> subprocess.CompletedProcess | subprocess.Popen:
     cmd = extract_argv(model, data, out, *SMALL, *extra)
-    if not wait:
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not wait:  # a run the test watches or kills with kill -9
+        return start_cli(cmd, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return run_to_end(cmd, env)
 
 
@@ -221,7 +221,9 @@ def _wait_for_lock(lock: Path, proc: subprocess.Popen, timeout: float = 120) -> 
 
 def test_second_process_same_rank_is_busy(setup, env, tmp_path):
     out = tmp_path / "busy"
-    first = extract(setup["model"], setup["data"], out, env, wait=False)
+    # a fresh interpreter, not the fork server's client: SIGSTOP must stop the run itself
+    cmd = extract_argv(setup["model"], setup["data"], out, *SMALL)
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_lock(out / "stores" / layout.lock_name(0, 1), first)
         os.kill(first.pid, signal.SIGSTOP)  # hold the lock, however fast this machine is
@@ -239,10 +241,13 @@ def test_kill9_at_random_moments_then_resume_is_bit_identical(setup, env, tmp_pa
     rng = random.Random(int(os.environ.get("PEAGLE_CRASH_SEED", "1234")))
     manifest = out / "stores" / layout.store_name(0, 1) / layout.MANIFEST
     kills = 0
+    # each commit made 0.25 s slower (between its data and its manifest): a run through the fork server, its
+    # imports done, would otherwise often finish before the kill
+    slow = dict(env, PEAGLE_TEST_COMMIT_SLEEP="0.25")
     for attempt in range(4):
-        proc = extract(setup["model"], setup["data"], out, env, wait=False)
+        proc = extract(setup["model"], setup["data"], out, slow, wait=False)
         if attempt == 0:
-            time.sleep(rng.uniform(0.5, 3.0))  # often during start-up, before any commit
+            time.sleep(rng.uniform(0.5, 3.0))  # often while the model loads, before any commit
         else:  # after this run made progress: wait for a new commit, then a random extra delay
             start_commits = json.loads(manifest.read_text())["commits"] if manifest.exists() else 0
             end = time.time() + 60
@@ -255,6 +260,7 @@ def test_kill9_at_random_moments_then_resume_is_bit_identical(setup, env, tmp_pa
             os.kill(proc.pid, signal.SIGKILL)
             kills += 1
         proc.wait()
+        end_of_killed_runs()
         if manifest.exists() and json.loads(manifest.read_text())["complete"]:
             break
     assert kills >= 2

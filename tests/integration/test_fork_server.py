@@ -50,10 +50,11 @@ def test_a_run_through_the_server_prints_and_exits_as_a_fresh_one(args: list[str
 
 
 def _start_slow_extraction(
-    tiny_model: Path, conversations: Path, out: Path, sleep_s: float
+    tiny_model: Path, conversations: Path, out: Path, sleep_s: float, first_commit: bool = True
 ) -> subprocess.Popen[str]:
-    """An extraction through the server that sleeps `sleep_s` at each commit; returned once its first commit, not
-    its last, is on disk."""
+    """An extraction through the server that sleeps `sleep_s` at each commit (between its data and its manifest);
+    returned once its first commit, not its last, is on disk, or with `first_commit=False` once it has started
+    the cache (it then writes, or sleeps in, its first commit)."""
     env = _env(**{SLEEP_ENV: str(sleep_s)})
     argv = extract_argv(tiny_model, conversations, out, "--dtype", "fp32", "--shard-tokens", "2048")
     client = subprocess.Popen(
@@ -64,9 +65,12 @@ def _start_slow_extraction(
         text=True,
     )
     deadline = time.monotonic() + 120
+    started = lambda: (out / layout.CACHE_META).exists()  # noqa: E731
     while not (manifests := list((out / layout.STORES_DIR).glob(f"*/{layout.MANIFEST}"))):
         assert client.poll() is None, client.communicate()
         assert time.monotonic() < deadline, "no commit within 120 s"
+        if not first_commit and started():
+            return client
         time.sleep(0.05)
     assert not json.loads(manifests[0].read_text())["complete"]
     return client
@@ -79,7 +83,7 @@ def _forked_runs() -> set[int]:
 
 def test_the_run_dies_with_its_client(tiny_model: Path, conversations: Path, tmp_path: Path) -> None:
     """A test's timeout kills the client: the CLI child must not run on beside the next test."""
-    client = _start_slow_extraction(tiny_model, conversations, tmp_path / "out", sleep_s=30.0)
+    client = _start_slow_extraction(tiny_model, conversations, tmp_path / "out", 30.0, first_commit=False)
     runs = _forked_runs()
     assert runs, "no CLI child under the fork server"
     client.kill()

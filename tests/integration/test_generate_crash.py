@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_argv import PEAGLE, run_to_end
+from cli_argv import PEAGLE, end_of_killed_runs, run_to_end, start_cli
 
 from peagle_pipeline.data.onpolicy_files import SLEEP_ENV, rejects_file, rows_file, state_file
 
@@ -65,8 +65,8 @@ def _mid_commit(out: Path) -> bool:
 
 
 def _kill_when(cmd: list[str], env: dict[str, str], ready, timeout: float = 240) -> None:
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    proc = start_cli(
+        cmd, env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     deadline = time.monotonic() + timeout
     try:
@@ -79,6 +79,7 @@ def _kill_when(cmd: list[str], env: dict[str, str], ready, timeout: float = 240)
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         proc.wait()
+        end_of_killed_runs()
         proc.stderr.close()
     assert proc.returncode == -signal.SIGKILL
 

@@ -22,7 +22,7 @@ import fsspec
 import numpy as np
 import pytest
 from cache_compare import assert_same_cache
-from cli_argv import PEAGLE, extract_argv, run_to_end, small_train_flags
+from cli_argv import PEAGLE, end_of_killed_runs, extract_argv, run_to_end, small_train_flags, start_cli
 
 from peagle_pipeline import cli
 from peagle_pipeline.cache import layout
@@ -240,8 +240,8 @@ class _Proxy:
 
 def _run_until(cmd: list[str], env: dict[str, str], url: str, server, commits: int) -> subprocess.Popen:
     """Start `cmd` and return once the object store's manifest of the store counts `commits` commits."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = start_cli(cmd, env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                     start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 120
     while (m := _remote_manifest(server, url)) is None or m["commits"] < commits:  # (read past any proxy)
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -278,6 +278,7 @@ def test_kill9_and_network_outage_mid_run_resume_to_the_identical_cache(
     time.sleep(0.15)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    end_of_killed_runs()
     killed = _remote_manifest(s3_server, url)
     assert killed is not None and not killed["complete"]
     # what the object store holds is a consistent, committed prefix: verify says incomplete (3), not damaged (4)
@@ -316,9 +317,9 @@ def test_two_ranks_write_one_s3_prefix_at_once(s3_server, tiny_model, conversati
     for r in (0, 1):
         assert _extract(tiny_model, conversations, local, *ranks(r)) == 0
     procs = [
-        subprocess.Popen(
+        start_cli(
             extract_argv(tiny_model, conversations, url, *SETTINGS, *ranks(r)),
-            env=_env(s3_server, PEAGLE_STAGING_DIR=str(tmp_path / f"staging-{r}")),
+            _env(s3_server, PEAGLE_STAGING_DIR=str(tmp_path / f"staging-{r}")),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -477,8 +478,7 @@ def test_training_stops_in_one_line_when_the_store_goes_away_and_resumes(
             *small_train_flags(depths=2, tokens_per_step=160, steps=400, eval_every=400, num_workers=1)]  # fmt: skip
     proxy = _Proxy(s3_server.port)
     env = _env(s3_server, AWS_ENDPOINT_URL=proxy.endpoint, AWS_MAX_ATTEMPTS="1")
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = start_cli(argv, env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not metrics.exists() or metrics.read_text().count('"kind": "train"') < 5:
