@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from cache_compare import assert_same_cache
-from cli_argv import PEAGLE, run_to_end, small_train_flags
+from cli_argv import PEAGLE, run_to_end, small_train_flags, start_cli
 from safetensors.torch import load_file
 
 from peagle_pipeline.cache import layout
@@ -46,15 +46,21 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _stop_when(
-    cmd: list[str], env: dict[str, str], ready: Callable[[], bool], delay: float, sig: int
+    cmd: list[str],
+    env: dict[str, str],
+    ready: Callable[[], bool],
+    delay: float,
+    sig: int,
+    workers: bool = False,
 ) -> str | None:
     """Start `cmd`; once `ready()` holds and `delay` s more have passed, send `sig` to its process group.
 
+    A command without `workers` (processes of its own below it) runs through the fork server, whose client passes
+    the signal on to it; one with workers starts fresh, so that they get the signal from the group as well.
     Returns the stop's one error line, or None when the command finished first (exit 0). Asserts the exit code,
     the single line without traceback and the exit within EXIT_WITHIN_S of the signal."""
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    popen: dict = dict(stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, **popen) if workers else start_cli(cmd, env, **popen)
     deadline = time.monotonic() + 240
     while not ready():
         if proc.poll() is not None:
@@ -241,7 +247,12 @@ def test_train_stops_on_sigterm_and_sigint_saves_and_resumes_exactly(
         last = _last_step(out)
         cmd = _train_cmd(tiny_cache, out, *(["--resume"] if (out / "train.yaml").exists() else []))
         line = _stop_when(
-            cmd, _env(), lambda s=last: _last_step(out) > s + 1, rng.uniform(0, 0.3), SIGNALS[i % 2]
+            cmd,
+            _env(),
+            lambda s=last: _last_step(out) > s + 1,
+            rng.uniform(0, 0.3),
+            SIGNALS[i % 2],
+            workers=True,
         )
         if line is None:
             break
