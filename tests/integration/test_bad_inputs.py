@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 from cache_compare import assert_same_cache
-from cli_argv import PEAGLE, run_peagle, run_to_end
+from cli_argv import PEAGLE, run_peagle, run_to_end, start_cli
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
@@ -286,9 +286,10 @@ def _without_dac_override() -> None:
 
 
 def _run_sigint(argv: list[str], env: dict[str, str], out: Path) -> subprocess.CompletedProcess[str]:
-    """Start the extraction with slowed commits, send SIGINT once its first commit is on disk."""
+    """Start the extraction with slowed commits (through the fork server, whose client passes SIGINT on), send
+    SIGINT once its first commit is on disk."""
     slow = dict(env, PEAGLE_TEST_COMMIT_SLEEP="1.0")
-    proc = subprocess.Popen(argv, env=slow, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_cli(argv, slow, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     manifest = out / layout.STORES_DIR / STORE / layout.MANIFEST
     deadline = time.monotonic() + 240
     while not manifest.exists():
