@@ -15,8 +15,8 @@ as `extract` runs its engine there (`VLLM_ENABLE_V1_MULTIPROCESSING=0` unless se
 engine processes, `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (unless set) keeps vLLM's CPU backend from holding one core per
 worker back for its scheduler and one more for a KV connector (never all of them: on 2 cores the extraction engine
 then computed on both while a bare engine got one, 224 tokens/s against 370-423, making extraction look 1.17-1.37x
-faster than a bare prefill). On a GPU neither changes anything. Engine start and one warm-up batch are excluded. Runs in the vLLM
-env (vllm-cpu here; CUDA vLLM where it is installed). Prints a Markdown table; writes JSON to --out.
+faster than a bare prefill). On a GPU neither changes anything. Engine start and one warm-up batch are excluded.
+Runs in the vLLM env (vllm-cpu here; CUDA vLLM where it is installed). Prints a Markdown table; writes JSON to --out.
 
     .venv-vllm/bin/python -m bench.bench_vllm_extract --out bench/results/vllm_extract.json [--samples 24]
 """

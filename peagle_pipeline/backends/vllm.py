@@ -60,8 +60,6 @@ CONNECTOR_NAME = "PeagleHiddenStatesConnector"
 # when that is less. 4 GiB holds ~80k fp32 tokens of SmolLM2; 1 GiB held ~21k, which capped `generate`'s 256
 # conversations in flight at ~22 and made 268 against 318 new tokens/s (2 cores, fp32; 8 GiB: 316).
 CPU_KV_CACHE_BYTES = 4 << 30
-# How long an in-process engine may take to write one request's hidden states once its outputs are back (seconds).
-IN_PROCESS_SAVE_TIMEOUT_S = 120.0
 CPU_KV_CACHE_MIN_BYTES = 512 << 20
 # Why `auto` computes in bf16 for a target `cpu_runs_bf16_only` says yes to (the stage's dtype line).
 CPU_BF16_ONLY = "auto: vLLM's CPU kernel for linear attention runs bf16 only"
@@ -262,6 +260,8 @@ def engine_compute_dtype(requested: str, model: str, device: str) -> Literal["bf
 # (2026-11-29, AVX2 host). Nothing the engine still holds is needed then: its outputs, and the hidden-state files
 # of every request, have been read. A GPU engine keeps vLLM's own grace (it releases device memory as it exits).
 CPU_ENGINE_EXIT_GRACE_S = 1.0
+# How long an in-process engine may take to write one request's hidden states once its outputs are back (seconds).
+IN_PROCESS_SAVE_TIMEOUT_S = 120.0
 
 
 def shutdown_llm(llm: LLM | None) -> None:
