@@ -29,10 +29,11 @@ import numpy as np
 import torch
 
 from peagle_pipeline.backends.base import BackendSettings, SampleOutputs
+from peagle_pipeline.backends.vllm_dtype import cpu_runs_bf16_only
 from peagle_pipeline.backends.vllm_log import announce, quiet
 from peagle_pipeline.core.settings import GPU_MEMORY_UTILIZATION, TENSOR_PARALLEL_SIZE
 from peagle_pipeline.errors import BackendMismatch, BadInput
-from peagle_pipeline.model_dir import check_target, read_config, text_config
+from peagle_pipeline.model_dir import check_target, text_config
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -46,10 +47,6 @@ __all__ = [
     "parse_topk",
     "VLLMMismatch",
     "local_gpu_devices",
-    "cpu_runs_bf16_only",
-    "bf16_only_reason",
-    "engine_compute_dtype",
-    "CPU_BF16_ONLY",
 ]
 
 log = logging.getLogger(__name__)
@@ -61,8 +58,6 @@ CONNECTOR_NAME = "PeagleHiddenStatesConnector"
 # conversations in flight at ~22 and made 268 against 318 new tokens/s (2 cores, fp32; 8 GiB: 316).
 CPU_KV_CACHE_BYTES = 4 << 30
 CPU_KV_CACHE_MIN_BYTES = 512 << 20
-# Why `auto` computes in bf16 for a target `cpu_runs_bf16_only` says yes to (the stage's dtype line).
-CPU_BF16_ONLY = "auto: vLLM's CPU kernel for linear attention runs bf16 only"
 
 
 def cpu_kv_cache_bytes(meminfo: str = "/proc/meminfo") -> int:
@@ -223,35 +218,6 @@ def _reason(err: Exception) -> str:
         if reasons:
             return reasons[0].split(" [type=")[0].removeprefix("Value error, ")
     return lines[0]
-
-
-def cpu_runs_bf16_only(model: str) -> bool:
-    """Whether vLLM's CPU backend runs `model` in bf16 only: a target with linear-attention layers (the Qwen3-Next
-    and Qwen3.5 hybrids), whose CPU kernel asserts on any other dtype. `auto` then means bf16 on a CPU
-    (`CPU_BF16_ONLY`), whatever the CPU's bf16 speed."""
-    try:
-        config = text_config(read_config(model))
-    except BadInput:  # not a local model directory: vLLM says what is wrong with it
-        return False
-    return "linear_attention" in (config.get("layer_types") or [])
-
-
-def bf16_only_reason(model: str, device: str) -> str | None:
-    """Why vLLM runs `model` in bf16 only on `device` (CPU_BF16_ONLY, for the stage's dtype line), or None where
-    it runs any dtype. E.g. a Qwen3-Next target on "cpu": CPU_BF16_ONLY; on "cuda" or a Llama target: None."""
-    if device.split(":", 1)[0] != "cpu" or not cpu_runs_bf16_only(model):
-        return None
-    return CPU_BF16_ONLY
-
-
-def engine_compute_dtype(requested: str, model: str, device: str) -> Literal["bf16", "fp32"]:
-    """The dtype a vLLM engine runs `model` in on `device`: `requested`, or for auto bf16 where
-    `bf16_only_reason` gives one, else the hardware's choice (`runtime.resolve_compute_dtype`)."""
-    from peagle_pipeline.runtime import resolve_compute_dtype
-
-    if requested == "auto" and bf16_only_reason(model, device) is not None:
-        return "bf16"
-    return resolve_compute_dtype(requested, device)
 
 
 # Seconds a CPU engine's processes get to exit before they are killed, once every output has come back. vLLM waits

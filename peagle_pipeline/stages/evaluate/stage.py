@@ -83,13 +83,13 @@ def finite(obj: Any) -> Any:
 
 
 def engine_dtype(requested: str, target: str) -> Literal["bf16", "fp32"]:
-    """The vLLM model dtype: `requested`, or for auto the engine's rule (`vllm.engine_compute_dtype`) on the
+    """The vLLM model dtype: `requested`, or for auto the engine's rule (`vllm_dtype.engine_compute_dtype`) on the
     platform vLLM runs on here."""
     if requested != "auto":
         return requested  # type: ignore[return-value]
     from vllm.platforms import current_platform
 
-    from peagle_pipeline.backends.vllm import engine_compute_dtype
+    from peagle_pipeline.backends.vllm_dtype import engine_compute_dtype
 
     return engine_compute_dtype(requested, target, "cpu" if current_platform.is_cpu() else "cuda")
 

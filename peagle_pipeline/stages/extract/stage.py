@@ -145,7 +145,7 @@ def _bf16_only(cfg: ExtractConfig, device: str) -> str | None:
     """Why the backend runs this target in bf16 only on `device`, or None (see `settle_auto`)."""
     if cfg.backend != "vllm":
         return None
-    from peagle_pipeline.backends.vllm import bf16_only_reason
+    from peagle_pipeline.backends.vllm_dtype import bf16_only_reason
 
     return bf16_only_reason(cfg.model, device)
 

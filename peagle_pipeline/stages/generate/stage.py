@@ -339,11 +339,11 @@ def _start_new(
 
 
 def _compute_dtype(cfg: GenerateConfig, backend: str) -> Literal["bf16", "fp32"]:
-    """`cfg.compute_dtype` settled for the device: under vLLM the engine's rule (`vllm.engine_compute_dtype`: bf16
+    """`cfg.compute_dtype` settled for the device: under vLLM the engine's rule (`vllm_dtype.engine_compute_dtype`: bf16
     for a target its CPU backend runs only in bf16), else the hardware's choice (`resolve_compute_dtype`)."""
     device = _device_type(cfg.device, backend)
     if backend == "vllm":
-        from peagle_pipeline.backends.vllm import engine_compute_dtype
+        from peagle_pipeline.backends.vllm_dtype import engine_compute_dtype
 
         return engine_compute_dtype(cfg.compute_dtype, cfg.model, device)
     return resolve_compute_dtype(cfg.compute_dtype, device)
