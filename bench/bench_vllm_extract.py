@@ -10,13 +10,16 @@ Both sides get the same batches, planned exactly as `peagle-pipeline extract --b
     only). bare / log-probs is the part of the gap that is vLLM's own; log-probs / extraction is ours (hidden
     states through the connector, reading them back, the cache write).
 Both engines run side by side; the batches are timed in groups of --group, each group by every side, rotating
-which goes first (drift on a shared machine). On a CPU both engines get the same cores: both run in this process,
-as `extract` runs its engine there (`VLLM_ENABLE_V1_MULTIPROCESSING=0` unless set). Where the variable asks for
-engine processes, `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (unless set) keeps vLLM's CPU backend from holding one core per
-worker back for its scheduler and one more for a KV connector (never all of them: on 2 cores the extraction engine
-then computed on both while a bare engine got one, 224 tokens/s against 370-423, making extraction look 1.17-1.37x
-faster than a bare prefill). On a GPU neither changes anything. Engine start and one warm-up batch are excluded.
-Runs in the vLLM env (vllm-cpu here; CUDA vLLM where it is installed). Prints a Markdown table; writes JSON to --out.
+which goes first (drift on a shared machine). Both engines run in processes of their own
+(`VLLM_ENABLE_V1_MULTIPROCESSING=1` unless set), as on a GPU: two in-process engines cannot share one process when
+one has a KV connector (vLLM keeps the connector process-wide, and the second engine's start hands its cache to the
+first's connector). `extract` itself runs its one engine in-process on a CPU (48 samples in 75 s against 79 with
+engine processes, 2026-11-30), so on a CPU this measures it slightly low. On a CPU both engines get the same cores:
+`VLLM_CPU_NUM_OF_RESERVED_CPU=0` (unless set) keeps vLLM's CPU backend from holding one core per worker back for its
+scheduler and one more for a KV connector (never all of them: on 2 cores the extraction engine then computed on
+both while a bare engine got one, 224 tokens/s against 370-423, making extraction look 1.17-1.37x faster than a bare
+prefill); on a GPU it changes nothing. Engine start and one warm-up batch are excluded. Runs in the vLLM env
+(vllm-cpu here; CUDA vLLM where it is installed). Prints a Markdown table; writes JSON to --out.
 
     .venv-vllm/bin/python -m bench.bench_vllm_extract --out bench/results/vllm_extract.json [--samples 24]
 """
@@ -69,6 +72,9 @@ def plan(cfg: ExtractConfig) -> list[list[PlannedSample]]:
 def main() -> None:
     args = parse()
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # the same cores for both engines (see above)
+    os.environ.setdefault(
+        "VLLM_ENABLE_V1_MULTIPROCESSING", "1"
+    )  # two engines, one with a connector (see above)
     from vllm import SamplingParams
 
     from peagle_pipeline.backends.vllm import EngineSettings, VLLMBackend, build_llm, shutdown_llm
@@ -100,7 +106,6 @@ def main() -> None:
                 max_model_len=min(cfg.max_length + 1, max_pos),
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
             ),
-            in_process_on_cpu=True,
             skip_tokenizer_init=True,
             max_logprobs=settings.topk,
         )
