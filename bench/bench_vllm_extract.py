@@ -72,9 +72,8 @@ def plan(cfg: ExtractConfig) -> list[list[PlannedSample]]:
 def main() -> None:
     args = parse()
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # the same cores for both engines (see above)
-    os.environ.setdefault(
-        "VLLM_ENABLE_V1_MULTIPROCESSING", "1"
-    )  # two engines, one with a connector (see above)
+    # two engines, one with a KV connector, need processes of their own (see above)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     from vllm import SamplingParams
 
     from peagle_pipeline.backends.vllm import EngineSettings, VLLMBackend, build_llm, shutdown_llm
