@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_argv import PEAGLE, extract_argv
+from cli_argv import extract_argv, run_to_end, start_cli
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
@@ -92,9 +92,14 @@ def _digest(arrays: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-def _extract(model: Path, data: Path, out: Path, rank: int, env: dict[str, str]) -> subprocess.Popen[str]:
+def _extract(
+    model: Path, data: Path, out: Path, rank: int, env: dict[str, str], fresh: bool = False
+) -> subprocess.Popen[str]:
+    """Start rank `rank`'s extraction: through the fork server, or with `fresh` as a process of its own (one the
+    test pauses with SIGSTOP and whose pid its lock names)."""
     cmd = extract_argv(model, data, out, *SETTINGS, "--rank", str(rank), "--world-size", str(WORLD))
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    popen: dict = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, env=env, **popen) if fresh else start_cli(cmd, env, **popen)
 
 
 def _wait_for_lock(lock: Path, proc: subprocess.Popen[str], timeout: float = 240) -> None:
@@ -120,32 +125,17 @@ def test_four_ranks_one_reader_one_intruder(
         stderr=subprocess.PIPE,
         text=True,
     )
-    ranks = [_extract(tiny_model, conversations, out, r, env) for r in range(WORLD)]
+    ranks = [_extract(tiny_model, conversations, out, r, env, fresh=r == 2) for r in range(WORLD)]
     try:
         # A second writer of rank 2 while the first holds its lock (paused so it cannot finish first).
         _wait_for_lock(out / layout.STORES_DIR / layout.lock_name(2, WORLD), ranks[2])
         os.kill(ranks[2].pid, signal.SIGSTOP)
         try:
-            intruder = subprocess.run(
-                [
-                    *PEAGLE,
-                    "extract",
-                    "--model",
-                    str(tiny_model),
-                    "--data",
-                    str(conversations),
-                    "--output",
-                    str(out),
-                    *SETTINGS,
-                    "--rank",
-                    "2",
-                    "--world-size",
-                    str(WORLD),
-                ],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=300,
+            intruder = run_to_end(
+                extract_argv(
+                    tiny_model, conversations, out, *SETTINGS, "--rank", "2", "--world-size", str(WORLD)
+                ),
+                env,
             )
         finally:
             os.kill(ranks[2].pid, signal.SIGCONT)
