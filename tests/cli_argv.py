@@ -118,9 +118,10 @@ def run_to_end(
 
 def start_cli(argv: list[str], env: dict[str, str], **popen: Any) -> subprocess.Popen[str]:
     """Start `argv` (PEAGLE + args) under `env` through the fork server (`fast_cli`) without waiting, for a run the
-    test watches, or kills with kill -9 (`popen`: subprocess.Popen's other arguments). Killing the returned client, or its process group,
-    makes the server kill -9 the run itself; call `end_of_killed_runs()` after the kill, before anything that must
-    see the run gone (a resume takes its locks). Started fresh where the server cannot run."""
+    test watches, or kills with kill -9 (`popen`: subprocess.Popen's other arguments). Killing the returned client,
+    or its process group, makes the server kill -9 the run itself; call `end_of_killed_runs()` after the kill,
+    before anything that must see the run gone (a resume takes its locks). Started fresh where the server cannot
+    run."""
     return subprocess.Popen(fast_cli(argv, env), env=env, **popen)
 
 

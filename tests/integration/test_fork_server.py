@@ -11,7 +11,15 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_argv import PEAGLE, descendants, extract_argv, fast_cli, fork_server_allowed, fork_server_pids
+from cli_argv import (
+    PEAGLE,
+    descendants,
+    end_of_killed_runs,
+    extract_argv,
+    fast_cli,
+    fork_server_allowed,
+    fork_server_pids,
+)
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.writer import SLEEP_ENV
@@ -88,10 +96,10 @@ def test_the_run_dies_with_its_client(tiny_model: Path, conversations: Path, tmp
     assert runs, "no CLI child under the fork server"
     client.kill()
     client.wait()
-    deadline = time.monotonic() + 5  # the run itself sleeps 30 s at its next commit
-    while runs & _forked_runs():
-        assert time.monotonic() < deadline, "the CLI child outlived its client by 5 s"
-        time.sleep(0.05)
+    end_of_killed_runs(
+        timeout=5
+    )  # raises if the run, which sleeps 30 s at its first commit, outlives its client
+    assert not runs & _forked_runs()
 
 
 def test_ctrl_c_reaches_the_run(tiny_model: Path, conversations: Path, tmp_path: Path) -> None:
