@@ -73,11 +73,10 @@ def _start_slow_extraction(
         text=True,
     )
     deadline = time.monotonic() + 120
-    started = lambda: (out / layout.CACHE_META).exists()  # noqa: E731
     while not (manifests := list((out / layout.STORES_DIR).glob(f"*/{layout.MANIFEST}"))):
         assert client.poll() is None, client.communicate()
         assert time.monotonic() < deadline, "no commit within 120 s"
-        if not first_commit and started():
+        if not first_commit and (out / layout.CACHE_META).exists():
             return client
         time.sleep(0.05)
     assert not json.loads(manifests[0].read_text())["complete"]
@@ -96,9 +95,8 @@ def test_the_run_dies_with_its_client(tiny_model: Path, conversations: Path, tmp
     assert runs, "no CLI child under the fork server"
     client.kill()
     client.wait()
-    end_of_killed_runs(
-        timeout=5
-    )  # raises if the run, which sleeps 30 s at its first commit, outlives its client
+    # raises if the run, which would sleep 30 s at its first commit, outlives its client
+    end_of_killed_runs(timeout=5)
     assert not runs & _forked_runs()
 
 
