@@ -1,4 +1,4 @@
-"""Compute dtype on this machine: the dtype `auto` picks (runtime.resolve_compute_dtype) vs the other one, for the
+"""Compute dtype on this machine: the dtype `auto` picks (hardware.resolve_compute_dtype) vs the other one, for the
 HF extraction forward and for one training step (issue 12; SPEC section 7).
 
   - extraction: `HFBackend.forward` (hooks, chunked top-k) + conversion to the stored dtype (bf16 both times) over
@@ -25,7 +25,7 @@ from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.core.loss import kl_topk
 from peagle_pipeline.core.partition import forward_segment, plan_segments
 from peagle_pipeline.data.records import rank_rows
-from peagle_pipeline.runtime import cpu_bf16_flags, describe_compute_dtype, resolve_compute_dtype
+from peagle_pipeline.hardware import cpu_bf16_flags, describe_compute_dtype, resolve_compute_dtype
 from peagle_pipeline.stages.extract.batch_pipeline import to_sample_data
 from peagle_pipeline.stages.extract.batch_plan import PlannedSample, plan_batches, render_rows
 from peagle_pipeline.stages.extract.cache_output import build_meta

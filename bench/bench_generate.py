@@ -64,7 +64,7 @@ def bare_run(
     from peagle_pipeline.backends.generation import SamplingSettings, request_seed
     from peagle_pipeline.backends.vllm import EngineSettings, build_llm, shutdown_llm
     from peagle_pipeline.backends.vllm_generate import _seeded_sampling_workaround, sampling_params
-    from peagle_pipeline.runtime import resolve_compute_dtype
+    from peagle_pipeline.hardware import resolve_compute_dtype
 
     llm = build_llm(
         EngineSettings(

@@ -68,7 +68,7 @@ def load_plain(cfg: GenerateConfig, device: str) -> Any:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from peagle_pipeline.backends.hf_generate import generation_device
-    from peagle_pipeline.runtime import resolve_compute_dtype
+    from peagle_pipeline.hardware import resolve_compute_dtype
 
     dev = generation_device(device)
     dtype = resolve_compute_dtype(cfg.compute_dtype, dev.type)

@@ -79,7 +79,7 @@ def auto_scale(root: Path) -> dict[str, Any]:
 PROBE = f"""
 import time, torch
 from transformers import AutoModelForCausalLM
-from peagle_pipeline.runtime import resolve_compute_dtype
+from peagle_pipeline.hardware import resolve_compute_dtype
 dtype = {{"bf16": torch.bfloat16, "fp32": torch.float32}}[resolve_compute_dtype("auto", "cpu")]
 model = AutoModelForCausalLM.from_pretrained({str(MODEL)!r}, dtype=dtype).eval()
 ids = torch.randint(100, 40000, (4, 512), generator=torch.Generator().manual_seed(0))
@@ -103,7 +103,7 @@ def bf16_units() -> list[str]:
     """This CPU's bf16 units as the package sees them (empty: a host where bf16 is emulated and slow)."""
     try:  # only for the report: an unanswered question must not cost the run's doc
         return ask_package(
-            "from peagle_pipeline.runtime import cpu_bf16_flags; print(*cpu_bf16_flags())"
+            "from peagle_pipeline.hardware import cpu_bf16_flags; print(*cpu_bf16_flags())"
         ).split()
     except QualityError:
         return []
@@ -113,7 +113,7 @@ def compute_dtype_line() -> str | None:
     """The package's `auto` choice on this CPU and its reason (e.g. "compute dtype fp32 on cpu (auto: ...)")."""
     try:
         return ask_package(
-            "from peagle_pipeline.runtime import describe_compute_dtype as d, resolve_compute_dtype as r; "
+            "from peagle_pipeline.hardware import describe_compute_dtype as d, resolve_compute_dtype as r; "
             "print(d('auto', 'cpu', r('auto', 'cpu')))"
         )
     except QualityError:

@@ -40,8 +40,8 @@ def bf16_only_reason(model: str, device: str) -> str | None:
 
 def engine_compute_dtype(requested: str, model: str, device: str) -> Literal["bf16", "fp32"]:
     """The dtype a vLLM engine runs `model` in on `device`: `requested`, or for auto bf16 where
-    `bf16_only_reason` gives one, else the hardware's choice (`runtime.resolve_compute_dtype`)."""
-    from peagle_pipeline.runtime import resolve_compute_dtype
+    `bf16_only_reason` gives one, else the hardware's choice (`hardware.resolve_compute_dtype`)."""
+    from peagle_pipeline.hardware import resolve_compute_dtype
 
     if requested == "auto" and bf16_only_reason(model, device) is not None:
         return "bf16"

@@ -12,7 +12,7 @@ import torch
 
 from bench.bench_dtype import train_step
 from bench.bench_gpu import cuda_setup
-from peagle_pipeline.runtime import resolve_compute_dtype
+from peagle_pipeline.hardware import resolve_compute_dtype
 
 
 def _free_port() -> int:

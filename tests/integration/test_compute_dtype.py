@@ -16,7 +16,7 @@ from peagle_pipeline.backends.hf import HFBackend
 from peagle_pipeline.cache.reader import open_cache
 from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.errors import ResumeMismatch
-from peagle_pipeline.runtime import CPU_BF16_ENV
+from peagle_pipeline.hardware import CPU_BF16_ENV
 from peagle_pipeline.stages.extract import stage
 from peagle_pipeline.stages.extract.settings import backend_settings, forward_dtype
 

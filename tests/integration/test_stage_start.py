@@ -19,7 +19,7 @@ from peagle_pipeline.cache.reader import open_cache
 from peagle_pipeline.config import ExtractConfig, GenerateConfig
 from peagle_pipeline.data.dialogue import REASON_TOO_LONG
 from peagle_pipeline.errors import BadInput
-from peagle_pipeline.runtime import resolve_compute_dtype
+from peagle_pipeline.hardware import resolve_compute_dtype
 from peagle_pipeline.stages.extract import stage as extract_stage
 from peagle_pipeline.stages.generate import stage as generate_stage
 

@@ -15,6 +15,7 @@ import pytest
 from cli_argv import run_peagle, small_train_flags
 
 from peagle_pipeline.cli import main
+from peagle_pipeline.hardware import usable_cpus
 from peagle_pipeline.stages.train import metrics
 from peagle_pipeline.stages.train.optim import lr_at
 
@@ -158,6 +159,20 @@ def test_capped_eval_split_is_reported(tiny_cache: Path, tmp_path: Path, capsys)
     assert "eval_samples 1000 capped at 20: at most half of the 40 usable samples" in capsys.readouterr().err
     evals = [r for r in metrics.read_metrics(out) if r["kind"] == "eval"]
     assert evals and all(r["eval_samples"] == 20 for r in evals)
+
+
+def test_more_workers_than_cpus_is_said_once(tiny_cache: Path, tmp_path: Path) -> None:
+    """num_workers above the CPUs the process may use: one line of ours, and not torch's UserWarning (printed twice,
+    each with its source line)."""
+    workers = usable_cpus() + 1
+    flags = small_train_flags(
+        depths=2, tokens_per_step=256, steps=2, eval_every=2, num_workers=workers, eval_samples=4
+    )
+    done = run_peagle("train", "--cache", str(tiny_cache), "--output", str(tmp_path / "run"), *flags)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count(f"num_workers {workers} is more than the {usable_cpus()} CPUs") == 1, done.stderr
+    assert "This DataLoader will create" not in done.stderr and "UserWarning" not in done.stderr, done.stderr
+    assert "step 2/2 (100%)" in done.stderr
 
 
 def test_truncating_budget_is_reported(tiny_cache: Path, tmp_path: Path, capsys) -> None:

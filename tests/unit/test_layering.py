@@ -20,6 +20,7 @@ ROOT = "peagle_pipeline"
 ALLOWED = {
     "errors": set(),
     "runtime": {"errors"},
+    "hardware": {"errors"},  # the CPUs a process may use, bf16 units, the compute dtype chosen from them
     "core": {"errors"},
     # the on-policy data format (data/onpolicy_files.py) is written as well as read: atomic files and rank locks
     # from runtime, the settings comparison on resume from core.settings
@@ -32,7 +33,15 @@ ALLOWED = {
     "model_dir": {"errors", "cache.layout", "backends.base", "core.quantized_weights"},
     # the cache contract's file names; the vLLM engine defaults (core.settings, torch-free, shared with config); the
     # target's logit scale (core.target_convention, read by training too)
-    "backends": {"errors", "runtime", "cache.layout", "core.settings", "core.target_convention", "model_dir"},
+    "backends": {
+        "errors",
+        "runtime",
+        "hardware",
+        "cache.layout",
+        "core.settings",
+        "core.target_convention",
+        "model_dir",
+    },
     "cache": {"core", "runtime", "errors", "preemption"},
     "stages": {
         "__init__",
@@ -42,6 +51,7 @@ ALLOWED = {
         "data",
         "core",
         "runtime",
+        "hardware",
         "config",
         "errors",
         "preemption",

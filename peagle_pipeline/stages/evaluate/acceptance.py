@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import os
 import platform
 import time
 from collections import deque
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle_pipeline.errors import BadInput
+from peagle_pipeline.hardware import usable_cpus
 
 __all__ = [
     "SPEC_METRICS",
@@ -325,5 +325,4 @@ def describe_hardware(tensor_parallel_size: int) -> str:
             if line.startswith("model name"):
                 name = line.split(":", 1)[1].strip()
                 break
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{name}, {cores} cores"
+    return f"{name}, {usable_cpus()} cores"

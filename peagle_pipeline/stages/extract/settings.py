@@ -18,7 +18,7 @@ from peagle_pipeline.backends.base import (
 from peagle_pipeline.cache.location import compute_dtype_in, length_window_in
 from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.errors import BadInput
-from peagle_pipeline.runtime import describe_compute_dtype, resolve_compute_dtype
+from peagle_pipeline.hardware import describe_compute_dtype, resolve_compute_dtype
 from peagle_pipeline.stages.extract.batch_plan import DEFAULT_LENGTH_WINDOW
 
 __all__ = [

@@ -41,8 +41,9 @@ from peagle_pipeline.data.onpolicy_files import (
 )
 from peagle_pipeline.data.records import rank_rows
 from peagle_pipeline.errors import BadConfig, BadInput
+from peagle_pipeline.hardware import resolve_compute_dtype
 from peagle_pipeline.preemption import stop_error
-from peagle_pipeline.runtime import check_output_dir, resolve_compute_dtype, writer_rank
+from peagle_pipeline.runtime import check_output_dir, writer_rank
 from peagle_pipeline.stages.generate.chunk import generate_chunk
 
 __all__ = ["run", "GenerateSummary", "resolve_backend", "resolve_stop_ids", "build_meta"]

@@ -13,6 +13,7 @@ processes); each process opens the cache lazily on first use and reads a row wit
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +96,10 @@ class LoaderSettings:
     """Rows in page-locked memory (set for a CUDA device: `ahead_to_device` then copies without blocking)."""
 
 
+# The start of torch's DataLoader warning about more worker processes than usable CPUs.
+_TOO_MANY_WORKERS = "This DataLoader will create"
+
+
 class TrainLoader:
     """This rank's stream of optimizer steps: each item is the list of `micro_steps` PackedBatches of one step.
 
@@ -162,17 +167,20 @@ class TrainLoader:
         """Endless stream from `cursor`: (cursor after this step, this step's micro-batches), across epochs.
 
         Close the generator when done with it: that ends the loader's worker at once (it ignores SIGTERM)."""
-        loader = torch.utils.data.DataLoader(
-            PackedRows(self),
-            batch_size=None,
-            sampler=_RowOrder(self, cursor),
-            num_workers=self.num_workers,
-            collate_fn=_identity,
-            prefetch_factor=4 if self.num_workers else None,
-            worker_init_fn=_ignore_sigint if self.num_workers else None,
-            pin_memory=self.pin_memory,
-        )
-        it = iter(loader)
+        with warnings.catch_warnings():
+            # torch warns twice, with its source line, when the workers outnumber the CPUs; `train` says it once
+            warnings.filterwarnings("ignore", message=_TOO_MANY_WORKERS, category=UserWarning)
+            loader = torch.utils.data.DataLoader(
+                PackedRows(self),
+                batch_size=None,
+                sampler=_RowOrder(self, cursor),
+                num_workers=self.num_workers,
+                collate_fn=_identity,
+                prefetch_factor=4 if self.num_workers else None,
+                worker_init_fn=_ignore_sigint if self.num_workers else None,
+                pin_memory=self.pin_memory,
+            )
+            it = iter(loader)
         for epoch, step in self.steps_from(cursor):
             micro = [next(it) for _ in range(self.micro_steps)]
             n = self.steps_in_epoch(epoch)

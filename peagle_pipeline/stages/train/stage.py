@@ -14,8 +14,9 @@ from typing import Any
 
 from peagle_pipeline.config import TrainConfig
 from peagle_pipeline.errors import BadInput, ResumeMismatch
+from peagle_pipeline.hardware import describe_compute_dtype, usable_cpus
 from peagle_pipeline.preemption import StopRequest, stop_error
-from peagle_pipeline.runtime import RankLock, configure_logging, describe_compute_dtype
+from peagle_pipeline.runtime import RankLock, configure_logging
 from peagle_pipeline.stages.export.marker import run_identity
 from peagle_pipeline.stages.export.stage import check_export_target, export_run
 from peagle_pipeline.stages.train import metrics as metrics_mod
@@ -171,6 +172,12 @@ def _start_notes(cfg: TrainConfig, trainer: Trainer) -> list[str]:
         )
     if split.skipped_unsupervised:
         notes.append(f"skipped {split.skipped_unsupervised} sample(s) without supervised tokens")
+    cpus = usable_cpus()
+    if cfg.num_workers > cpus:
+        notes.append(
+            f"num_workers {cfg.num_workers} is more than the {cpus} CPUs this process may use: the loader's "
+            "workers and the step compete for them; set num_workers to at most that"
+        )
     if len(held.eval_ids) < cfg.eval_samples:
         notes.append(
             f"eval_samples {cfg.eval_samples} capped at {len(held.eval_ids)}: at most half of the "

@@ -33,9 +33,10 @@ import torch
 from peagle_pipeline.config import TrainConfig
 from peagle_pipeline.core import cod, loss, mask, partition
 from peagle_pipeline.errors import CorruptCache, NumericalFault, OutOfSpace, StoreUnreachable
+from peagle_pipeline.hardware import resolve_compute_dtype
 from peagle_pipeline.model_dir import text_config
 from peagle_pipeline.preemption import stop_error
-from peagle_pipeline.runtime import pause_for_crash_test, resolve_compute_dtype
+from peagle_pipeline.runtime import pause_for_crash_test
 from peagle_pipeline.stages.train import fsdp
 from peagle_pipeline.stages.train import metrics as metrics_mod
 from peagle_pipeline.stages.train.checkpoint import CheckpointManager

@@ -8,7 +8,7 @@ import torch
 from peagle_pipeline.backends.hf import HFBackend
 from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.errors import BadInput
-from peagle_pipeline.runtime import resolve_compute_dtype
+from peagle_pipeline.hardware import resolve_compute_dtype
 from peagle_pipeline.stages.extract.settings import backend_settings
 
 L = 6  # layers of the default tiny model

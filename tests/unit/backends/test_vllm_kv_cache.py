@@ -36,7 +36,7 @@ def test_auto_is_bf16_for_a_target_vllm_runs_in_bf16_only_on_a_cpu(tiny_qwen3_ne
     bf16 speed; other targets, the HF backend and a given dtype follow the usual rule."""
     from peagle_pipeline.backends.vllm_dtype import cpu_runs_bf16_only
     from peagle_pipeline.config import GenerateConfig
-    from peagle_pipeline.runtime import resolve_compute_dtype
+    from peagle_pipeline.hardware import resolve_compute_dtype
     from peagle_pipeline.stages.generate.stage import _compute_dtype
 
     assert cpu_runs_bf16_only(str(tiny_qwen3_next)) and not cpu_runs_bf16_only(str(tiny_model))
@@ -55,7 +55,7 @@ def test_auto_is_bf16_for_a_target_vllm_runs_in_bf16_only_on_a_cpu(tiny_qwen3_ne
 def test_the_bf16_only_reason_is_given_on_a_cpu_only(tiny_qwen3_next, tiny_model):
     """extract's dtype line and evaluate's engine use the same rule as generate (`engine_compute_dtype`)."""
     from peagle_pipeline.backends.vllm_dtype import CPU_BF16_ONLY, bf16_only_reason, engine_compute_dtype
-    from peagle_pipeline.runtime import resolve_compute_dtype
+    from peagle_pipeline.hardware import resolve_compute_dtype
 
     assert bf16_only_reason(str(tiny_qwen3_next), "cpu") == CPU_BF16_ONLY
     assert (
