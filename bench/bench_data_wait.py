@@ -3,7 +3,8 @@
 The trainer measures, for every optimizer step, the time spent waiting for the next packed batch from its
 DataLoader (worker processes reading the cache in random order) and logs `data_wait` = wait / step time and
 `step_time` per log window in RUN/metrics.jsonl. This script runs `peagle-pipeline train` as a subprocess
-(the real CLI, real cache, bf16 autocast as the demo) and reads those records back. The first log window holds the
+(the real CLI, real cache, the compute dtype `auto` picks, as the demo) and reads those records back; a step in
+emulated bf16 (a CPU without bf16 units) runs many times slower and would hide the wait. The first log window holds the
 worker start-up (a one-time cost) and is reported apart; the goal applies to the steady-state windows.
 Without --cache it extracts a small SmolLM2 cache first (kept under --workdir, reused by later runs).
 With --s3-mbit N the cache is uploaded to a real S3 server on localhost (moto, bench/s3_local.py) and training
@@ -175,7 +176,7 @@ def train(args: argparse.Namespace, cache: str, run: Path, env: dict[str, str] |
         "--draft-vocab-size",
         "8192",
         "--precision",
-        "bf16",
+        "auto",
         "--num-workers",
         str(args.num_workers),
         "--eval-samples",

@@ -8,6 +8,10 @@ HF extraction forward and for one training step (issue 12; SPEC section 7).
 Batches and steps alternate which dtype runs first, to cancel drift on a shared machine. Goal: the chosen dtype is
 at least as fast as the other (ratio chosen / other >= 1.0) for both. Prints a Markdown table; writes JSON to --out.
 
+Where bf16 is emulated (a CPU without AMX / AVX512-BF16 units: about 1 % of fp32's matmul speed) the whole bf16
+side would take hours, so each path stops once one dtype has spent `--max-seconds` in it: both dtypes are then
+timed over the same batches or steps, fewer of them (the JSON says how many), and the warm-up runs on a few tokens.
+
     python -m bench.bench_dtype --out bench/results/dtype.json [--samples 16 --max-length 512 --tokens 2048]
 """
 
@@ -32,6 +36,8 @@ from peagle_pipeline.stages.extract.cache_output import build_meta
 from peagle_pipeline.stages.extract.settings import resolve_layers
 
 DTYPES = ("bf16", "fp32")
+# Tokens of the extraction warm-up: enough to touch every kernel, few enough for an emulated bf16.
+WARMUP_TOKENS = 16
 
 
 def extraction_batches(cfg: ExtractConfig) -> list[list[PlannedSample]]:
@@ -62,18 +68,22 @@ def bench_extraction(args: argparse.Namespace) -> dict[str, float]:
     meta = build_meta(cfgs["bf16"], info, layer_ids, 1, "bf16")  # only its stored dtypes are used
     backends = {d: HFBackend(backend_settings(cfgs[d]), layer_ids) for d in DTYPES}
     for b in backends.values():
-        b.forward([s.input_ids for s in batches[0][:1]])  # warm-up (allocator, kernels)
+        b.forward([batches[0][0].input_ids[:WARMUP_TOKENS]])  # warm-up (allocator, kernels)
     seconds = dict.fromkeys(DTYPES, 0.0)
+    tokens = measured = 0
     for i, batch in enumerate(batches):
         for d in DTYPES if i % 2 == 0 else DTYPES[::-1]:
             t = time.perf_counter()
             for sample, out in zip(batch, backends[d].forward([s.input_ids for s in batch]), strict=True):
                 to_sample_data(sample, out, meta)
             seconds[d] += time.perf_counter() - t
+        tokens, measured = tokens + sum(len(s.input_ids) for s in batch), measured + 1
+        if max(seconds.values()) > args.max_seconds:
+            break
     for b in backends.values():
         b.close()
-    tokens = sum(len(s.input_ids) for b in batches for s in b)
-    return {"tokens": tokens, "batches": len(batches), **{d: tokens / seconds[d] for d in DTYPES}}
+    rates = {d: tokens / seconds[d] for d in DTYPES}
+    return {"tokens": tokens, "batches": len(batches), "batches_measured": measured, **rates}
 
 
 def train_step(
@@ -104,15 +114,25 @@ def bench_training(args: argparse.Namespace) -> dict[str, float]:
     setup = build_setup(args.tokens, 2, args.depths)
     tokens = int(setup[5].numel())
     times: dict[str, list[float]] = {d: [] for d in DTYPES}
-    losses = {d: train_step(setup, d, args.depths) for d in DTYPES}  # warm-up
+    losses, warmup = {}, {}
+    for d in DTYPES:  # warm-up; its time stands in for the steps when one step is over the cap
+        t = time.perf_counter()
+        losses[d] = train_step(setup, d, args.depths)
+        warmup[d] = time.perf_counter() - t
+    spent = dict(warmup)
     for r in range(args.repeat):
+        if max(spent.values()) > args.max_seconds:
+            break
         for d in DTYPES if r % 2 == 0 else DTYPES[::-1]:
             t = time.perf_counter()
             train_step(setup, d, args.depths)
             times[d].append(time.perf_counter() - t)
+            spent[d] += times[d][-1]
+    steps = {d: times[d] or [warmup[d]] for d in DTYPES}
     return {
         "tokens": tokens,
-        **{d: tokens / statistics.median(times[d]) for d in DTYPES},
+        "steps_measured": len(times["fp32"]),
+        **{d: tokens / statistics.median(steps[d]) for d in DTYPES},
         "loss_rel_diff": abs(losses["bf16"] - losses["fp32"]) / abs(losses["fp32"]),
     }
 
@@ -129,6 +149,9 @@ def main() -> None:
     ap.add_argument("--depths", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    ap.add_argument(
+        "--max-seconds", type=float, default=60.0, help="stop a path once one dtype has spent this long in it"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -147,7 +170,11 @@ def main() -> None:
         "extract_ratio": extract[chosen] / extract[other],
         "train_ratio": train[chosen] / train[other],
         "extract_tokens": extract["tokens"],
+        "extract_batches_measured": f"{extract['batches_measured']} of {extract['batches']}",
         "train_tokens": train["tokens"],
+        "train_steps_measured": train["steps_measured"],
+        "time_capped": extract["batches_measured"] < extract["batches"]
+        or train["steps_measured"] < args.repeat,
         "train_loss_rel_diff": train["loss_rel_diff"],
         "goal_ratio_min": 1.0,
     }

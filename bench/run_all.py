@@ -158,6 +158,16 @@ def _fig(
     }
 
 
+def _dtype_cap(r: dict[str, Any]) -> str:
+    """What bench_dtype measured over, when its time cap cut a path short (an emulated bf16), else nothing."""
+    if not r.get("time_capped"):
+        return ""
+    return (
+        f"; time-capped: {r['extract_batches_measured']} extraction batches, {r['train_steps_measured']} "
+        "training steps after the warm-up"
+    )
+
+
 def figures(out: Path, demo: Path | None = None) -> list[dict[str, Any]]:
     """Each SPEC §8 figure from the scripts' JSON (None values = not measured in this run), and the quality
     figures of the `make demo` in `demo` (default DEMO)."""
@@ -401,6 +411,7 @@ def figures(out: Path, demo: Path | None = None) -> list[dict[str, Any]]:
             f"{r['extract_ratio']:.2f}x ({r['extract_tokens_per_s']['bf16']:.0f} bf16 vs "
             f"{r['extract_tokens_per_s']['fp32']:.0f} fp32 tokens/s), training step {r['train_ratio']:.2f}x "
             f"({r['train_tokens_per_s']['bf16']:.0f} vs {r['train_tokens_per_s']['fp32']:.0f})"
+            + _dtype_cap(r)
             if r
             else missing,
             r and min(r["extract_ratio"], r["train_ratio"]) >= 1.0,

@@ -179,3 +179,25 @@ def test_the_vllm_extraction_ceiling_is_the_bare_prefills_share_of_the_matmul_wo
     # a layer: projections 8 x 4 x (2 x 2 + 2 x 1) = 192, MLP 3 x 8 x 16 = 384, attention 2 x 2 x 4 x 10 = 160
     assert matmul_ceiling(cfg, 10) == pytest.approx(2 * 736 / (2 * 736 + 8 * 100))
     assert matmul_ceiling({**cfg, "num_experts": 8}, 10) is None
+
+
+@pytest.mark.parametrize("capped", [False, True])
+def test_the_dtype_row_says_when_its_time_cap_cut_it_short(
+    run_all: ModuleType, tmp_path: Path, capped: bool
+) -> None:
+    """On a CPU without bf16 units bench_dtype stops each path at its time cap: the row says over what it measured."""
+    result = {
+        "chosen": "fp32",
+        "cpu_bf16_flags": [],
+        "extract_ratio": 40.0,
+        "train_ratio": 35.0,
+        "extract_tokens_per_s": {"bf16": 10.0, "fp32": 400.0},
+        "train_tokens_per_s": {"bf16": 20.0, "fp32": 700.0},
+        "extract_batches_measured": "1 of 3" if capped else "3 of 3",
+        "train_steps_measured": 0 if capped else 3,
+        "time_capped": capped,
+    }
+    (tmp_path / "dtype.json").write_text(json.dumps(result))
+    row = next(f for f in run_all.figures(tmp_path) if f["source"] == "bench_dtype")
+    assert row["met"] is True and "auto = fp32 (no bf16 units)" in row["measured"]
+    assert ("time-capped: 1 of 3 extraction batches, 0 training steps" in row["measured"]) == capped
