@@ -222,7 +222,7 @@ def main() -> None:
         "samples": args.samples,
         "loss_chunk": args.chunk,
         "embedding_grad": one["embedding_grad"],
-        "speculators": "not measured: the benchmark env (make setup-bench) is not installed",
+        "speculators": "not measured here: its step runs in the benchmark env (make setup-bench, bench_speculators.py)",
     }
     if args.budget_mib:
         found = [longest_within(args, n) for n in (1, 4)]
