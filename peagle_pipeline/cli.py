@@ -3,35 +3,29 @@
 `main()` is the one error boundary: a `PeagleError` becomes one line on stderr and its exit code, Ctrl-C exit 130, SIGTERM 143,
 an OS error about a path (disk full, read-only, missing) its `errors.from_os_error` class; set PEAGLE_DEBUG=1 to see
 the traceback instead. Heavy imports (torch, zarr) happen inside commands, so `--help`, `--version` and `plot`
-start without torch. An option of a config field is built by `_opt(Config, "name")`: its help, default and allowed
-values (for `Literal` fields) come from config/, the one source of truth.
+start without torch. The options of generate, extract, train, evaluate and vllm-check are the fields of their config
+dataclasses (`cli_options.config_command`): a setting is declared once, in config/.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from typer.core import TyperCommand
 
 from peagle_pipeline import preemption
+from peagle_pipeline.cli_options import config_command
 from peagle_pipeline.config import (
-    SECTIONS,
     SERVING_DEPTHS,
     EvaluateConfig,
     ExtractConfig,
     GenerateConfig,
     TrainConfig,
     VllmCheckConfig,
-    describe_fields,
-    field_choices,
-    is_required,
-    resolve,
 )
 from peagle_pipeline.errors import Interrupted, PeagleError, from_os_error
 from peagle_pipeline.process_exit import skip_final_collection
@@ -67,51 +61,6 @@ app = _App(
 )
 
 
-def _default_note(cls: type, name: str, default: Any) -> str:
-    """ " [default: ...]" for the help line of field `name` ("" when there is nothing to show)."""
-    if is_required(cls, name):  # typer itself marks a required flag of a command without a pipeline file
-        return " [required: flag or pipeline file]" if cls in SECTIONS else ""
-    if default in ("", [], None):
-        return ""
-    if isinstance(default, bool):
-        flag = name.replace("_", "-")
-        return f" [default: --{flag if default else 'no-' + flag}]"
-    if isinstance(default, list):
-        return f" [default: {','.join(map(str, default))}]"
-    return f" [default: {default}]"
-
-
-def _field_help(cls: type) -> dict[str, str]:
-    return {name: help + _default_note(cls, name, default) for name, help, default in describe_fields(cls)}
-
-
-_EXTRACT_HELP = _field_help(ExtractConfig)
-_TRAIN_HELP = _field_help(TrainConfig)
-
-
-def _E(name: str) -> str:
-    return _EXTRACT_HELP[name]
-
-
-def _T(name: str) -> str:
-    return _TRAIN_HELP[name]
-
-
-def _opt(cls: type, name: str) -> Any:
-    """The typer option of config field `name`: `--name` (`--name/--no-name` for bools), help with the default,
-    the allowed values as metavar for `Literal` fields (or the field's `metavar`). The parameter itself defaults
-    to None ("not given"). A field marked `argument` is a positional argument instead."""
-    flag = "--" + name.replace("_", "-")
-    f = {f.name: f for f in dataclasses.fields(cls)}[name]
-    choices = field_choices(cls, name)
-    help_text = _field_help(cls)[name]
-    metavar = f.metadata.get("metavar") or ("[" + "|".join(choices) + "]" if choices else None)
-    if f.metadata.get("argument"):
-        return typer.Argument(help=help_text, metavar=metavar)
-    decls = [f"{flag}/--no-{flag[2:]}"] if str(f.type).startswith("bool") else [flag]
-    return typer.Option(*decls, help=help_text, metavar=metavar)
-
-
 def _version(value: bool) -> None:
     if value:
         from peagle_pipeline import __version__
@@ -130,93 +79,18 @@ def _root(
     """Extract target hidden states into a Zarr cache, then train P-EAGLE drafts for vLLM from it."""
 
 
-ConfigOpt = Annotated[
-    Path | None,
-    typer.Option("--config", "-c", help="Pipeline file (YAML); flags override its section.", metavar="FILE"),
-]
-
-
-def _overrides(local: dict[str, Any]) -> dict[str, Any]:
-    """The flags the user actually gave (typer passes None for the rest)."""
-    return {k: v for k, v in local.items() if k != "config" and v is not None}
-
-
-def _given(local: dict[str, Any]) -> dict[str, Any]:
-    """The arguments and flags given to a command without a pipeline file (an unrepeated list option may come as
-    an empty list): the config's defaults fill the rest."""
-    return {k: v for k, v in _overrides(local).items() if v != []}
-
-
-@app.command()
-def generate(
-    config: ConfigOpt = None,
-    model: Annotated[str | None, _opt(GenerateConfig, "model")] = None,
-    data: Annotated[list[str] | None, _opt(GenerateConfig, "data")] = None,
-    split: Annotated[str | None, _opt(GenerateConfig, "split")] = None,
-    output: Annotated[str | None, _opt(GenerateConfig, "output")] = None,
-    backend: Annotated[str | None, _opt(GenerateConfig, "backend")] = None,
-    turns: Annotated[str | None, _opt(GenerateConfig, "turns")] = None,
-    thinking: Annotated[str | None, _opt(GenerateConfig, "thinking")] = None,
-    temperature: Annotated[float | None, _opt(GenerateConfig, "temperature")] = None,
-    top_p: Annotated[float | None, _opt(GenerateConfig, "top_p")] = None,
-    repetition_penalty: Annotated[float | None, _opt(GenerateConfig, "repetition_penalty")] = None,
-    max_new_tokens: Annotated[int | None, _opt(GenerateConfig, "max_new_tokens")] = None,
-    max_prompt_tokens: Annotated[int | None, _opt(GenerateConfig, "max_prompt_tokens")] = None,
-    samples_per_prompt: Annotated[int | None, _opt(GenerateConfig, "samples_per_prompt")] = None,
-    seed: Annotated[int | None, _opt(GenerateConfig, "seed")] = None,
-    max_samples: Annotated[int | None, _opt(GenerateConfig, "max_samples")] = None,
-    chunk_size: Annotated[int | None, _opt(GenerateConfig, "chunk_size")] = None,
-    batch_size: Annotated[int | None, _opt(GenerateConfig, "batch_size")] = None,
-    rank: Annotated[int | None, _opt(GenerateConfig, "rank")] = None,
-    world_size: Annotated[int | None, _opt(GenerateConfig, "world_size")] = None,
-    device: Annotated[str | None, _opt(GenerateConfig, "device")] = None,
-    compute_dtype: Annotated[str | None, _opt(GenerateConfig, "compute_dtype")] = None,
-    chat_template_kwargs: Annotated[str | None, _opt(GenerateConfig, "chat_template_kwargs")] = None,
-    tensor_parallel_size: Annotated[int | None, _opt(GenerateConfig, "tensor_parallel_size")] = None,
-    gpu_memory_utilization: Annotated[float | None, _opt(GenerateConfig, "gpu_memory_utilization")] = None,
-) -> None:
+@config_command(app, GenerateConfig)
+def generate(cfg: GenerateConfig) -> None:
     """Regenerate the assistant replies of chat data with the target (on-policy rows that extract reads)."""
-    cfg = resolve(GenerateConfig, config, _overrides(locals()))
     from peagle_pipeline.stages.generate import stage
 
     summary = stage.run(cfg, echo=lambda line: typer.echo(line, err=True))
     typer.echo(summary.format())
 
 
-@app.command()
-def extract(
-    config: ConfigOpt = None,
-    model: Annotated[str | None, _opt(ExtractConfig, "model")] = None,
-    data: Annotated[list[str] | None, _opt(ExtractConfig, "data")] = None,
-    split: Annotated[str | None, _opt(ExtractConfig, "split")] = None,
-    output: Annotated[str | None, _opt(ExtractConfig, "output")] = None,
-    backend: Annotated[str | None, _opt(ExtractConfig, "backend")] = None,
-    layers: Annotated[str | None, _opt(ExtractConfig, "layers")] = None,
-    topk: Annotated[int | None, _opt(ExtractConfig, "topk")] = None,
-    last_hidden: Annotated[bool | None, _opt(ExtractConfig, "last_hidden")] = None,
-    max_length: Annotated[int | None, _opt(ExtractConfig, "max_length")] = None,
-    overlong: Annotated[str | None, _opt(ExtractConfig, "overlong")] = None,
-    max_samples: Annotated[int | None, _opt(ExtractConfig, "max_samples")] = None,
-    batch_tokens: Annotated[int | None, _opt(ExtractConfig, "batch_tokens")] = None,
-    length_window: Annotated[int | None, _opt(ExtractConfig, "length_window")] = None,
-    dtype: Annotated[str | None, _opt(ExtractConfig, "dtype")] = None,
-    compute_dtype: Annotated[str | None, _opt(ExtractConfig, "compute_dtype")] = None,
-    assistant_turns: Annotated[str | None, _opt(ExtractConfig, "assistant_turns")] = None,
-    leading_assistant: Annotated[str | None, _opt(ExtractConfig, "leading_assistant")] = None,
-    chat_template_kwargs: Annotated[str | None, _opt(ExtractConfig, "chat_template_kwargs")] = None,
-    compress: Annotated[str | None, _opt(ExtractConfig, "compress")] = None,
-    shard_tokens: Annotated[int | None, _opt(ExtractConfig, "shard_tokens")] = None,
-    chunk_tokens: Annotated[int | None, _opt(ExtractConfig, "chunk_tokens")] = None,
-    rank: Annotated[int | None, _opt(ExtractConfig, "rank")] = None,
-    world_size: Annotated[int | None, _opt(ExtractConfig, "world_size")] = None,
-    device: Annotated[str | None, _opt(ExtractConfig, "device")] = None,
-    topk_chunk: Annotated[int | None, _opt(ExtractConfig, "topk_chunk")] = None,
-    tensor_parallel_size: Annotated[int | None, _opt(ExtractConfig, "tensor_parallel_size")] = None,
-    gpu_memory_utilization: Annotated[float | None, _opt(ExtractConfig, "gpu_memory_utilization")] = None,
-    max_num_batched_tokens: Annotated[int | None, _opt(ExtractConfig, "max_num_batched_tokens")] = None,
-) -> None:
+@config_command(app, ExtractConfig)
+def extract(cfg: ExtractConfig) -> None:
     """Run the target model once over chat data and write (or resume) a cache."""
-    cfg = resolve(ExtractConfig, config, _overrides(locals()))
     from peagle_pipeline.stages.extract import stage
 
     summary = stage.run(cfg)
@@ -224,58 +98,9 @@ def extract(
         typer.echo(summary.format())
 
 
-@app.command()
-def train(
-    config: ConfigOpt = None,
-    cache: Annotated[str | None, _opt(TrainConfig, "cache")] = None,
-    extra_cache: Annotated[list[str] | None, _opt(TrainConfig, "extra_cache")] = None,
-    output: Annotated[str | None, _opt(TrainConfig, "output")] = None,
-    draft_layers: Annotated[int | None, _opt(TrainConfig, "draft_layers")] = None,
-    depths: Annotated[int | None, _opt(TrainConfig, "depths")] = None,
-    draft_vocab_size: Annotated[int | None, _opt(TrainConfig, "draft_vocab_size")] = None,
-    tokens_per_step: Annotated[int | None, _opt(TrainConfig, "tokens_per_step")] = None,
-    epochs: Annotated[int | None, _opt(TrainConfig, "epochs")] = None,
-    steps: Annotated[int | None, _opt(TrainConfig, "steps")] = None,
-    lr: Annotated[float | None, _opt(TrainConfig, "lr")] = None,
-    warmup: Annotated[int | None, _opt(TrainConfig, "warmup")] = None,
-    schedule: Annotated[str | None, _opt(TrainConfig, "schedule")] = None,
-    weight_decay: Annotated[float | None, _opt(TrainConfig, "weight_decay")] = None,
-    grad_clip: Annotated[float | None, _opt(TrainConfig, "grad_clip")] = None,
-    down_sample_ratio: Annotated[float | None, _opt(TrainConfig, "down_sample_ratio")] = None,
-    down_sample_ratio_min: Annotated[float | None, _opt(TrainConfig, "down_sample_ratio_min")] = None,
-    max_anchors: Annotated[int | None, _opt(TrainConfig, "max_anchors")] = None,
-    sequence_partitions: Annotated[int | None, _opt(TrainConfig, "sequence_partitions")] = None,
-    grad_checkpointing: Annotated[
-        bool | None,
-        _opt(TrainConfig, "grad_checkpointing"),
-    ] = None,
-    target: Annotated[str | None, _opt(TrainConfig, "target")] = None,
-    loss_positions: Annotated[str | None, _opt(TrainConfig, "loss_positions")] = None,
-    eval_samples: Annotated[int | None, _opt(TrainConfig, "eval_samples")] = None,
-    eval_cache: Annotated[str | None, _opt(TrainConfig, "eval_cache")] = None,
-    eval_every: Annotated[int | None, _opt(TrainConfig, "eval_every")] = None,
-    seed: Annotated[int | None, _opt(TrainConfig, "seed")] = None,
-    save_every: Annotated[int | None, _opt(TrainConfig, "save_every")] = None,
-    keep_checkpoints: Annotated[int | None, _opt(TrainConfig, "keep_checkpoints")] = None,
-    precision: Annotated[str | None, _opt(TrainConfig, "precision")] = None,
-    device: Annotated[str | None, _opt(TrainConfig, "device")] = None,
-    fsdp: Annotated[bool | None, _opt(TrainConfig, "fsdp")] = None,
-    resume: Annotated[bool | None, _opt(TrainConfig, "resume")] = None,
-    num_workers: Annotated[int | None, _opt(TrainConfig, "num_workers")] = None,
-    loss_chunk: Annotated[int | None, _opt(TrainConfig, "loss_chunk")] = None,
-    norm_before_residual: Annotated[
-        bool | None,
-        _opt(TrainConfig, "norm_before_residual"),
-    ] = None,
-    init_from_target: Annotated[bool | None, _opt(TrainConfig, "init_from_target")] = None,
-    mask_token_id: Annotated[int | None, _opt(TrainConfig, "mask_token_id")] = None,
-    skip_corrupt: Annotated[bool | None, _opt(TrainConfig, "skip_corrupt")] = None,
-    max_bad_steps: Annotated[int | None, _opt(TrainConfig, "max_bad_steps")] = None,
-    log_every: Annotated[int | None, _opt(TrainConfig, "log_every")] = None,
-    export: Annotated[bool | None, _opt(TrainConfig, "export")] = None,
-) -> None:
+@config_command(app, TrainConfig)
+def train(cfg: TrainConfig) -> None:
     """Train a P-EAGLE draft from a cache (never loads the target model)."""
-    cfg = resolve(TrainConfig, config, _overrides(locals()))
     from peagle_pipeline.stages.train import stage
 
     stage.run(cfg)
@@ -358,48 +183,17 @@ def plot(run_dir: Annotated[str, typer.Argument(metavar="RUN", help="Training ru
         typer.echo(f"wrote {path}")
 
 
-@app.command()
-def evaluate(
-    drafts: Annotated[list[str], _opt(EvaluateConfig, "drafts")],
-    target: Annotated[str | None, _opt(EvaluateConfig, "target")] = None,
-    prompts: Annotated[list[str] | None, _opt(EvaluateConfig, "prompts")] = None,
-    num_prompts: Annotated[int | None, _opt(EvaluateConfig, "num_prompts")] = None,
-    max_tokens: Annotated[int | None, _opt(EvaluateConfig, "max_tokens")] = None,
-    temperature: Annotated[float | None, _opt(EvaluateConfig, "temperature")] = None,
-    depths: Annotated[int | None, _opt(EvaluateConfig, "depths")] = None,
-    concurrency: Annotated[list[int] | None, _opt(EvaluateConfig, "concurrency")] = None,
-    acceptance_concurrency: Annotated[int | None, _opt(EvaluateConfig, "acceptance_concurrency")] = None,
-    output: Annotated[str | None, _opt(EvaluateConfig, "output")] = None,
-    dtype: Annotated[str | None, _opt(EvaluateConfig, "dtype")] = None,
-    seed: Annotated[int | None, _opt(EvaluateConfig, "seed")] = None,
-    chat_template_kwargs: Annotated[str | None, _opt(EvaluateConfig, "chat_template_kwargs")] = None,
-    tensor_parallel_size: Annotated[int | None, _opt(EvaluateConfig, "tensor_parallel_size")] = None,
-    gpu_memory_utilization: Annotated[float | None, _opt(EvaluateConfig, "gpu_memory_utilization")] = None,
-    allow_other_target: Annotated[bool | None, _opt(EvaluateConfig, "allow_other_target")] = None,
-) -> None:
+@config_command(app, EvaluateConfig)
+def evaluate(**given: Any) -> None:
     """Measure drafts in vLLM: acceptance length, per-position acceptance, tokens/s and speedup per prompt set."""
-    cfg = EvaluateConfig(**_given(locals()))
     from peagle_pipeline.stages.evaluate import stage
 
-    stage.run(cfg, echo=typer.echo)
+    stage.run(EvaluateConfig(**given), echo=typer.echo)
 
 
-@app.command("vllm-check")
-def vllm_check(
-    draft: Annotated[str, _opt(VllmCheckConfig, "draft")],
-    target: Annotated[str, _opt(VllmCheckConfig, "target")],
-    prompts: Annotated[str | None, _opt(VllmCheckConfig, "prompts")] = None,
-    num_prompts: Annotated[int | None, _opt(VllmCheckConfig, "num_prompts")] = None,
-    max_tokens: Annotated[int | None, _opt(VllmCheckConfig, "max_tokens")] = None,
-    depths: Annotated[int | None, _opt(VllmCheckConfig, "depths")] = None,
-    report: Annotated[str | None, _opt(VllmCheckConfig, "report")] = None,
-    tensor_parallel_size: Annotated[int | None, _opt(VllmCheckConfig, "tensor_parallel_size")] = None,
-    gpu_memory_utilization: Annotated[float | None, _opt(VllmCheckConfig, "gpu_memory_utilization")] = None,
-    dtype: Annotated[str | None, _opt(VllmCheckConfig, "dtype")] = None,
-    allow_other_target: Annotated[bool | None, _opt(VllmCheckConfig, "allow_other_target")] = None,
-) -> None:
+@config_command(app, VllmCheckConfig, "vllm-check")
+def vllm_check(**given: Any) -> None:
     """Load target + draft in vLLM (parallel drafting), check greedy equality, report vLLM's acceptance."""
-    given = _given(locals())
     from peagle_pipeline.stages.evaluate import vllm_check as stage
 
     stage.run(echo=typer.echo, **given)

@@ -24,7 +24,9 @@ class EvaluateConfig:
     """Settings of `peagle-pipeline evaluate` (flags only; no pipeline-file section). Every figure in the report
     carries them. Its checks raise `BadInput` naming the flag."""
 
-    drafts: list[str] = setting([], "Exported draft directories, measured side by side.", argument=True)
+    drafts: list[str] = setting(
+        [], "Exported draft directories, measured side by side.", required=True, argument=True
+    )
     target: str | None = setting(None, "Target model directory (default: the verifier the draft names).")
     prompts: list[str] = setting(
         ["mt-bench"],

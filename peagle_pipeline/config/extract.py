@@ -32,7 +32,9 @@ class ExtractConfig(TargetStageConfig):
     output: str = reword(TargetStageConfig, "output", "Cache directory to create or resume.")
     backend: Literal["hf", "vllm"] = setting("hf", "Target runtime: hf (transformers) or vllm.")
     layers: list[int] | None = setting(
-        None, "Aux hidden-state layer ids in vLLM convention (0 = embeddings); default 2, L//2, L-3."
+        None,
+        "Aux hidden-state layer ids in vLLM convention (0 = embeddings), comma-separated; default 2, L//2, L-3.",
+        comma=True,
     )
     topk: int = setting(
         32, "Number of top target log-probabilities kept per token (over the full target vocabulary)."

@@ -1,5 +1,5 @@
 """How a setting is declared: a dataclass field whose metadata holds its one-line help (the CLI help and
-docs/reference/pipeline-files.md are generated from it), `required`, and for the CLI `argument` / `metavar`; and the fields
+docs/reference/pipeline-files.md are generated from it), `required`, and for the CLI `argument` / `metavar` / `comma` (a list given as one comma-separated value); and the fields
 and help texts several commands share."""
 
 from __future__ import annotations
