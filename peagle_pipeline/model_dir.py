@@ -14,9 +14,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from peagle_pipeline.backends.base import TargetInfo, validate_layer_ids
 from peagle_pipeline.cache.layout import LAYER_PIECE_PREFIX, PIECES_FILE
 from peagle_pipeline.errors import BadInput
+from peagle_pipeline.target_info import TargetInfo, check_layer_ids, check_topk
 
 __all__ = [
     "read_target_info",
@@ -483,7 +483,6 @@ def check_target(model: str, topk: int, layer_ids: list[int]) -> tuple[TargetInf
         BadInput: unreadable model config, a layer id outside 0..L, top-k larger than the vocabulary.
     """
     info = read_target_info(model)
-    ids = validate_layer_ids(list(layer_ids), info.num_hidden_layers)
-    if topk > info.vocab_size:
-        raise BadInput(f"topk ({topk}) is larger than the target vocabulary ({info.vocab_size})")
+    ids = check_layer_ids(list(layer_ids), info.num_hidden_layers)
+    check_topk(topk, info.vocab_size)
     return info, ids

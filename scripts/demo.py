@@ -160,7 +160,7 @@ def extract(cfg_path: Path, paths: dict[str, Path], state: dict[str, Any]) -> No
 def train_status(cfg_path: Path, paths: dict[str, Path]) -> tuple[str, int | None]:
     """('fresh' | 'resume' | 'complete', planned steps) of the run directory."""
     from peagle_pipeline.config import TrainConfig, resolve
-    from peagle_pipeline.stages.train.checkpoint import CHECKPOINTS_DIR
+    from peagle_pipeline.stages.checkpoint import CHECKPOINTS_DIR
 
     cfg = resolve(TrainConfig, cfg_path, {"cache": str(paths["cache"]), "output": str(paths["run"])})
     run = paths["run"]

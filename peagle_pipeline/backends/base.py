@@ -1,7 +1,7 @@
 """The whole contract between the extraction runner and a target runtime (HF transformers or vLLM).
 
 The runner hands a backend a batch of token-id lists and gets per-sample outputs in the cache's
-conventions (SPEC section 2): unshifted rows, vLLM layer ids, true top-k log-probs over the full vocabulary.
+conventions: unshifted rows, vLLM layer ids, true top-k log-probs over the full vocabulary.
 The runner never branches on the backend name; `registry.get_backend` picks the implementation.
 """
 
@@ -9,22 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
-from peagle_pipeline.errors import BadInput
+from peagle_pipeline.target_info import TargetInfo
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
     "BackendSettings",
-    "TargetInfo",
     "SampleOutputs",
     "TargetBackend",
-    "default_layer_ids",
-    "spelled_default_layer_ids",
-    "DEFAULT_LAYER_RULE",
-    "validate_layer_ids",
     "submit",
 ]
 
@@ -54,18 +49,6 @@ class BackendSettings:
     """vllm: GPU memory fraction."""
     max_num_batched_tokens: int | None
     """vllm: scheduler token budget per step (None: vLLM's default)."""
-
-
-@dataclass(frozen=True)
-class TargetInfo:
-    """What the runner needs to know about the target before the first batch."""
-
-    name_or_path: str
-    architectures: list[str]
-    num_hidden_layers: int
-    hidden_size: int
-    vocab_size: int
-    config: dict[str, Any]
 
 
 @dataclass
@@ -104,32 +87,3 @@ def submit(backend: TargetBackend, batch: list[list[int]]) -> Callable[[], list[
         return start(batch)
     outputs = backend.forward(batch)
     return lambda: outputs
-
-
-# The SPEC's default aux layer rule, as written (the one home of [2, L//2, L-3]).
-DEFAULT_LAYER_RULE = "[2, L//2, L-3]"
-
-
-def spelled_default_layer_ids(num_hidden_layers: int) -> list[int]:
-    """The default aux ids as the rule spells them, [2, L//2, L-3]: on a small target they may coincide."""
-    L = num_hidden_layers
-    return [2, L // 2, L - 3]
-
-
-def default_layer_ids(num_hidden_layers: int) -> list[int]:
-    """SPEC default aux ids: `spelled_default_layer_ids` deduplicated, ascending."""
-    return sorted(set(spelled_default_layer_ids(num_hidden_layers)))
-
-
-def validate_layer_ids(layer_ids: list[int], num_hidden_layers: int) -> list[int]:
-    """Sorted unique ids, each in 0..L (L = num_hidden_layers).
-
-    Raises:
-        BadInput: empty list or an id outside 0..L.
-    """
-    bad = [k for k in layer_ids if not 0 <= k <= num_hidden_layers]
-    if not layer_ids or bad:
-        raise BadInput(
-            f"aux layer ids must be in 0..{num_hidden_layers} (vLLM convention, 0 = embeddings); got {layer_ids}"
-        )
-    return sorted(set(layer_ids))

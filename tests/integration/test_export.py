@@ -20,13 +20,13 @@ from peagle_pipeline.config import SERVING_DEPTHS, TrainConfig, resolve
 from peagle_pipeline.core import cod
 from peagle_pipeline.core.mask import dense_mask
 from peagle_pipeline.errors import BadInput, OutputExists
+from peagle_pipeline.stages.checkpoint import CheckpointManager
+from peagle_pipeline.stages.draft_spec import DraftSpec
 from peagle_pipeline.stages.export import stage as export
-from peagle_pipeline.stages.export.draft_spec import DraftSpec
 from peagle_pipeline.stages.export.marker import MARKER_FILE, trained_depths
 from peagle_pipeline.stages.export.speculators_format import load_export, serving_depths
 from peagle_pipeline.stages.train import draft, trainer
 from peagle_pipeline.stages.train import stage as train
-from peagle_pipeline.stages.train.checkpoint import CheckpointManager
 
 pytestmark = pytest.mark.slow
 

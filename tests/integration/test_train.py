@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from peagle_pipeline.cli import main
+from peagle_pipeline.stages.checkpoint import CheckpointManager
 from peagle_pipeline.stages.train import metrics
-from peagle_pipeline.stages.train.checkpoint import CheckpointManager
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,9 @@ from cli_argv import descendants
 from safetensors.torch import load_file
 
 from peagle_pipeline.config import TrainConfig, resolve
+from peagle_pipeline.stages.checkpoint import CheckpointManager
 from peagle_pipeline.stages.train import metrics
 from peagle_pipeline.stages.train import stage as train
-from peagle_pipeline.stages.train.checkpoint import CheckpointManager
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,10 @@ ROOT = "peagle_pipeline"
 ALLOWED = {
     "errors": set(),
     "runtime": {"errors"},
-    "hardware": {"errors"},  # the CPUs a process may use, bf16 units, the compute dtype chosen from them
+    "hardware": {"errors"},
+    "target_info": {
+        "errors"
+    },  # TargetInfo, the default aux-layer rule, the layer and top-k checks  # the CPUs a process may use, bf16 units, the compute dtype chosen from them
     "core": {"errors"},
     # the on-policy data format (data/onpolicy_files.py) is written as well as read: atomic files and rank locks
     # from runtime, the settings comparison on resume from core.settings
@@ -28,9 +31,9 @@ ALLOWED = {
     "process_exit": set(),  # how a command's process ends (the CLI's exit without a final garbage collection)
     "preemption": {"errors"},  # SIGTERM/SIGINT handling, shared by the stages and the cache writer's commit
     "config": {"errors", "core.settings"},  # the COD defaults and checks, defined once (torch-free)
-    # what a target model folder holds, read without loading the model (TargetInfo and the layer rule from backends;
-    # quantised weights made dense by core.quantized_weights)
-    "model_dir": {"errors", "cache.layout", "backends.base", "core.quantized_weights"},
+    # what a target model folder holds, read without loading the model (quantised weights made dense by
+    # core.quantized_weights)
+    "model_dir": {"errors", "cache.layout", "target_info", "core.quantized_weights"},
     # the cache contract's file names; the vLLM engine defaults (core.settings, torch-free, shared with config); the
     # target's logit scale (core.target_convention, read by training too)
     "backends": {
@@ -41,6 +44,7 @@ ALLOWED = {
         "core.settings",
         "core.target_convention",
         "model_dir",
+        "target_info",
     },
     "cache": {"core", "runtime", "errors", "preemption"},
     "stages": {
@@ -55,6 +59,7 @@ ALLOWED = {
         "config",
         "errors",
         "preemption",
+        "target_info",
     },
     "cli": {
         "__init__",

@@ -33,12 +33,12 @@ def main() -> None:
 
     import torch
 
-    from peagle_pipeline.backends.base import default_layer_ids
     from peagle_pipeline.backends.hf import HFBackend
     from peagle_pipeline.backends.vllm import VLLMBackend
     from peagle_pipeline.config import ExtractConfig
     from peagle_pipeline.model_dir import read_target_info
     from peagle_pipeline.stages.extract.settings import backend_settings
+    from peagle_pipeline.target_info import default_layer_ids
 
     torch.set_num_threads(args.threads)
     cfg = ExtractConfig(

@@ -36,10 +36,10 @@ def _cfg(dtype: str):  # type: ignore[no-untyped-def]
 
 
 def test_smollm2_hf_and_vllm_agree_within_bf16_noise() -> None:
-    from peagle_pipeline.backends.base import default_layer_ids
     from peagle_pipeline.backends.hf import HFBackend
     from peagle_pipeline.backends.vllm import VLLMBackend
     from peagle_pipeline.stages.extract.settings import backend_settings
+    from peagle_pipeline.target_info import default_layer_ids
 
     layers = default_layer_ids(30)
     samples = render_samples(str(SMOLLM2), str(SHAREGPT), 6, 256)

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from peagle_pipeline.backends import vllm_log
-from peagle_pipeline.backends.base import TargetInfo
 from peagle_pipeline.backends.vllm import EngineSettings, require_vllm
 from peagle_pipeline.config import VllmCheckConfig
 from peagle_pipeline.errors import BadInput, SpeculativeMismatch
@@ -36,6 +35,7 @@ from peagle_pipeline.stages.evaluate.acceptance import (
 )
 from peagle_pipeline.stages.evaluate.prompts import DEFAULT_PROMPTS, load_prompts
 from peagle_pipeline.stages.export.marker import check_served_target, export_run_dir
+from peagle_pipeline.target_info import TargetInfo
 
 __all__ = [
     "run",

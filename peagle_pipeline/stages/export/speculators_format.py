@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from peagle_pipeline.core.settings import SERVING_DEPTHS
 from peagle_pipeline.errors import BadInput, NumericalFault
-from peagle_pipeline.stages.export.draft_spec import DraftSpec
+from peagle_pipeline.stages.draft_spec import DraftSpec
 
 if TYPE_CHECKING:
     from peagle_pipeline.core.model import PEagleDraft

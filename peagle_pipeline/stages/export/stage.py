@@ -4,7 +4,7 @@ Output directory: `config.json` + `model.safetensors` (`stages.export.speculator
 (the run and checkpoint it came from, `stages.export.marker`), written into a temporary sibling directory and
 swapped into place, so a reader sees a whole export or none. A folder is replaced only when it holds exactly those
 files from the same run (another run's export: only with `force`); files we did not write are never deleted. The
-facts the export needs beyond the weights come from `RUN/draft.json` (`stages.export.draft_spec.DraftSpec`),
+facts the export needs beyond the weights come from `RUN/draft.json` (`stages.draft_spec.DraftSpec`),
 written by the trainer at the start of a run. Never trains and never reads the cache.
 """
 
@@ -29,7 +29,7 @@ from peagle_pipeline.runtime import (
     make_readable,
     raise_if_no_space,
 )
-from peagle_pipeline.stages.export.draft_spec import DraftSpec
+from peagle_pipeline.stages.draft_spec import DraftSpec
 from peagle_pipeline.stages.export.marker import MARKER_FILE, run_identity, same_run
 from peagle_pipeline.stages.export.speculators_format import (
     CONFIG_FILE,
@@ -163,7 +163,7 @@ def _write_files(
 ) -> None:
     """Write the export's files into the new `folder` and flush them to disk: the `weights` (`export_weights`),
     the `config` (`export_config`) and the marker (`source` plus the target's identity, the trained K, the time)."""
-    from peagle_pipeline.stages.train.checkpoint import save_tensors
+    from peagle_pipeline.stages.checkpoint import save_tensors
 
     save_tensors(weights, folder / WEIGHTS_FILE, metadata={"format": "pt"})
     make_readable(folder / WEIGHTS_FILE)  # safetensors writes 0600; a vLLM of another user must read it
@@ -207,8 +207,8 @@ def export_run(
         BadInput: not a run directory, no such complete checkpoint, or `speculative_tokens` above the trained K.
         OutputExists: see `check_export_target`.
     """
+    from peagle_pipeline.stages.checkpoint import CheckpointManager
     from peagle_pipeline.stages.run_layout import EXPORT_DIR
-    from peagle_pipeline.stages.train.checkpoint import CheckpointManager
 
     if Path(output).exists() and not Path(output).is_dir():
         raise BadInput(f"--output {output} is a file: give a directory for the export")

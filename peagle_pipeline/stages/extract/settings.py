@@ -9,17 +9,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, NamedTuple
 
-from peagle_pipeline.backends.base import (
+from peagle_pipeline.backends.base import BackendSettings
+from peagle_pipeline.cache.location import compute_dtype_in, length_window_in
+from peagle_pipeline.config import ExtractConfig
+from peagle_pipeline.hardware import describe_compute_dtype, resolve_compute_dtype
+from peagle_pipeline.stages.extract.batch_plan import DEFAULT_LENGTH_WINDOW
+from peagle_pipeline.target_info import (
     DEFAULT_LAYER_RULE,
-    BackendSettings,
+    check_layer_ids,
     default_layer_ids,
     spelled_default_layer_ids,
 )
-from peagle_pipeline.cache.location import compute_dtype_in, length_window_in
-from peagle_pipeline.config import ExtractConfig
-from peagle_pipeline.errors import BadInput
-from peagle_pipeline.hardware import describe_compute_dtype, resolve_compute_dtype
-from peagle_pipeline.stages.extract.batch_plan import DEFAULT_LENGTH_WINDOW
 
 __all__ = [
     "target_device",
@@ -129,13 +129,7 @@ def fit_to_positions(run_cfg: ExtractConfig, max_positions: int | None) -> tuple
 
 def resolve_layers(cfg: ExtractConfig, num_hidden_layers: int) -> list[int]:
     """Aux layer ids, ascending; BadInput when outside 0..L."""
-    ids = sorted(set(cfg.layers)) if cfg.layers else default_layer_ids(num_hidden_layers)
-    bad = [i for i in ids if not 0 <= i <= num_hidden_layers]
-    if bad:
-        raise BadInput(
-            f"layer ids {bad} outside 0..{num_hidden_layers} (the target has {num_hidden_layers} layers)"
-        )
-    return ids
+    return check_layer_ids(cfg.layers or default_layer_ids(num_hidden_layers), num_hidden_layers)
 
 
 def collapsed_layers_note(cfg: ExtractConfig, num_hidden_layers: int) -> str | None:

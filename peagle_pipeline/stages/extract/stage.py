@@ -45,6 +45,7 @@ from peagle_pipeline.stages.extract.settings import (
     target_device,
 )
 from peagle_pipeline.stages.tokenizer_facts import tokenizer_facts
+from peagle_pipeline.target_info import check_topk
 
 if TYPE_CHECKING:
     from peagle_pipeline.core.vocab import TokenizerFacts
@@ -112,8 +113,7 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     rank, world = writer_rank(cfg.rank, cfg.world_size)
     info = read_target_info(cfg.model)
     layer_ids = resolve_layers(cfg, info.num_hidden_layers)
-    if cfg.topk > info.vocab_size:
-        raise BadInput(f"topk {cfg.topk} exceeds the target vocabulary ({info.vocab_size})")
+    check_topk(cfg.topk, info.vocab_size)
     renderer = _checked_renderer(cfg)
     place = _place(cfg.output)
     device = target_device(cfg)

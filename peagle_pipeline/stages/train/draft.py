@@ -22,7 +22,7 @@ from peagle_pipeline.core.target_convention import (
 )
 from peagle_pipeline.core.target_init import init_from_target_layer
 from peagle_pipeline.errors import BadConfig
-from peagle_pipeline.stages.export.draft_spec import DRAFT_SPEC, DraftSpec
+from peagle_pipeline.stages.draft_spec import DRAFT_SPEC, DraftSpec
 
 __all__ = [
     "build_draft",

@@ -37,9 +37,9 @@ from peagle_pipeline.hardware import resolve_compute_dtype
 from peagle_pipeline.model_dir import text_config
 from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import pause_for_crash_test
+from peagle_pipeline.stages.checkpoint import CheckpointManager
 from peagle_pipeline.stages.train import fsdp
 from peagle_pipeline.stages.train import metrics as metrics_mod
-from peagle_pipeline.stages.train.checkpoint import CheckpointManager
 from peagle_pipeline.stages.train.distributed import Dist
 from peagle_pipeline.stages.train.draft import build_draft
 from peagle_pipeline.stages.train.held_out_eval import evaluate_held_out

@@ -116,9 +116,9 @@ def test_fp32_and_no_last_hidden(tiny_model):
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
-        ({"layer_ids": (0, L + 1)}, "must be in 0..6"),
-        ({"layer_ids": ()}, "must be in 0..6"),
-        ({"topk": 513}, "larger than the target vocabulary"),
+        ({"layer_ids": (0, L + 1)}, "outside 0..6"),
+        ({"layer_ids": ()}, "name at least one of 0..6"),
+        ({"topk": 513}, "exceeds the target vocabulary"),
     ],
 )
 def test_bad_settings(tiny_model, kw, match):

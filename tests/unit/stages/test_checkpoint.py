@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from peagle_pipeline.errors import BadInput
-from peagle_pipeline.stages.train.checkpoint import CheckpointManager, step_dir_name
+from peagle_pipeline.stages.checkpoint import CheckpointManager, step_dir_name
 
 
 def save(m: CheckpointManager, step: int, best: bool = False):
