@@ -1,7 +1,7 @@
 """Acceptance as vLLM measures it: spec-decode counters, the figures derived from them, and timed engine runs.
 
 AL (mean acceptance length) = 1 + accepted / drafts from vLLM's counters `vllm:spec_decode_num_drafts`,
-`vllm:spec_decode_num_accepted_tokens` and `..._per_pos`, differenced before/after a run (SPEC section 4b); the
+`vllm:spec_decode_num_accepted_tokens` and `..._per_pos`, differenced before/after a run (docs/reference/algorithm.md); the
 per-position rate i is accepted_per_pos[i] / drafts. Runs keep at most `concurrency` requests in flight (1 = one
 prompt at a time) and time only the measured prompts (a short warm-up request comes first).
 Shared by `evaluate` and `vllm-check`. Never imports vLLM at module import time; never writes files.

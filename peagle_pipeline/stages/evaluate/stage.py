@@ -1,4 +1,4 @@
-"""`peagle-pipeline evaluate`: measure exported drafts in vLLM as peers measure them (SPEC section 4b).
+"""`peagle-pipeline evaluate`: measure exported drafts in vLLM as peers measure them (docs/reference/algorithm.md).
 
 One engine for the plain target, then one engine per draft (each shut down before the next starts, to bound
 memory), all with the same settings and the same prompts. Per draft and prompt set: vLLM's acceptance length

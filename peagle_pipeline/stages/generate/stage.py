@@ -1,4 +1,4 @@
-"""On-policy data (SPEC section 4a): regenerate the assistant replies of chat data with the target itself.
+"""On-policy data: regenerate the assistant replies of chat data with the target itself.
 
 This rank's source rows are cut into chunks of `chunk_size`. A chunk is generated in waves (`chunk.py`): wave j
 asks the backend for reply j of every conversation (and sample) still going, in one call, and the conversations

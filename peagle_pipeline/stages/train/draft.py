@@ -190,7 +190,7 @@ def require_last_hidden(target: str, meta: Any, label: str) -> None:
 
 
 def choose_mask_token(cache: Any, embedding_rows: int, override: int | None) -> vocab.MaskTokenChoice:
-    """The mask token of a draft trained on `cache` (SPEC §5.3), logged with the rule that chose it.
+    """The mask token of a draft trained on `cache` (docs/reference/algorithm.md), logged with the rule that chose it.
 
     Uses the cache's tokenizer facts (special tokens, ids its chat template produces; `stages.tokenizer_facts`)
     and the counts of every token in the cached samples, so a special token that occurs in the data is never chosen
