@@ -1,7 +1,7 @@
 """Hand-made P-EAGLE exports for the vLLM tier: a random draft for a target, written by our own exporter.
 
 The weights are random (acceptance ~ 0), but the files are exactly what `peagle-pipeline train` exports
-(SPEC section 6: `stages.export.write_export` of a `core.model.PEagleDraft`), so vLLM must load them.
+(`stages.export.write_export` of a `core.model.PEagleDraft`), so vLLM must load them.
 """
 
 from __future__ import annotations

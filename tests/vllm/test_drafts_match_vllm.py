@@ -1,4 +1,4 @@
-"""vLLM drafts exactly the tokens our draft model computes (SPEC §5: training must match the serving runtime).
+"""VLLM drafts exactly the tokens our draft model computes.
 
 `proposals.compare_proposals` records every K-token proposal of vLLM's drafter on greedy replies and looks up the
 argmax of `PEagleDraft.forward_layout` at the same anchor and depth (the forward `train` optimises): they must be

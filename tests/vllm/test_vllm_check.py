@@ -115,7 +115,7 @@ def test_draft_for_another_vocabulary_is_refused(
 def test_draft_for_another_target_is_refused(
     tiny_qwen3: Path, tmp_path: Path, tiny_model: Path, vllm_env: dict[str, str]
 ) -> None:
-    """Issue 39 item 4: a draft for the tiny Qwen3 (same vocabulary size) on the tiny Llama: one line, no engine."""
+    """A draft for the tiny Qwen3 (same vocabulary size) on the tiny Llama: one line, no engine."""
     draft = make_random_draft(tiny_qwen3, tmp_path / "qwen3-draft", [1, 2, 3], depths=3)
     proc = run_cli(vllm_env, "vllm-check", str(draft), "--target", str(tiny_model), timeout=120)
     assert proc.returncode == 2
@@ -128,7 +128,7 @@ def test_draft_for_another_target_is_refused(
 def test_qwen3_draft_layer_loads_and_keeps_greedy_output(
     tiny_qwen3: Path, tmp_path: Path, vllm_env: dict[str, str]
 ) -> None:
-    """Issue 39 item 3: a Qwen3 draft layer (q_norm/k_norm, model_type qwen3) loads in vLLM's parallel drafting."""
+    """A Qwen3 draft layer (q_norm/k_norm, model_type qwen3) loads in vLLM's parallel drafting."""
     draft = make_random_draft(tiny_qwen3, tmp_path / "qwen3-draft", [1, 2, 3], depths=3, draft_vocab_size=300)
     assert (
         json.loads((draft / "config.json").read_text())["transformer_layer_config"]["model_type"] == "qwen3"
