@@ -40,6 +40,9 @@ class DraftSpec:
     # The target the draft was trained on, from the cache (`target_identity`); None in runs started before it
     # was recorded. The export's marker carries it, and vllm-check / evaluate compare it with the target given.
     target_identity: dict[str, str] | None = None
+    # The drafting method (`train.method`): "peagle" (the speculators peagle format; runs started before methods
+    # were named) or "eagle3" (the eagle3 format: no mask token, no mask_hidden).
+    method: str = "peagle"
 
     @property
     def text_config(self) -> dict[str, Any]:
