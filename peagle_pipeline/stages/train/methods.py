@@ -106,9 +106,10 @@ class Eagle3Method(DraftMethod):
     def hidden(
         self, module: torch.nn.Module, p: Prepared, seg: partition.Segment, mask: MaskFn, num_layers: int
     ) -> torch.Tensor:
-        if not bool(seg.owned.all()) or seg.index.numel() != len(p.layout):
-            raise BadConfig("method eagle3 runs each packed row in one segment (sequence_partitions 1)")
-        return module(**ttt_inputs(p.layout, p.batch.input_ids, p.batch.aux_hidden))
+        # the whole row (its one segment: `TrainConfig` refuses sequence partitions): elements that carry no
+        # loss still feed the later steps of their chains
+        hidden = module(**ttt_inputs(p.layout, p.batch.input_ids, p.batch.aux_hidden))
+        return hidden[seg.owned_elements]
 
     def loss_weight(self, cfg: TrainConfig, depth: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         if cfg.step_loss_decay == 1.0:
