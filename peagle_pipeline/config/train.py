@@ -67,7 +67,8 @@ class TrainConfig:
         COD_DEFAULTS["max_anchors"], "At most this many COD seeds per sample (depth >= 1 only)."
     )
     sequence_partitions: int = setting(
-        1, "Split each packed row into this many segments (forward+backward each) to cut memory (peagle only)."
+        1,
+        "Split each packed row into this many segments (forward+backward each) to cut memory (peagle only).",
     )
     step_loss_decay: float = setting(
         1.0,
@@ -138,7 +139,8 @@ class TrainConfig:
     )
     log_every: int = setting(10, "Log metrics every N steps.")
     export: bool = setting(
-        True, "Export the speculators checkpoint (peagle or eagle3 format, as the method) at the end of training."
+        True,
+        "Export the speculators checkpoint (peagle or eagle3 format, as the method) at the end of training.",
     )
 
     def __post_init__(self) -> None:

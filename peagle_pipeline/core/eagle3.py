@@ -82,7 +82,9 @@ class Eagle3Draft(PEagleDraft):
             embeds = self.embed_tokens(ids)
             cos, sin = self.rope(position[lo : lo + n])
             for i in range(len(self.layers)):
-                stream, past[i] = self._step_layer(i, stream, embeds if i == 0 else None, cos, sin, masks[d], past[i])
+                stream, past[i] = self._step_layer(
+                    i, stream, embeds if i == 0 else None, cos, sin, masks[d], past[i]
+                )
             outs.append(self.norm(stream))
             lo += n
         return torch.cat(outs)
@@ -100,7 +102,9 @@ class Eagle3Draft(PEagleDraft):
         """Layer i of one step: (its pre-norm output, the keys and values of steps 0..this one)."""
         pk, pv = (None, None) if past is None else past
         if self.grad_checkpointing and torch.is_grad_enabled():
-            out, k, v = checkpoint(self._layer_step, i, stream, embeds, cos, sin, mask, pk, pv, use_reentrant=False)
+            out, k, v = checkpoint(
+                self._layer_step, i, stream, embeds, cos, sin, mask, pk, pv, use_reentrant=False
+            )
         else:
             out, k, v = self._layer_step(i, stream, embeds, cos, sin, mask, pk, pv)
         return out, (k, v)

@@ -195,11 +195,15 @@ def test_an_eagle3_run_exports_the_eagle3_format(tiny_cache: Path, tmp_path: Pat
     assert layer["num_hidden_layers"] == LAYERS and layer["num_aux_hidden_states"] == N_AUX
     w = load_file(str(path / "model.safetensors"))
     assert "mask_hidden" not in w and {"fc.weight", "layers.0.hidden_norm.weight", "d2t", "t2d"} <= set(w)
-    trained, _, _ = draft.build_draft(open_cache(str(tiny_cache)), _cfg(tiny_cache, run, method="eagle3", draft_vocab_size=VD))
+    trained, _, _ = draft.build_draft(
+        open_cache(str(tiny_cache)), _cfg(tiny_cache, run, method="eagle3", draft_vocab_size=VD)
+    )
     trained.load_state_dict(CheckpointManager(run, 1).load_latest(with_optimizer=False).model)
     loaded = load_export(path)
     assert type(loaded).__name__ == "Eagle3Draft"
-    layout = cod.build_layout([25, 15], torch.ones(40, dtype=torch.bool), cod.CODConfig(depths=K), None, full=True)
+    layout = cod.build_layout(
+        [25, 15], torch.ones(40, dtype=torch.bool), cod.CODConfig(depths=K), None, full=True
+    )
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 400, (40,), generator=g)
     aux = torch.randn(40, N_AUX * H, generator=g).to(torch.bfloat16)

@@ -47,9 +47,13 @@ def _cli_flags(method: str) -> list[str]:
 
 
 @pytest.mark.parametrize("method", ["peagle", "eagle3"])
-def test_two_ranks_equal_one_process_with_two_micro_steps(tiny_cache: Path, tmp_path: Path, method: str) -> None:
+def test_two_ranks_equal_one_process_with_two_micro_steps(
+    tiny_cache: Path, tmp_path: Path, method: str
+) -> None:
     single = tmp_path / "single"
-    cfg = resolve(TrainConfig, None, {"cache": str(tiny_cache), "output": str(single), "method": method, **FLAGS})
+    cfg = resolve(
+        TrainConfig, None, {"cache": str(tiny_cache), "output": str(single), "method": method, **FLAGS}
+    )
     train.run(cfg, micro_steps=2)
 
     ddp = tmp_path / "ddp"

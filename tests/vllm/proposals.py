@@ -166,7 +166,9 @@ def our_proposals(target: Path, export: Path, tokens: list[int], depths: int) ->
     layout = cod.build_layout([n], valid, cod.CODConfig(depths=depths), None, full=True)
     x = torch.tensor(tokens)
     with torch.no_grad():
-        if isinstance(draft, Eagle3Draft):  # K steps, each fed the previous step's argmax as vLLM feeds its draft
+        if isinstance(
+            draft, Eagle3Draft
+        ):  # K steps, each fed the previous step's argmax as vLLM feeds its draft
             hidden = draft.forward_layout(layout, x[1 : n + 1], aux[:n].reshape(n, -1), greedy=True)
         else:
             hidden = draft.forward_layout(layout, x[1 : n + 1], aux[:n].reshape(n, -1), dense_mask(layout))

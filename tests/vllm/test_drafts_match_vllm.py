@@ -168,7 +168,13 @@ def test_eagle3_draft_of_qwen3(tiny_qwen3: Path, tmp_path: Path) -> None:
     """An EAGLE-3 export (speculators eagle3, served without parallel drafting) of a 2-layer Qwen3 draft: every
     sequential step vLLM drafts is the argmax of our own step, fed our previous step's token and output state."""
     export = make_random_draft(
-        tiny_qwen3, tmp_path / "draft", [1, 2, 3], depths=K, draft_vocab_size=300, draft_layers=2, method="eagle3"
+        tiny_qwen3,
+        tmp_path / "draft",
+        [1, 2, 3],
+        depths=K,
+        draft_vocab_size=300,
+        draft_layers=2,
+        method="eagle3",
     )
     config = json.loads((export / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3" and "mask_token_id" not in config

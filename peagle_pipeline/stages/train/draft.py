@@ -56,7 +56,9 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
     # EAGLE-3 feeds drafted tokens only: no mask token (0 fills the field; nothing reads or exports it)
     mask_id = 0
     if method.uses_mask_token:
-        mask_id = choose_mask_token(cache, int(pieces["embed_tokens.weight"].shape[0]), cfg.mask_token_id).token_id
+        mask_id = choose_mask_token(
+            cache, int(pieces["embed_tokens.weight"].shape[0]), cfg.mask_token_id
+        ).token_id
     target_config = cache.target_config()
     refusal = exact_target_refusal(target_config) if cfg.target == "exact" else None
     if refusal:

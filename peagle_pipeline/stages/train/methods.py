@@ -54,7 +54,9 @@ class DraftMethod(ABC):
         return valid
 
     @abstractmethod
-    def idle_hidden(self, module: torch.nn.Module, aux_size: int, device: torch.device, mask: MaskFn) -> torch.Tensor:
+    def idle_hidden(
+        self, module: torch.nn.Module, aux_size: int, device: torch.device, mask: MaskFn
+    ) -> torch.Tensor:
         """Hidden states of a one-element forward (every parameter takes part; the caller zeroes its loss)."""
 
 
@@ -89,7 +91,9 @@ class PEagleMethod(DraftMethod):
             out_mask=None if q is None else mask(sub, q),
         )
 
-    def idle_hidden(self, module: torch.nn.Module, aux_size: int, device: torch.device, mask: MaskFn) -> torch.Tensor:
+    def idle_hidden(
+        self, module: torch.nn.Module, aux_size: int, device: torch.device, mask: MaskFn
+    ) -> torch.Tensor:
         one = torch.zeros(1, dtype=torch.long, device=device)
         lay = cod.CODLayout(anchor=one, depth=one, doc=one, position=one, target=one)
         return module(one, torch.zeros(1, aux_size, device=device), one.bool(), one, mask(lay))
@@ -116,7 +120,9 @@ class Eagle3Method(DraftMethod):
             return valid
         return valid.float() * torch.pow(cfg.step_loss_decay, depth.double()).float()
 
-    def idle_hidden(self, module: torch.nn.Module, aux_size: int, device: torch.device, mask: MaskFn) -> torch.Tensor:
+    def idle_hidden(
+        self, module: torch.nn.Module, aux_size: int, device: torch.device, mask: MaskFn
+    ) -> torch.Tensor:
         one = torch.zeros(1, dtype=torch.long, device=device)
         lay = cod.CODLayout(anchor=one, depth=one, doc=one, position=one, target=one)
         return module(one, torch.zeros(1, aux_size, device=device), one, [mask(lay)], [])

@@ -27,7 +27,9 @@ def _draft(layers: int = 2) -> Eagle3Draft:
     return model.eval()
 
 
-def _chain(model: Eagle3Draft, tokens, aux, start: int, anchor: int, steps: int, greedy: bool) -> list[torch.Tensor]:
+def _chain(
+    model: Eagle3Draft, tokens, aux, start: int, anchor: int, steps: int, greedy: bool
+) -> list[torch.Tensor]:
     """Final-normed outputs of steps 0..steps-1 at `anchor` (a row of the sample starting at row `start`), drafted
     as vLLM drafts them: step 0 over rows start..anchor (causal), then one position at a time."""
     rows = torch.arange(start, anchor + 1)
