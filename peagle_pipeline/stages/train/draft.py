@@ -53,12 +53,7 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
     dvocab = vocab.build_draft_vocab(torch.from_numpy(cache.token_counts()), size)
     pieces = cache.target_pieces()
     method = method_for(cfg.method)
-    # EAGLE-3 feeds drafted tokens only: no mask token (0 fills the field; nothing reads or exports it)
-    mask_id = 0
-    if method.uses_mask_token:
-        mask_id = choose_mask_token(
-            cache, int(pieces["embed_tokens.weight"].shape[0]), cfg.mask_token_id
-        ).token_id
+    mask_id = _mask_token_id(cache, pieces, cfg) if method.uses_mask_token else 0  # 0: unused, not exported
     target_config = cache.target_config()
     refusal = exact_target_refusal(target_config) if cfg.target == "exact" else None
     if refusal:
@@ -100,6 +95,11 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
         },
     )
     return model, spec, keep
+
+
+def _mask_token_id(cache: Any, pieces: dict[str, torch.Tensor], cfg: TrainConfig) -> int:
+    """The mask token of a P-EAGLE draft (`choose_mask_token`; EAGLE-3 feeds drafted tokens only, and has none)."""
+    return choose_mask_token(cache, int(pieces["embed_tokens.weight"].shape[0]), cfg.mask_token_id).token_id
 
 
 def _draft_vocab_size(size: int, V: int) -> int:
