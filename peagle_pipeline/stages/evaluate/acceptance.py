@@ -22,7 +22,7 @@ from typing import Any
 
 from peagle_pipeline.errors import BadInput
 from peagle_pipeline.hardware import usable_cpus
-from peagle_pipeline.stages.export.draft_spec import EXPORT_METHODS, export_method
+from peagle_pipeline.stages.draft_spec import EXPORT_METHODS, export_method
 
 __all__ = [
     "SPEC_METRICS",
