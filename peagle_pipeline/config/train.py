@@ -30,6 +30,12 @@ class TrainConfig:
         "training split; the held-out split, the target's files and the run's identity stay cache's. Repeatable.",
     )
     output: str = setting("", "Run directory (checkpoints, metrics, plots, export).", required=True)
+    method: Literal["peagle", "eagle3"] = setting(
+        "peagle",
+        "Drafting method: peagle (P-EAGLE: all K tokens drafted in one pass, COD-sampled chains) or eagle3 (EAGLE-3: "
+        "K sequential steps, each reading the previous step's token and output state; trained by training-time "
+        "test over every chain to full depth, exported in the speculators eagle3 format).",
+    )
     draft_layers: int = setting(1, "Decoder layers of the draft (the first is the fused EAGLE-3 layer).")
     depths: int = setting(
         COD_DEFAULTS["depths"],
@@ -61,7 +67,13 @@ class TrainConfig:
         COD_DEFAULTS["max_anchors"], "At most this many COD seeds per sample (depth >= 1 only)."
     )
     sequence_partitions: int = setting(
-        1, "Split each packed row into this many segments (forward+backward each) to cut memory."
+        1,
+        "Split each packed row into this many segments (forward+backward each) to cut memory (peagle only).",
+    )
+    step_loss_decay: float = setting(
+        1.0,
+        "eagle3: step d's loss is weighted by this to the power d (speculators' ttt_step_loss_decay); 1 weighs "
+        "every step alike.",
     )
     grad_checkpointing: bool = setting(
         False, "Recompute each draft layer in backward (activation checkpointing)."
@@ -126,7 +138,10 @@ class TrainConfig:
         5, "Stop after this many consecutive steps with non-finite loss or gradients."
     )
     log_every: int = setting(10, "Log metrics every N steps.")
-    export: bool = setting(True, "Export the speculators P-EAGLE checkpoint at the end of training.")
+    export: bool = setting(
+        True,
+        "Export the speculators checkpoint (peagle or eagle3 format, as the method) at the end of training.",
+    )
 
     def __post_init__(self) -> None:
         check_finite(self)
@@ -154,6 +169,13 @@ class TrainConfig:
             raise BadConfig(f"mask_token_id must be a token id (>= 0), got {self.mask_token_id}")
         if self.lr <= 0:
             raise BadConfig(f"lr must be positive, got {self.lr}")
+        if self.step_loss_decay <= 0:
+            raise BadConfig(f"step_loss_decay must be positive, got {self.step_loss_decay}")
+        if self.method == "eagle3" and self.sequence_partitions > 1:
+            raise BadConfig(
+                "sequence_partitions splits P-EAGLE's parallel chains; method eagle3 runs each row whole: "
+                "use sequence_partitions 1 (and a smaller tokens_per_step, or grad_checkpointing, to cut memory)"
+            )
         self.cod()  # depths, down_sample_ratio(_min) and max_anchors are checked by CODConfig
         for name in ("warmup", "eval_samples", "num_workers", "grad_clip", "weight_decay"):
             if getattr(self, name) < 0:

@@ -122,7 +122,7 @@ class _ChunkedKL(torch.autograd.Function):
                 h = hidden[lo:hi].detach().to(dtype)
                 logq = _log_softmax(h @ W.T)  # [c, Vd] fp32
                 draft_top[lo:hi] = logq.argmax(-1)
-                wc = w[lo:hi]  # [c] 0/1
+                wc = w[lo:hi]  # [c] element weights (0 where not counted)
                 if kind == "topk":
                     ids, p = tgt[0][lo:hi], tgt[1][lo:hi]  # [c, k]
                     kl = (torch.xlogy(p, p) - p * logq.gather(1, ids)).sum(-1)
@@ -205,7 +205,8 @@ def kl_topk(
         hidden: [N, H] final-normed draft hidden states.
         lm_head_weight: [Vd, H] (frozen or not; its gradient is formed only if it requires grad).
         topk_ids: LongTensor[N, k] target-vocabulary ids of each element's target row; topk_logprobs [N, k].
-        weight: BoolTensor[N] element loss weight.
+        weight: BoolTensor[N] element loss weight, or FloatTensor[N] of factors on each element's KL (EAGLE-3's
+            per-step weights); the elements with a non-zero weight are counted (agreement, `count`).
         depth: LongTensor[N].
         vocab: draft vocabulary (None = identity).
         num_depths: K (size of the per-depth counters).
@@ -213,7 +214,7 @@ def kl_topk(
     """
     ids, p, has, top1 = topk_targets(topk_ids, topk_logprobs, vocab)
     valid = weight.to(torch.bool) & has
-    loss, argmax, _ = _run(hidden, lm_head_weight, valid.float(), "topk", (ids, p), chunk)
+    loss, argmax, _ = _run(hidden, lm_head_weight, weight.float() * valid, "topk", (ids, p), chunk)
     draft_top = argmax if vocab is None else vocab.ids.to(argmax.device)[argmax]
     return _summarise(loss, draft_top == top1, valid, weight.to(torch.bool) & ~has, depth, num_depths)
 
@@ -240,7 +241,7 @@ def kl_exact(
     """
     valid = weight.to(torch.bool)
     tgt = (target_hidden, target_norm_weight, float(target_norm_eps))
-    loss, argmax, target_top = _run(hidden, lm_head_weight, valid.float(), "exact", tgt, chunk)
+    loss, argmax, target_top = _run(hidden, lm_head_weight, weight.float(), "exact", tgt, chunk)
     return _summarise(loss, argmax == target_top, valid, torch.zeros_like(valid), depth, num_depths)
 
 

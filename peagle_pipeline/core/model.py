@@ -53,6 +53,9 @@ class PEagleDraft(nn.Module):
     """
 
     inv_freq: torch.Tensor  # [rotary_dim / 2] RoPE inverse frequencies (a non-persistent buffer)
+    # Whether the draft has `mask_hidden` (P-EAGLE's state for depth >= 1 slots); a draft whose later steps read
+    # its own output states (`core.eagle3.Eagle3Draft`) has none.
+    HAS_MASK_HIDDEN = True
 
     def __init__(
         self,
@@ -78,7 +81,8 @@ class PEagleDraft(nn.Module):
             self.layers = nn.ModuleList([DecoderLayer(cfg, fused=i == 0) for i in range(cfg.num_layers)])
             self.norm = RMSNorm(H, cfg.rms_norm_eps)
             self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-            self.mask_hidden = nn.Parameter(torch.empty(1, 1, cfg.aux_size))
+            if self.HAS_MASK_HIDDEN:
+                self.mask_hidden = nn.Parameter(torch.empty(1, 1, cfg.aux_size))
         self.to_empty(device="cpu")
         if vocab is not None and not vocab.is_identity:
             self.register_buffer("d2t", vocab.d2t.clone())

@@ -17,9 +17,18 @@ from peagle_pipeline.errors import BadInput, CorruptCache
 from peagle_pipeline.model_dir import text_config
 from peagle_pipeline.runtime import atomic_write_json
 
-__all__ = ["DRAFT_SPEC", "DraftSpec"]
+__all__ = ["DRAFT_SPEC", "DraftSpec", "EXPORT_METHODS", "export_method"]
 
 DRAFT_SPEC = "draft.json"
+# The drafting methods an export can hold, each under its speculators_model_type (the same name): P-EAGLE's
+# `peagle` (vLLM drafts all K tokens in one pass, `parallel_drafting`) and `eagle3` (K sequential steps).
+EXPORT_METHODS = ("peagle", "eagle3")
+
+
+def export_method(config: Any) -> str | None:
+    """The drafting method of an export's config.json (a dict), None when it is not one of ours."""
+    found = config.get("speculators_model_type") if isinstance(config, dict) else None
+    return found if found in EXPORT_METHODS else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +49,9 @@ class DraftSpec:
     # The target the draft was trained on, from the cache (`target_identity`); None in runs started before it
     # was recorded. The export's marker carries it, and vllm-check / evaluate compare it with the target given.
     target_identity: dict[str, str] | None = None
+    # The drafting method (`train.method`): "peagle" (the speculators peagle format; runs started before methods
+    # were named) or "eagle3" (the eagle3 format: no mask token, no mask_hidden).
+    method: str = "peagle"
 
     @property
     def text_config(self) -> dict[str, Any]:

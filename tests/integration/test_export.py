@@ -19,7 +19,7 @@ from peagle_pipeline.cli import main
 from peagle_pipeline.config import SERVING_DEPTHS, TrainConfig, resolve
 from peagle_pipeline.core import cod
 from peagle_pipeline.core.mask import dense_mask
-from peagle_pipeline.errors import BadInput, OutputExists
+from peagle_pipeline.errors import BadInput, OutputExists, ResumeMismatch
 from peagle_pipeline.stages.checkpoint import CheckpointManager
 from peagle_pipeline.stages.draft_spec import DraftSpec
 from peagle_pipeline.stages.export import stage as export
@@ -181,6 +181,39 @@ def test_reload_reproduces_the_trained_model(run_dir: Path, tiny_cache: Path, tm
     assert torch.equal(trained.d2t, loaded.d2t) and torch.equal(trained.t2d, loaded.t2d)
 
 
+def test_an_eagle3_run_exports_the_eagle3_format(tiny_cache: Path, tmp_path: Path) -> None:
+    """`train --method eagle3`: the speculators eagle3 config (the P-EAGLE fields but the mask token), no
+    `mask_hidden`, a reload that reproduces the trained steps; resuming it as another method is refused."""
+    run = tmp_path / "run"
+    train.run(_cfg(tiny_cache, run, method="eagle3", steps=2, eval_samples=0, draft_vocab_size=VD))
+    path = export.export_run(run, tmp_path / "draft", checkpoint="latest")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["speculators_config"]["algorithm"] == "eagle3"
+    assert "mask_token_id" not in cfg and cfg["norm_before_residual"] is False
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == K
+    layer = cfg["transformer_layer_config"]
+    assert layer["num_hidden_layers"] == LAYERS and layer["num_aux_hidden_states"] == N_AUX
+    w = load_file(str(path / "model.safetensors"))
+    assert "mask_hidden" not in w and {"fc.weight", "layers.0.hidden_norm.weight", "d2t", "t2d"} <= set(w)
+    trained, _, _ = draft.build_draft(
+        open_cache(str(tiny_cache)), _cfg(tiny_cache, run, method="eagle3", draft_vocab_size=VD)
+    )
+    trained.load_state_dict(CheckpointManager(run, 1).load_latest(with_optimizer=False).model)
+    loaded = load_export(path)
+    assert type(loaded).__name__ == "Eagle3Draft"
+    layout = cod.build_layout(
+        [25, 15], torch.ones(40, dtype=torch.bool), cod.CODConfig(depths=K), None, full=True
+    )
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 400, (40,), generator=g)
+    aux = torch.randn(40, N_AUX * H, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        a = trained.to(torch.bfloat16).eval().forward_layout(layout, tokens, aux, greedy=True)
+        assert torch.equal(a, loaded.forward_layout(layout, tokens, aux, greedy=True))
+    with pytest.raises(ResumeMismatch, match="method"):
+        train.run(_cfg(tiny_cache, run, method="peagle", steps=3, eval_samples=0, resume=True))
+
+
 def test_export_refuses_bad_requests(run_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(BadInput, match="no complete checkpoint step-99"):
         export.export_run(run_dir, tmp_path / "d", checkpoint="step-99")
@@ -277,7 +310,7 @@ def test_export_refuses_a_folder_with_files_it_did_not_write(
     assert main(["export", str(run_dir), "--output", str(out), "--force"]) == 6  # --force never deletes them
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("error: ") for line in err), err
-    assert f"{out} holds files that are not part of a P-EAGLE export ({extra.split('/')[0]})" in err[0]
+    assert f"{out} holds files that are not part of a draft export ({extra.split('/')[0]})" in err[0]
     assert _tree(out) == before
 
 
@@ -286,7 +319,7 @@ def test_export_refuses_a_hugging_face_model_folder(run_dir: Path, tmp_path: Pat
     out.mkdir()
     (out / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (out / "model.safetensors").write_bytes(b"weights")
-    with pytest.raises(OutputExists, match="not a P-EAGLE export"):
+    with pytest.raises(OutputExists, match="not a draft export"):
         export.export_run(run_dir, out, force=True)
     assert (out / "model.safetensors").read_bytes() == b"weights"
 

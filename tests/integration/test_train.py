@@ -154,7 +154,7 @@ def test_resume_of_a_finished_run_keeps_the_users_files_in_its_export(
     try:
         assert train(tiny_cache, finished_run, "--resume") == 6
         line = one_error_line(capsys)
-        assert "export holds files that are not part of a P-EAGLE export (README.md)" in line
+        assert "export holds files that are not part of a draft export (README.md)" in line
         assert "--no-export" in line
         assert readme.read_text() == "my notes\n"
         assert (finished_run / "export" / "model.safetensors").read_bytes() == weights

@@ -1,5 +1,6 @@
 """kill -9 a real `peagle-pipeline train` subprocess (tiny cache, fp32, CPU) mid-run and mid-checkpoint-write;
-`--resume` must finish with weights, optimizer state and per-step losses identical to an uninterrupted run.
+`--resume` must finish with weights, optimizer state and per-step losses identical to an uninterrupted run (mid-run:
+for each drafting method).
 """
 
 from __future__ import annotations
@@ -88,12 +89,24 @@ def reference(tiny_cache: Path, tmp_path_factory) -> Path:
     return out
 
 
-def test_kill_mid_run_then_resume_is_exact(tiny_cache: Path, reference: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def eagle3_reference(tiny_cache: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ref-eagle3") / "run"
+    _run(_cmd(tiny_cache, out, "--method", "eagle3"), _env())
+    return out
+
+
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_kill_mid_run_then_resume_is_exact(
+    tiny_cache: Path, method: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    reference = request.getfixturevalue("eagle3_reference" if method == "eagle3" else "reference")
     out = tmp_path / "run"
-    _kill_when(_cmd(tiny_cache, out), _env(), lambda: len(_steps(out)) >= 2 and _steps(out)[-1] >= 9)
+    extra = ("--method", method)
+    _kill_when(_cmd(tiny_cache, out, *extra), _env(), lambda: len(_steps(out)) >= 2 and _steps(out)[-1] >= 9)
     killed_at = _steps(out)[-1]
     assert killed_at < STEPS
-    _run(_cmd(tiny_cache, out, "--resume"), _env())
+    _run(_cmd(tiny_cache, out, *extra, "--resume"), _env())
     _assert_same_run(reference, out)
 
 

@@ -1,5 +1,5 @@
 """Data parallel on CPU: `torchrun --nproc-per-node 2` (gloo) with one packed row per rank per step gives the same
-weights and losses as one process that accumulates the same two rows per step (fp32).
+weights and losses as one process that accumulates the same two rows per step (fp32), for each drafting method.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ FLAGS = {
 }
 
 
-def _cli_flags() -> list[str]:
-    out = []
+def _cli_flags(method: str) -> list[str]:
+    out = ["--method", method]
     for k, v in FLAGS.items():
         if isinstance(v, bool):
             out.append(f"--{'' if v else 'no-'}{k.replace('_', '-')}")
@@ -46,11 +46,15 @@ def _cli_flags() -> list[str]:
     return out
 
 
-def test_two_ranks_equal_one_process_with_two_micro_steps(tiny_cache: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_two_ranks_equal_one_process_with_two_micro_steps(
+    tiny_cache: Path, tmp_path: Path, method: str
+) -> None:
     single = tmp_path / "single"
-    train.run(
-        resolve(TrainConfig, None, {"cache": str(tiny_cache), "output": str(single), **FLAGS}), micro_steps=2
+    cfg = resolve(
+        TrainConfig, None, {"cache": str(tiny_cache), "output": str(single), "method": method, **FLAGS}
     )
+    train.run(cfg, micro_steps=2)
 
     ddp = tmp_path / "ddp"
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -70,7 +74,7 @@ def test_two_ranks_equal_one_process_with_two_micro_steps(tiny_cache: Path, tmp_
             str(tiny_cache),
             "--output",
             str(ddp),
-            *_cli_flags(),
+            *_cli_flags(method),
         ],
         capture_output=True,
         text=True,
@@ -84,7 +88,6 @@ def test_two_ranks_equal_one_process_with_two_micro_steps(tiny_cache: Path, tmp_
     assert a.keys() == b.keys()
     from peagle_pipeline.cache.reader import open_cache
 
-    cfg = resolve(TrainConfig, None, {"cache": str(tiny_cache), "output": str(single), **FLAGS})
     init = draft.build_draft(open_cache(str(tiny_cache)), cfg)[0].state_dict()
     assert not torch.allclose(init["fc.weight"], a["fc.weight"], atol=1e-4)  # training moved the weights
     for key in a:

@@ -1,6 +1,7 @@
 """Fully sharded data parallel on CPU: `torchrun --nproc-per-node 2 ... train --fsdp` (gloo, torch FSDP2) gives the
 losses and weights of one process that accumulates the same two rows per step (fp32, 1e-5), each rank holds about
-half of the optimizer state, and a run killed with SIGKILL after a checkpoint resumes to the same weights.
+half of the optimizer state, and a run killed with SIGKILL after a checkpoint resumes to the same weights; for each
+drafting method (EAGLE-3 in one segment per row: it runs rows whole).
 """
 
 from __future__ import annotations
@@ -69,15 +70,23 @@ def _torchrun(cache: Path, run: Path, ckpt_sleep: str = "0", **extra: object) ->
     )
 
 
-def test_fsdp_two_ranks_equal_one_process_and_resume_after_kill(tiny_cache: Path, tmp_path: Path) -> None:
+METHODS = {"peagle": {}, "eagle3": {"method": "eagle3", "sequence_partitions": 1}}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_fsdp_two_ranks_equal_one_process_and_resume_after_kill(
+    tiny_cache: Path, tmp_path: Path, method: str
+) -> None:
+    extra = METHODS[method]
     single = tmp_path / "single"
     train.run(
-        resolve(TrainConfig, None, {"cache": str(tiny_cache), "output": str(single), **FLAGS}), micro_steps=2
+        resolve(TrainConfig, None, {"cache": str(tiny_cache), "output": str(single), **FLAGS, **extra}),
+        micro_steps=2,
     )
 
     run = tmp_path / "fsdp"
     proc = _torchrun(
-        tiny_cache, run, ckpt_sleep="1.5"
+        tiny_cache, run, ckpt_sleep="1.5", **extra
     )  # checkpoints slow to write: step 20's outlasts the kill
     ckpts = CheckpointManager(run, keep=2)
     deadline = time.monotonic() + 300
@@ -89,7 +98,7 @@ def test_fsdp_two_ranks_equal_one_process_and_resume_after_kill(tiny_cache: Path
     assert 10 in ckpts.complete_steps(), err[-3000:]
     assert STEPS not in ckpts.complete_steps()  # killed before the end: the resume has work to do
 
-    resumed = _torchrun(tiny_cache, run, resume=True)
+    resumed = _torchrun(tiny_cache, run, resume=True, **extra)
     _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-3000:]
 

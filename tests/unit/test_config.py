@@ -137,6 +137,9 @@ BASE_TRAIN = {"cache": "c", "output": "o"}
         ({"weight_decay": "inf"}, "weight_decay must be a finite number"),
         ({"down_sample_ratio": float("nan")}, "down_sample_ratio must be a finite number"),
         ({"device": "banana"}, "device must be auto, cpu, cuda or cuda:N"),
+        ({"method": "eagle2"}, "method must be one of"),
+        ({"step_loss_decay": 0}, "step_loss_decay must be positive, got 0"),
+        ({"method": "eagle3", "sequence_partitions": 2}, "method eagle3 runs each row whole"),
     ],
 )
 def test_float_and_device_settings_are_checked_at_parse_time(overrides, needle):

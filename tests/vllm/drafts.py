@@ -1,7 +1,8 @@
-"""Hand-made P-EAGLE exports for the vLLM tier: a random draft for a target, written by our own exporter.
+"""Hand-made exports for the vLLM tier: a random P-EAGLE (or EAGLE-3) draft for a target, written by our own exporter.
 
 The weights are random (acceptance ~ 0), but the files are exactly what `peagle-pipeline train` exports
-(`stages.export.write_export` of a `core.model.PEagleDraft`), so vLLM must load them.
+(`stages.export.write_export` of a `core.model.PEagleDraft`, or of a `core.eagle3.Eagle3Draft` for
+`method="eagle3"`), so vLLM must load them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def make_random_draft(
     seed: int = 0,
     draft_layers: int = 1,
     rope_parameters: dict | None = None,
+    method: str = "peagle",
 ) -> Path:
     """Export a random P-EAGLE draft of `draft_layers` layers for `target` (embeddings/lm_head/norm from the target) to `out`.
 
@@ -34,8 +36,10 @@ def make_random_draft(
         draft_vocab_size: Vd (default: the full target vocabulary); the Vd smallest-id tokens when smaller.
         rope_parameters: the draft's RoPE instead of the target's (a rotation no runnable target of the tier
             has, checked on a target that runs).
+        method: "peagle" or "eagle3" (the speculators format written, as `train --method`).
     """
     from peagle_pipeline.core.draft_config import DraftConfig, has_qk_norm
+    from peagle_pipeline.core.eagle3 import Eagle3Draft
     from peagle_pipeline.core.model import PEagleDraft
     from peagle_pipeline.core.vocab import build_draft_vocab
     from peagle_pipeline.model_dir import load_target_pieces_from_model, read_target_info
@@ -60,6 +64,7 @@ def make_random_draft(
         depths=depths,
         qk_norm=has_qk_norm(info.config),  # a Qwen3 target gets a Qwen3 draft layer, as `train` makes it
         target_identity=target_identity(target),
+        method=method,
     )
     cfg = DraftConfig.from_target_config(
         config,
@@ -72,7 +77,8 @@ def make_random_draft(
     counts = torch.arange(V, 0, -1, dtype=torch.float64)  # lower ids "more frequent": Vd smallest ids kept
     vocab = build_draft_vocab(counts, Vd) if Vd < V else None
     pieces = {k: v for k, v in load_target_pieces_from_model(target).items()}
-    model = PEagleDraft(cfg, pieces, vocab, generator=torch.Generator().manual_seed(seed))
+    model_class = Eagle3Draft if method == "eagle3" else PEagleDraft
+    model = model_class(cfg, pieces, vocab, generator=torch.Generator().manual_seed(seed))
     path = write_export(out, spec, model.state_dict())
     json.loads((path / "config.json").read_text())  # written and parseable
     return path

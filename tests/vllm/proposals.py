@@ -1,10 +1,11 @@
 """What vLLM drafts against what our draft model computes, token by token.
 
-Every speculative step, vLLM's proposer drafts K tokens at once from the last verified position (the anchor).
+Every speculative step, vLLM's proposer drafts K tokens from the last verified position (the anchor): at once for a
+P-EAGLE export, in K sequential steps for an EAGLE-3 one (our forward then feeds each step its previous argmax).
 `compare_proposals` records those proposals (a wrapper around vLLM's own `SpecDecodeBaseProposer.propose` in an
 in-process engine, one request at a time, T = 0), walks each greedy output as vLLM did (after n accepted tokens
 the next anchor is n + 1 further on) and looks up, for every drafted token, the argmax of
-`PEagleDraft.forward_layout` over full chains of the same tokens, with the target's aux states from our HF
+`PEagleDraft.forward_layout` (or `Eagle3Draft.forward_layout(greedy=True)`) over full chains of the same tokens, with the target's aux states from our HF
 extraction code, mapped through the draft vocabulary. Used by `test_drafts_match_vllm.py`; also a script for any
 export (run in the vLLM environment, not collected by pytest):
 
@@ -147,6 +148,7 @@ def our_proposals(target: Path, export: Path, tokens: list[int], depths: int) ->
     from peagle_pipeline.backends.hf import HFBackend
     from peagle_pipeline.config import ExtractConfig
     from peagle_pipeline.core import cod
+    from peagle_pipeline.core.eagle3 import Eagle3Draft
     from peagle_pipeline.core.mask import dense_mask
     from peagle_pipeline.stages.export.speculators_format import load_export
     from peagle_pipeline.stages.extract.settings import backend_settings
@@ -164,7 +166,12 @@ def our_proposals(target: Path, export: Path, tokens: list[int], depths: int) ->
     layout = cod.build_layout([n], valid, cod.CODConfig(depths=depths), None, full=True)
     x = torch.tensor(tokens)
     with torch.no_grad():
-        hidden = draft.forward_layout(layout, x[1 : n + 1], aux[:n].reshape(n, -1), dense_mask(layout))
+        if isinstance(
+            draft, Eagle3Draft
+        ):  # K steps, each fed the previous step's argmax as vLLM feeds its draft
+            hidden = draft.forward_layout(layout, x[1 : n + 1], aux[:n].reshape(n, -1), greedy=True)
+        else:
+            hidden = draft.forward_layout(layout, x[1 : n + 1], aux[:n].reshape(n, -1), dense_mask(layout))
         best = draft.logits(hidden).argmax(-1)
     if getattr(draft, "d2t", None) is not None:  # none when the draft keeps the whole vocabulary
         best = best + draft.d2t[best]
@@ -245,7 +252,7 @@ def compare_proposals(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="the target's HF model directory")
-    ap.add_argument("--export", required=True, help="a P-EAGLE export of a draft of that target")
+    ap.add_argument("--export", required=True, help="a P-EAGLE or EAGLE-3 export of a draft of that target")
     ap.add_argument("--depths", type=int, default=None, help="K (default: the export's speculative_tokens)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument(

@@ -9,6 +9,9 @@ implies must equal vLLM's own counters (but for the tokens a step accepted past 
 not show), so the recorded proposals are the ones vLLM verified; and `core.loss.acceptance_walk`, which the
 trainer reports as `acceptance_walk`, must count the same steps and accepted tokens from our proposals.
 
+An EAGLE-3 draft (`train --method eagle3`) is checked the same way: vLLM drafts its K tokens in sequential steps,
+and our forward of the same steps, each fed the previous step's argmax, must give the same tokens.
+
 The drafts are random, with `mask_hidden` zeroed and the layers' and fc's matrices scaled up: the tokens at depths
 >= 1 then depend on the context through attention (a random draft's mask state would otherwise fix them), and the
 test checks that every depth drafted several different tokens. Trained drafts were checked the same way with the
@@ -159,3 +162,21 @@ def test_draft_of_a_qwen3_moe_target(tiny_qwen3_moe: Path, tmp_path: Path) -> No
     export = make_random_draft(tiny_qwen3_moe, tmp_path / "draft", [1, 2, 3], depths=K, draft_vocab_size=300)
     _sharpen(export, 3.0)
     _check(tiny_qwen3_moe, export)
+
+
+def test_eagle3_draft_of_qwen3(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """An EAGLE-3 export (speculators eagle3, served without parallel drafting) of a 2-layer Qwen3 draft: every
+    sequential step vLLM drafts is the argmax of our own step, fed our previous step's token and output state."""
+    export = make_random_draft(
+        tiny_qwen3,
+        tmp_path / "draft",
+        [1, 2, 3],
+        depths=K,
+        draft_vocab_size=300,
+        draft_layers=2,
+        method="eagle3",
+    )
+    config = json.loads((export / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and "mask_token_id" not in config
+    _sharpen(export, 3.0)
+    _check(tiny_qwen3, export)

@@ -121,7 +121,7 @@ def test_missing_draft_and_not_an_export(tmp_path: Path, tiny_model: Path, vllm_
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     proc = run_cli(vllm_env, "evaluate", str(tmp_path), "--target", str(tiny_model), timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
-    assert "is not a P-EAGLE export" in proc.stderr
+    assert "is not a draft export" in proc.stderr
 
 
 def test_a_qwen3_next_draft_serves(tiny_qwen3_next: Path, tmp_path: Path, vllm_env: dict[str, str]) -> None:

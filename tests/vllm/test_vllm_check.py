@@ -145,6 +145,29 @@ def test_qwen3_draft_layer_loads_and_keeps_greedy_output(
     assert result["identical"] and result["drafts"] > 0
 
 
+def test_eagle3_export_loads_without_parallel_drafting_and_keeps_greedy_output(
+    tiny_model: Path, tmp_path: Path, vllm_env: dict[str, str]
+) -> None:
+    """An EAGLE-3 export (`train --method eagle3`: speculators eagle3, no mask token) is served by vLLM's EAGLE-3
+    proposer in K sequential steps; greedy output in fp32 equals plain decoding."""
+    draft = make_random_draft(
+        tiny_model, tmp_path / "eagle3", TINY_LAYERS, depths=3, draft_vocab_size=300, method="eagle3"
+    )
+    from peagle_pipeline.stages.evaluate.acceptance import speculative_config
+
+    assert "parallel_drafting" not in speculative_config(draft, 3)
+    report = tmp_path / "check.json"
+    proc = run_cli(
+        vllm_env,
+        *["vllm-check", str(draft), "--target", str(tiny_model), "--dtype", "fp32", "--num-prompts", "2"],
+        *["--max-tokens", "16", "--report", str(report)],
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(report.read_text())
+    assert result["identical"] and result["drafts"] > 0 and result["depths"] == 3
+
+
 def test_prompt_sources(tiny_model: Path, tiny_chat_data: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from peagle_pipeline.errors import BadInput
 from peagle_pipeline.hardware import usable_cpus
+from peagle_pipeline.stages.draft_spec import EXPORT_METHODS, export_method
 
 __all__ = [
     "SPEC_METRICS",
@@ -266,10 +267,10 @@ def _run_prompts(
 
 
 def read_draft_config(draft_dir: str | Path) -> dict[str, Any]:
-    """The export's config.json, checked to be a speculators P-EAGLE export.
+    """The export's config.json, checked to be a speculators export of ours (peagle or eagle3).
 
     Raises:
-        BadInput: missing/unreadable config or not `speculators_model_type: peagle`.
+        BadInput: missing/unreadable config or a `speculators_model_type` other than peagle or eagle3.
     """
     path = Path(draft_dir) / "config.json"
     if not Path(draft_dir).is_dir():
@@ -280,11 +281,11 @@ def read_draft_config(draft_dir: str | Path) -> dict[str, Any]:
         raise BadInput(
             f"{draft_dir} is not a draft export: cannot read {path.name} ({type(err).__name__})"
         ) from None
-    if not isinstance(config, dict) or config.get("speculators_model_type") != "peagle":
+    if export_method(config) is None:
         found = config.get("speculators_model_type") if isinstance(config, dict) else None
         raise BadInput(
-            f"{draft_dir} is not a P-EAGLE export (speculators_model_type is {found!r}); "
-            "export one with `peagle-pipeline export`"
+            f"{draft_dir} is not a draft export (speculators_model_type is {found!r}, not one of "
+            f"{', '.join(EXPORT_METHODS)}); export one with `peagle-pipeline export`"
         )
     return config
 
@@ -300,11 +301,13 @@ def draft_depths(config: dict[str, Any]) -> int:
 
 
 def speculative_config(draft_dir: str | Path, depths: int) -> dict[str, Any]:
-    """vLLM's speculative_config for a P-EAGLE export: EAGLE-3 with parallel drafting, K = `depths`."""
+    """vLLM's speculative_config for an export, K = `depths`: vLLM's EAGLE-3 proposer, with parallel drafting for a
+    P-EAGLE export (all K tokens in one pass), without for an EAGLE-3 one (K sequential steps)."""
+    parallel = export_method(read_draft_config(draft_dir)) == "peagle"
     return {
         "model": str(Path(draft_dir).resolve()),
         "method": "eagle3",
-        "parallel_drafting": True,
+        **({"parallel_drafting": True} if parallel else {}),
         "num_speculative_tokens": depths,
     }
 

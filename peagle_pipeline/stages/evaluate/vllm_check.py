@@ -1,8 +1,8 @@
 """`peagle-pipeline vllm-check`: load the target with an exported draft in vLLM and check it end to end.
 
 The target runs twice with greedy decoding on the same prompts: once plain, once with the draft as a
-parallel-drafting speculator (`method=eagle3, parallel_drafting=True`, which is how vLLM serves a speculators
-P-EAGLE export). The outputs must be token-for-token identical (speculative decoding never changes greedy
+speculator (`method=eagle3`, with `parallel_drafting=True` for a speculators P-EAGLE export, without for an
+EAGLE-3 one: `acceptance.speculative_config`). The outputs must be token-for-token identical (speculative decoding never changes greedy
 output); the acceptance that vLLM itself measured (its spec-decode counters) is reported: mean acceptance
 length = 1 + accepted / drafts, and the acceptance rate of each draft position. Never trains or writes a cache.
 """
@@ -122,7 +122,7 @@ def run(draft: str, target: str, *, echo: Callable[[str], None] | None = None, *
     """Check an exported draft in vLLM: greedy equality with plain decoding, and vLLM's measured acceptance.
 
     Args:
-        draft: P-EAGLE export (config.json + model.safetensors).
+        draft: a P-EAGLE or EAGLE-3 export (config.json + model.safetensors).
         target: target model directory (the verifier).
         echo: where the summary table goes (the CLI passes its printer); default: the log.
         options: the other `VllmCheckConfig` settings (their defaults and meaning are there): prompts (see

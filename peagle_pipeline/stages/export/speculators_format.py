@@ -1,5 +1,6 @@
-"""The speculators P-EAGLE format vLLM loads (docs/reference/checkpoint-format.md): the `config.json` of a draft, its weights in export
-form, and a draft rebuilt from an export folder.
+"""The speculators formats vLLM loads, `peagle` (P-EAGLE) and `eagle3` (EAGLE-3; the same fields and weights but
+`mask_token_id` and `mask_hidden`): the `config.json` of a draft, its weights in export form, and a draft rebuilt
+from an export folder.
 
 `export_config` writes every field vLLM's P-EAGLE loader reads; `serving_depths` is the K it serves; `export_weights` gives
 bf16 floats, plus `d2t` (int64) and `t2d` (bool) only when the draft vocabulary is smaller than the target's;
@@ -19,7 +20,7 @@ from safetensors.torch import load_file
 
 from peagle_pipeline.core.settings import SERVING_DEPTHS
 from peagle_pipeline.errors import BadInput, NumericalFault
-from peagle_pipeline.stages.draft_spec import DraftSpec
+from peagle_pipeline.stages.draft_spec import EXPORT_METHODS, DraftSpec, export_method
 
 if TYPE_CHECKING:
     from peagle_pipeline.core.model import PEagleDraft
@@ -78,10 +79,10 @@ def export_config(spec: DraftSpec, speculative_tokens: int | None = None) -> dic
         if value is not None:
             layer[key] = value
     layer["dtype"] = "bfloat16"  # (transformers >= 4.56's name: "torch_dtype" prints a deprecation warning)
-    return {
-        "speculators_model_type": "peagle",  # no top-level model_type: vLLM detects speculators_config
+    config = {
+        "speculators_model_type": spec.method,  # no top-level model_type: vLLM detects speculators_config
         "speculators_config": {
-            "algorithm": "peagle",
+            "algorithm": spec.method,
             "default_proposal_method": "greedy",
             "proposal_methods": [
                 {
@@ -105,6 +106,9 @@ def export_config(spec: DraftSpec, speculative_tokens: int | None = None) -> dic
         "target_hidden_size": spec.hidden_size,
         "dtype": "bfloat16",
     }
+    if spec.method == "eagle3":  # drafted tokens only: no mask token (vLLM's eagle3 loader reads none)
+        del config["mask_token_id"]
+    return config
 
 
 def export_weights(spec: DraftSpec, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -132,12 +136,14 @@ def export_weights(spec: DraftSpec, state: dict[str, torch.Tensor]) -> dict[str,
 
 
 def load_export(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16) -> PEagleDraft:
-    """Rebuild a `PEagleDraft` from an export directory (weights in `dtype`), for checks and evaluation.
+    """Rebuild the draft of an export directory (weights in `dtype`), for checks and evaluation: a `PEagleDraft`,
+    or an `Eagle3Draft` (a subclass) for an eagle3 export.
 
     Raises:
-        BadInput: not a P-EAGLE export.
+        BadInput: not an export of ours.
     """
     from peagle_pipeline.core.draft_config import DraftConfig
+    from peagle_pipeline.core.eagle3 import Eagle3Draft
     from peagle_pipeline.core.model import PEagleDraft
     from peagle_pipeline.core.vocab import DraftVocab
 
@@ -146,16 +152,19 @@ def load_export(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
         config = json.loads((path / CONFIG_FILE).read_text())
         weights = load_file(str(path / WEIGHTS_FILE))
     except (OSError, ValueError) as err:
-        raise BadInput(f"{path} is not a P-EAGLE export ({type(err).__name__})") from None
-    if config.get("speculators_model_type") != "peagle":
-        raise BadInput(f"{path} is not a P-EAGLE export (speculators_model_type is not 'peagle')")
+        raise BadInput(f"{path} is not a draft export ({type(err).__name__})") from None
+    method = export_method(config)
+    if method is None:
+        raise BadInput(
+            f"{path} is not a draft export (speculators_model_type is not one of {', '.join(EXPORT_METHODS)})"
+        )
     layer = config["transformer_layer_config"]
     cfg = DraftConfig.from_target_config(
         layer,
         num_layers=int(layer["num_hidden_layers"]),
         num_aux=int(layer["num_aux_hidden_states"]),
         draft_vocab_size=int(config["draft_vocab_size"]),
-        mask_token_id=int(config["mask_token_id"]),
+        mask_token_id=int(config.get("mask_token_id", 0)),  # eagle3: none (nothing reads it)
         norm_before_residual=bool(config["norm_before_residual"]),
         qk_norm=layer.get("model_type") == "qwen3",
     )
@@ -166,7 +175,7 @@ def load_export(path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat1
         to_draft = torch.full((t2d.numel(),), -1, dtype=torch.long)
         to_draft[ids] = torch.arange(d2t.numel())
         dvocab = DraftVocab(ids=ids, d2t=d2t, t2d=t2d, target_to_draft=to_draft)
-    model = PEagleDraft(cfg, None, dvocab)
+    model = (Eagle3Draft if method == "eagle3" else PEagleDraft)(cfg, None, dvocab)
     current = model.state_dict()
     full = {}
     for key, ref in current.items():

@@ -29,7 +29,7 @@ from peagle_pipeline.runtime import (
     make_readable,
     raise_if_no_space,
 )
-from peagle_pipeline.stages.draft_spec import DraftSpec
+from peagle_pipeline.stages.draft_spec import DraftSpec, export_method
 from peagle_pipeline.stages.export.marker import MARKER_FILE, run_identity, same_run
 from peagle_pipeline.stages.export.speculators_format import (
     CONFIG_FILE,
@@ -58,7 +58,7 @@ def check_export_target(
             existed) belongs to the run.
 
     Raises:
-        OutputExists: `output` is a file, holds anything else, is not a P-EAGLE export, or is another run's
+        OutputExists: `output` is a file, holds anything else, is not a draft export, or is another run's
             export (without `force`).
     """
     out = Path(output)
@@ -71,16 +71,16 @@ def check_export_target(
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         hint = "move them out or pass --no-export" if own else "move them out or choose another --output"
-        raise OutputExists(f"{out} holds files that are not part of a P-EAGLE export ({shown}): {hint}")
+        raise OutputExists(f"{out} holds files that are not part of a draft export ({shown}): {hint}")
     if not names:
         return
     try:
-        ours = json.loads((out / CONFIG_FILE).read_text()).get("speculators_model_type") == "peagle"
+        ours = export_method(json.loads((out / CONFIG_FILE).read_text())) is not None
     except (OSError, ValueError, AttributeError):
         ours = False
     if not ours:
         raise OutputExists(
-            f"{out} is not a P-EAGLE export (its {CONFIG_FILE}): choose another export directory"
+            f"{out} is not a draft export (its {CONFIG_FILE}): choose another export directory"
         )
     try:
         marker = json.loads((out / MARKER_FILE).read_text())
@@ -93,7 +93,7 @@ def check_export_target(
     if marker and marker.get("run"):
         what = f"the export of another run ({marker['run']}, {marker.get('checkpoint')})"
     else:
-        what = "a P-EAGLE export of unknown origin"
+        what = "a draft export of unknown origin"
     raise OutputExists(f"{out} holds {what}: pass --force to replace it, or choose another --output")
 
 

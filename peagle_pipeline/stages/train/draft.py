@@ -23,6 +23,7 @@ from peagle_pipeline.core.target_convention import (
 from peagle_pipeline.core.target_init import init_from_target_layer
 from peagle_pipeline.errors import BadConfig
 from peagle_pipeline.stages.draft_spec import DRAFT_SPEC, DraftSpec
+from peagle_pipeline.stages.train.methods import method_for
 
 __all__ = [
     "build_draft",
@@ -38,7 +39,8 @@ log = logging.getLogger(__name__)
 
 
 def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, vocab.DraftVocab | None]:
-    """The draft from the cache only: target config + pieces, token counts -> vocabulary, tokenizer -> mask id.
+    """The draft from the cache only: target config + pieces, token counts -> vocabulary, tokenizer -> mask id
+    (P-EAGLE only); its class is the method's (`stages.train.methods`).
 
     Raises:
         BadConfig: draft_vocab_size explicitly larger than the target vocabulary; exact target without last
@@ -50,8 +52,8 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
     require_last_hidden(cfg.target, meta, f"cache {cfg.cache}")
     dvocab = vocab.build_draft_vocab(torch.from_numpy(cache.token_counts()), size)
     pieces = cache.target_pieces()
-    choice = choose_mask_token(cache, int(pieces["embed_tokens.weight"].shape[0]), cfg.mask_token_id)
-    mask_id = choice.token_id
+    method = method_for(cfg.method)
+    mask_id = _mask_token_id(cache, pieces, cfg) if method.uses_mask_token else 0  # 0: unused, not exported
     target_config = cache.target_config()
     refusal = exact_target_refusal(target_config) if cfg.target == "exact" else None
     if refusal:
@@ -71,7 +73,7 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
     )
     keep = None if dvocab.is_identity else dvocab
     g = torch.Generator().manual_seed(mix_seed("init", cfg.seed))
-    model = PEagleDraft(dcfg, pieces, keep, generator=g, grad_checkpointing=cfg.grad_checkpointing)
+    model = method.model_class(dcfg, pieces, keep, generator=g, grad_checkpointing=cfg.grad_checkpointing)
     if cfg.init_from_target:
         start_from_target(model, cache)
     spec = DraftSpec(
@@ -85,6 +87,7 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
         norm_before_residual=cfg.norm_before_residual,
         depths=cfg.depths,
         qk_norm=qk_norm,
+        method=cfg.method,
         target_identity={
             "target_config_sha256": meta.target_config_sha256,
             "tokenizer_sha256": meta.tokenizer_sha256,
@@ -92,6 +95,11 @@ def build_draft(cache: Any, cfg: TrainConfig) -> tuple[PEagleDraft, DraftSpec, v
         },
     )
     return model, spec, keep
+
+
+def _mask_token_id(cache: Any, pieces: dict[str, torch.Tensor], cfg: TrainConfig) -> int:
+    """The mask token of a P-EAGLE draft (`choose_mask_token`; EAGLE-3 feeds drafted tokens only, and has none)."""
+    return choose_mask_token(cache, int(pieces["embed_tokens.weight"].shape[0]), cfg.mask_token_id).token_id
 
 
 def _draft_vocab_size(size: int, V: int) -> int:

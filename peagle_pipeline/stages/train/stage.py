@@ -122,7 +122,10 @@ def _write_start_notes(cfg: TrainConfig, trainer: Trainer, dist: Dist, sink: met
     for line in _start_notes(cfg, trainer):
         sink.write(line)
     sink.write(describe_vocab_coverage(trainer.cache, trainer.vocab))
-    sink.write(describe_mask_token(trainer.cache, trainer.spec.mask_token_id))
+    if trainer.method.uses_mask_token:
+        sink.write(describe_mask_token(trainer.cache, trainer.spec.mask_token_id))
+    else:
+        sink.write(f"method {cfg.method}: {cfg.depths} sequential steps per chain (training-time test)")
     why = describe_compute_dtype(cfg.precision, str(dist.device), trainer.precision)
     log.info("%s", why)
     sink.note(why)

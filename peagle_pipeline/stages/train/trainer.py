@@ -1,10 +1,12 @@
 """The trainer of one run: draft, optimizer, data stream, steps, held-out figures and checkpoints.
 
 One optimizer step, composed (each arrow a tested pure call):
-packed row -> `core.cod.build_layout` (generator seeded by (seed, epoch, row)) -> `core.partition.plan_segments`
--> mask (`core.mask.dense_mask` on CPU, `build_block_mask` on CUDA) -> DDP-wrapped (or FSDP-sharded, `--fsdp`:
-`stages.train.fsdp`) `PEagleDraft` -> chunked KL `(loss_sum, count)` -> scale by world / GLOBAL count (counted before
-any backward) -> backward per segment (gradients reduced on the last only) -> clip -> AdamW at `lr_at(step)`.
+packed row -> `core.cod.build_layout` (generator seeded by (seed, epoch, row); every chain to full depth for
+EAGLE-3) -> `core.partition.plan_segments` -> mask (`core.mask.dense_mask` on CPU, `build_block_mask` on CUDA) ->
+the method's forward (`stages.train.methods`: `PEagleDraft` in one pass, or `Eagle3Draft`'s K steps) through the
+DDP-wrapped (or FSDP-sharded, `--fsdp`: `stages.train.fsdp`) draft -> chunked KL `(loss_sum, count)` -> scale by
+world / GLOBAL count (counted before any backward) -> backward per segment (gradients reduced on the last only) ->
+clip -> AdamW at `lr_at(step)`.
 Under FSDP every forward and backward is a collective, so all ranks run as many passes as the busiest one (the
 others add passes whose loss counts zero) and all ranks evaluate.
 
@@ -44,6 +46,7 @@ from peagle_pipeline.stages.train.distributed import Dist
 from peagle_pipeline.stages.train.draft import build_draft
 from peagle_pipeline.stages.train.held_out_eval import evaluate_held_out
 from peagle_pipeline.stages.train.loader import Cursor, TrainLoader, ahead_to_device
+from peagle_pipeline.stages.train.methods import method_for
 from peagle_pipeline.stages.train.metrics import StepStats, StepWindow, format_figure
 from peagle_pipeline.stages.train.optim import build_optimizer, clip_grad_norm, lr_at
 from peagle_pipeline.stages.train.packed_batch import PackedBatch
@@ -63,6 +66,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, dist: Dist, micro_steps: int = 1, sink: Any = None) -> None:
         self.cfg, self.dist, self.micro_steps = cfg, dist, micro_steps
         self.cache, self.split = training_data(cfg)  # with extra_cache: a CacheUnion
+        self.method = method_for(cfg.method)
         self.model, self.spec, self.vocab = build_draft(self.cache, cfg)
         self.model.to(dist.device)
         if dist.world == 1 and dist.device.type == "cpu":
@@ -189,6 +193,7 @@ class Trainer:
                 )
             self.skipped_corrupt += len(batch.corrupt)
             log.warning("skipped %d corrupt sample(s) in row %d: %s", len(batch.corrupt), batch.row, msg)
+        full = full or self.method.full_chains
         return lay_out_row(batch, self.cfg, self.cod, self.vocab, self.dist.device, full)
 
     def _mask(self, lay: cod.CODLayout, query: torch.Tensor | None = None) -> Any:
@@ -199,29 +204,13 @@ class Trainer:
     def forward_segment(
         self, p: Prepared, seg: partition.Segment, module: torch.nn.Module
     ) -> loss.LossOutput:
-        """Forward one segment through `module` (DDP-wrapped in training) and return its loss sums."""
-        sub = p.layout.select(seg.index)
-        q = None if bool(seg.owned.all()) else seg.out_index  # all owned: plain forward, no query subset
-        real = sub.depth == 0
-        # 0, 1, 2, ... at the depth-0 elements, 0 elsewhere (a cumulative sum: no count read back from the device)
-        aux_index = torch.where(real, real.long().cumsum(0) - 1, 0)
-        aux = p.batch.aux_hidden[sub.target[real]]  # in the cache's dtype: the draft casts the rows it uses
-        # a 1-layer draft with a query subset runs no full-square attention: no [n, n] mask (dense on the CPU, 73 MiB
-        # in the last of 4 segments of a row of 2 x 4096-token samples)
-        full = None if q is not None and self.model.cfg.num_layers == 1 else self._mask(sub)
+        """Forward one segment through `module` (DDP-wrapped in training) by the run's method and return its loss
+        sums."""
         with torch.autocast(**self.autocast):
-            hidden = module(
-                p.batch.input_ids[sub.target],
-                aux,
-                ~real,
-                sub.position,
-                full,
-                aux_index=aux_index,
-                out_index=q,
-                out_mask=None if q is None else self._mask(sub, q),
-            )
+            hidden = self.method.hidden(module, p, seg, self._mask, self.model.cfg.num_layers)
             owned = seg.owned_elements
-            rows, depth, w = p.layout.target[owned], p.layout.depth[owned], p.valid[owned]
+            rows, depth = p.layout.target[owned], p.layout.depth[owned]
+            w = self.method.loss_weight(self.cfg, depth, p.valid[owned])
             head = self.model.lm_head.weight
             if self.cfg.target == "exact":
                 return loss.kl_exact(
@@ -340,11 +329,8 @@ class Trainer:
         if item is not None:
             (self.forward_segment(*item, self.ddp).loss_sum * 0.0).backward()
             return
-        one = torch.zeros(1, dtype=torch.long, device=self.dist.device)
-        lay = cod.CODLayout(anchor=one, depth=one, doc=one, position=one, target=one)
-        aux = torch.zeros(1, self.model.cfg.aux_size, device=self.dist.device)
         with torch.autocast(**self.autocast):
-            hidden = self.ddp(one, aux, one.bool(), one, self._mask(lay))
+            hidden = self.method.idle_hidden(self.ddp, self.model.cfg.aux_size, self.dist.device, self._mask)
         (hidden.float().sum() * 0.0).backward()
 
     def _zero_backward(self) -> None:

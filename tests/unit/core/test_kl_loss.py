@@ -46,6 +46,25 @@ def test_chunked_topk_equals_dense_loss_and_gradient(chunk):
     assert torch.allclose(g1, hidden.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_float_weights_scale_each_elements_kl_and_gradient():
+    """EAGLE-3's per-step weights: a float weight multiplies the element's KL and gradient; the elements with a
+    non-zero weight are counted as with a boolean one."""
+    vocab, hidden, W, ids, lp, weight, depth = _case()
+    factor = 0.5 ** depth.float()
+    out = kl_topk(hidden, W, ids, lp, weight.float() * factor, depth, vocab, 4, chunk=7)
+    out.loss_sum.backward()
+    g1 = hidden.grad.clone()
+    hidden.grad = None
+    logq = torch.log_softmax(hidden @ W.T, -1)
+    _, count, dense, w = _dense_topk(hidden.detach(), W, ids, lp, weight, vocab)
+    ref = ((torch.xlogy(dense, dense) - dense * logq).sum(-1) * w * factor).sum()
+    ref.backward()
+    assert torch.allclose(out.loss_sum, ref, rtol=1e-5) and int(out.count) == count
+    assert torch.allclose(g1, hidden.grad, rtol=1e-4, atol=1e-6)
+    plain = kl_topk(hidden.detach(), W, ids, lp, weight, depth, vocab, 4)
+    assert torch.equal(out.correct, plain.correct) and torch.equal(out.total, plain.total)
+
+
 def test_gradient_wrt_logits_is_q_minus_p():
     vocab, _, _, ids, lp, weight, depth = _case(Vd=30, H=30)
     logits = torch.randn(37, 30, generator=torch.Generator().manual_seed(3), requires_grad=True)
