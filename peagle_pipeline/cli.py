@@ -231,6 +231,7 @@ def train(
     extra_cache: Annotated[list[str] | None, _opt(TrainConfig, "extra_cache")] = None,
     output: Annotated[str | None, _opt(TrainConfig, "output")] = None,
     draft_layers: Annotated[int | None, _opt(TrainConfig, "draft_layers")] = None,
+    draft_arch: Annotated[str | None, _opt(TrainConfig, "draft_arch")] = None,
     depths: Annotated[int | None, _opt(TrainConfig, "depths")] = None,
     draft_vocab_size: Annotated[int | None, _opt(TrainConfig, "draft_vocab_size")] = None,
     tokens_per_step: Annotated[int | None, _opt(TrainConfig, "tokens_per_step")] = None,
