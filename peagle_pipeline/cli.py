@@ -367,7 +367,7 @@ def evaluate(
     num_prompts: Annotated[int | None, _opt(EvaluateConfig, "num_prompts")] = None,
     max_tokens: Annotated[int | None, _opt(EvaluateConfig, "max_tokens")] = None,
     temperature: Annotated[float | None, _opt(EvaluateConfig, "temperature")] = None,
-    depths: Annotated[int | None, _opt(EvaluateConfig, "depths")] = None,
+    depths: Annotated[str | None, _opt(EvaluateConfig, "depths")] = None,
     concurrency: Annotated[list[int] | None, _opt(EvaluateConfig, "concurrency")] = None,
     acceptance_concurrency: Annotated[int | None, _opt(EvaluateConfig, "acceptance_concurrency")] = None,
     output: Annotated[str | None, _opt(EvaluateConfig, "output")] = None,

@@ -32,7 +32,10 @@ __all__ = [
     "run_prompts",
     "engine",
     "mismatches",
+    "DRAFT_METHODS",
+    "METHOD_NAMES",
     "read_draft_config",
+    "draft_method",
     "draft_depths",
     "speculative_config",
     "describe_hardware",
@@ -265,11 +268,17 @@ def _run_prompts(
 # ------------------------------------------------------------------------------------------------ drafts
 
 
+# The speculators formats a draft export may have (`speculators_model_type`): P-EAGLE drafts every position in
+# one forward (vLLM's parallel drafting), EAGLE-3 one position per forward, each fed the one before.
+DRAFT_METHODS = ("peagle", "eagle3")
+METHOD_NAMES = {"peagle": "P-EAGLE", "eagle3": "EAGLE-3"}
+
+
 def read_draft_config(draft_dir: str | Path) -> dict[str, Any]:
-    """The export's config.json, checked to be a speculators P-EAGLE export.
+    """The export's config.json, checked to be a speculators P-EAGLE or EAGLE-3 export (`DRAFT_METHODS`).
 
     Raises:
-        BadInput: missing/unreadable config or not `speculators_model_type: peagle`.
+        BadInput: missing/unreadable config or another `speculators_model_type`.
     """
     path = Path(draft_dir) / "config.json"
     if not Path(draft_dir).is_dir():
@@ -280,13 +289,18 @@ def read_draft_config(draft_dir: str | Path) -> dict[str, Any]:
         raise BadInput(
             f"{draft_dir} is not a draft export: cannot read {path.name} ({type(err).__name__})"
         ) from None
-    if not isinstance(config, dict) or config.get("speculators_model_type") != "peagle":
+    if not isinstance(config, dict) or config.get("speculators_model_type") not in DRAFT_METHODS:
         found = config.get("speculators_model_type") if isinstance(config, dict) else None
         raise BadInput(
-            f"{draft_dir} is not a P-EAGLE export (speculators_model_type is {found!r}); "
+            f"{draft_dir} is not a P-EAGLE or EAGLE-3 export (speculators_model_type is {found!r}); "
             "export one with `peagle-pipeline export`"
         )
     return config
+
+
+def draft_method(config: dict[str, Any]) -> str:
+    """The method of a checked export config (`read_draft_config`): "peagle" or "eagle3"."""
+    return str(config["speculators_model_type"])
 
 
 def draft_depths(config: dict[str, Any]) -> int:
@@ -300,11 +314,13 @@ def draft_depths(config: dict[str, Any]) -> int:
 
 
 def speculative_config(draft_dir: str | Path, depths: int) -> dict[str, Any]:
-    """vLLM's speculative_config for a P-EAGLE export: EAGLE-3 with parallel drafting, K = `depths`."""
+    """vLLM's speculative_config for an export, K = `depths`: `method: eagle3` for both formats, with parallel
+    drafting for a P-EAGLE export (its config.json says which)."""
+    parallel = draft_method(read_draft_config(draft_dir)) == "peagle"
     return {
         "model": str(Path(draft_dir).resolve()),
         "method": "eagle3",
-        "parallel_drafting": True,
+        **({"parallel_drafting": True} if parallel else {}),
         "num_speculative_tokens": depths,
     }
 
