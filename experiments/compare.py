@@ -167,6 +167,79 @@ def _rows(text: str) -> list[str]:
     return rows
 
 
+class Timer:
+    """Stage times, kept in DIR/times.json so that a re-run after an interruption reports the time of all the work."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / "times.json"
+        self.times: dict[str, float] = json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    def __call__(self, label: str, fn: Any, *a: Any) -> Any:
+        say(label)
+        start = time.time()
+        out = fn(*a)
+        self.times[label] = self.times.get(label, 0.0) + time.time() - start
+        write_atomic(self.path, json.dumps(self.times, indent=2) + "\n")
+        return out
+
+
+def _plan(
+    root: Path, step_s: dict[str, float], s: dict, sizing: dict, spent_s: float, minutes: float
+) -> dict:
+    """Every row's steps at equal training time (`row_steps`), kept in DIR/plan.json: a re-run keeps the first."""
+    path = root / "plan.json"
+    if not path.exists():
+        eval_min = eval_minutes(len(step_s), s, sizing["probe_tokens_per_s"])
+        plan = {**row_steps(step_s, spent_s, eval_min, minutes), "eval_predicted_min": eval_min}
+        write_atomic(path, json.dumps(plan, indent=2) + "\n")
+    plan = json.loads(path.read_text())
+    say(
+        f"every row trains {plan['train_s_per_row'] / 60:.1f} min: "
+        + ", ".join(f"{k} {v:,} steps" for k, v in plan["steps"].items())
+    )
+    return dict(plan)
+
+
+def _publish(root: Path, doc: Path, summary: dict[str, Any]) -> None:
+    """DIR/compare.json, the raw output under bench/results/ and the doc."""
+    write_atomic(root / "compare.json", json.dumps(summary, indent=2) + "\n")
+    dest = keep_raw(root, summary)
+    summary["raw_output"] = str(dest.relative_to(REPO))
+    write_atomic(root / "compare.json", json.dumps(summary, indent=2) + "\n")
+    shutil.copy2(root / "compare.json", dest / "compare.json")
+    doc.write_text(render_doc(summary, doc))
+    say(f"wrote {doc}, {root / 'compare.json'} and {dest} in {summary['total_s'] / 60:.1f} min")
+
+
+def run(root: Path, args: argparse.Namespace, rows: list[str], choices: dict, skipped: list[str]) -> dict:
+    """Every stage (each resumes): data, cache, calibration, the rows' training, both evaluations; the summary."""
+    root.mkdir(parents=True, exist_ok=True)
+    timed = Timer(root)
+    sizing = _sizing(root, args, timed)
+    s = {**BASE, "source_conversations": max(int(BASE["source_conversations"] * sizing["scale"]), 8)}
+    sources, _, _ = write_sources(root, s["source_conversations"], 0, 1)
+    data = timed(
+        "generate: on-policy multi-turn, sampled", generate, root, "multi-sampled", sources, SAMPLED, "all", s
+    )
+    cache = timed("extract: on-policy multi-turn", extract, root, "on-multi", data, s["max_length"])
+    step_s = {name: timed(f"calibrate: {name}", calibrate, root, name, cache, choices) for name in rows}
+    plan = _plan(root, step_s, s, sizing, sum(timed.times.values()), args.minutes)
+    runs = {
+        name: timed(f"train: {name}", train_row, root, name, cache, plan["steps"][name], choices)
+        for name in rows
+    }
+    exports = [r / "export" for r in runs.values()]
+    report = timed("evaluate: every row on MT-Bench and HumanEval", evaluate, root, "all", exports, s, False)
+    speed = timed("evaluate: every row at concurrency 1", evaluate, root, "speed", exports, s, True)
+    host = {
+        "hardware": report.get("hardware"),
+        "bf16_units": bf16_units(),
+        "compute_dtype": compute_dtype_line(),
+    }
+    settings = {**s, "sizing": sizing, "skipped": skipped, **host}
+    return summarize(runs, report, speed, plan, timed.times, settings)
+
+
 def main() -> int:
     args = _args()
     root, doc = (REPO / args.dir).resolve(), (REPO / args.doc).resolve()
@@ -181,66 +254,13 @@ def main() -> int:
             raise CompareError(
                 f"{need} is missing: run `make compare` (it installs and prepares everything)", 2
             )
-    rows = _rows(args.rows)
     choices = package_choices()
-    rows, skipped = trainable(rows, choices)
+    rows, skipped = trainable(_rows(args.rows), choices)
     for line in skipped:
         say(line)
     if not rows:
         raise CompareError("no row can run with this package", 2)
-    root.mkdir(parents=True, exist_ok=True)
-    times_file = root / "times.json"
-    times: dict[str, float] = json.loads(times_file.read_text()) if times_file.exists() else {}
-
-    def timed(label: str, fn: Any, *a: Any) -> Any:
-        say(label)
-        start = time.time()
-        out = fn(*a)
-        times[label] = times.get(label, 0.0) + time.time() - start
-        write_atomic(times_file, json.dumps(times, indent=2) + "\n")
-        return out
-
-    sizing = _sizing(root, args, timed)
-    s = {**BASE, "source_conversations": max(int(BASE["source_conversations"] * sizing["scale"]), 8)}
-    sources, _, _ = write_sources(root, s["source_conversations"], 0, 1)
-    data = timed(
-        "generate: on-policy multi-turn, sampled", generate, root, "multi-sampled", sources, SAMPLED, "all", s
-    )
-    cache = timed("extract: on-policy multi-turn", extract, root, "on-multi", data, s["max_length"])
-    step_s = {name: timed(f"calibrate: {name}", calibrate, root, name, cache, choices) for name in rows}
-    plan_file = root / "plan.json"
-    if not plan_file.exists():  # a re-run keeps the first plan, whatever was spent since
-        eval_min = eval_minutes(len(rows), s, sizing["probe_tokens_per_s"])
-        plan = {
-            **row_steps(step_s, sum(times.values()), eval_min, args.minutes),
-            "eval_predicted_min": eval_min,
-        }
-        write_atomic(plan_file, json.dumps(plan, indent=2) + "\n")
-    plan = json.loads(plan_file.read_text())
-    say(
-        f"every row trains {plan['train_s_per_row'] / 60:.1f} min: "
-        + ", ".join(f"{k} {v:,} steps" for k, v in plan["steps"].items())
-    )
-    runs = {
-        name: timed(f"train: {name}", train_row, root, name, cache, plan["steps"][name], choices)
-        for name in rows
-    }
-    exports = [run / "export" for run in runs.values()]
-    report = timed("evaluate: every row on MT-Bench and HumanEval", evaluate, root, "all", exports, s, False)
-    speed = timed("evaluate: every row at concurrency 1", evaluate, root, "speed", exports, s, True)
-    host = {
-        "hardware": report.get("hardware"),
-        "bf16_units": bf16_units(),
-        "compute_dtype": compute_dtype_line(),
-    }
-    summary = summarize(runs, report, speed, plan, times, {**s, "sizing": sizing, "skipped": skipped, **host})
-    write_atomic(root / "compare.json", json.dumps(summary, indent=2) + "\n")
-    dest = keep_raw(root, summary)
-    summary["raw_output"] = str(dest.relative_to(REPO))
-    write_atomic(root / "compare.json", json.dumps(summary, indent=2) + "\n")
-    shutil.copy2(root / "compare.json", dest / "compare.json")
-    doc.write_text(render_doc(summary, doc))
-    say(f"wrote {doc}, {root / 'compare.json'} and {dest} in {summary['total_s'] / 60:.1f} min")
+    _publish(root, doc, run(root, args, rows, choices, skipped))
     return 0
 
 
