@@ -284,7 +284,7 @@ class _StoreWork:
         items = plan_batches(sort_by_length(samples, meta.length_window), cfg.batch_tokens)
         progress = Progress(rows.total, writer.store, ("sample", "samples"))
 
-        def advance(n: int) -> None:  # rows written or rejected: the tokens of those written count in the rate
+        def advance(n: int) -> None:  # rows written or rejected; the tokens written count in the rate
             progress.tokens = ahead.new_tokens
             progress.advance(n)
 
