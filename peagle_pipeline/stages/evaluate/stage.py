@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EvalOptions",
+    "Measured",
     "REPORT_FILE",
     "CHART_FILE",
     "COMPARISON_FILE",
@@ -194,6 +195,16 @@ def _settings_json(opts: EvalOptions) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class Measured:
+    """What the engines measured: `plain[(set, c)]`, `spec[(draft, set, c)]`, and each engine's start seconds by
+    engine ("plain" or the draft's name)."""
+
+    plain: dict[tuple[str, int], EngineRun]
+    spec: dict[tuple[str, str, int], EngineRun]
+    engine_seconds: dict[str, float]
+
+
 def build_report(
     opts: EvalOptions,
     *,
@@ -201,17 +212,16 @@ def build_report(
     hardware: str,
     sets: list[PromptSet],
     drafts: list[Draft],
-    plain: dict[tuple[str, int], EngineRun],
-    spec: dict[tuple[str, str, int], EngineRun],
-    engine_seconds: dict[str, float],
+    measured: Measured,
     wall_seconds: float,
 ) -> dict[str, Any]:
-    """The report (JSON-ready, no NaN) from the runs: `plain[(set, c)]`, `spec[(draft, set, c)]`.
+    """The report (JSON-ready, no NaN) from what the engines `measured`.
 
     AL and per-position acceptance come from the run at `opts.acceptance_concurrency` (1 unless asked); tokens/s
     and speedup from each concurrency (the acceptance one is always measured, so it is always reported).
     """
-    rows = [_result_row(opts, d, s, plain, spec, hardware) for d in drafts for s in sets]
+    plain = measured.plain
+    rows = [_result_row(opts, d, s, plain, measured.spec, hardware) for d in drafts for s in sets]
     report = {
         "target": target,
         "dtype": opts.dtype,
@@ -219,7 +229,7 @@ def build_report(
         "settings": _settings_json(opts),
         "prompt_sets": [s.describe() for s in sets],
         "drafts": [d.to_json() for d in drafts],
-        "engine_start_seconds": engine_seconds,
+        "engine_start_seconds": measured.engine_seconds,
         "plain": [
             {
                 "prompt_set": s.name,
@@ -334,12 +344,9 @@ def _measure_all(
     drafts: list[Draft],
     opts: EvalOptions,
     say: Callable[[str], None],
-) -> tuple[dict[tuple[str, int], EngineRun], dict[tuple[str, str, int], EngineRun], dict[str, float]]:
-    """The plain target, then each draft at each of its K, each on its own engine (shut down before the next starts).
-
-    Returns:
-        `plain[(set, c)]`, `spec[(draft, set, c)]` and the engine start seconds by engine ("plain" or draft name).
-    """
+) -> Measured:
+    """The plain target, then each draft at each of its K, each on its own engine (shut down before the next
+    starts)."""
     levels = opts.levels
     engine_seconds: dict[str, float] = {}
     with engine(settings, None) as (llm, started):
@@ -352,7 +359,7 @@ def _measure_all(
             engine_seconds[d.name] = started
             for (set_name, c), r in _measure(llm, sets, opts, levels, say).items():
                 spec[(d.name, set_name, c)] = r
-    return plain, spec, engine_seconds
+    return Measured(plain, spec, engine_seconds)
 
 
 def _write_outputs(report: dict[str, Any], output: Path, say: Callable[[str], None]) -> None:
@@ -403,7 +410,7 @@ def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any
     )
     vllm_log.route_to(output)  # vLLM's own output: OUTPUT/vllm.log (a temporary file without --output)
     say(f"plain target {target}: {sum(len(s.prompts) for s in sets)} prompts in {len(sets)} set(s)")
-    plain, spec, engine_seconds = _measure_all(settings, sets, drafts, opts, say)
+    measured = _measure_all(settings, sets, drafts, opts, say)
     # after the engines: naming a GPU initialises CUDA in this process, which vLLM prefers to do in its workers
     hardware = describe_hardware(opts.tensor_parallel_size)
     report = build_report(
@@ -412,9 +419,7 @@ def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any
         hardware=hardware,
         sets=sets,
         drafts=drafts,
-        plain=plain,
-        spec=spec,
-        engine_seconds=engine_seconds,
+        measured=measured,
         wall_seconds=time.perf_counter() - t_start,
     )
     say(format_table(report))

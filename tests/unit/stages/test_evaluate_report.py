@@ -23,7 +23,7 @@ from peagle_pipeline.stages.evaluate.drafts import (
 )
 from peagle_pipeline.stages.evaluate.prompts import PromptSet
 from peagle_pipeline.stages.evaluate.report import format_table, plot_acceptance
-from peagle_pipeline.stages.evaluate.stage import EvalOptions, build_report, finite
+from peagle_pipeline.stages.evaluate.stage import EvalOptions, Measured, build_report, finite
 from peagle_pipeline.stages.export.marker import MARKER_FILE as EXPORT_MARKER
 
 
@@ -79,9 +79,7 @@ def _report(temperature: float = 0.0) -> dict:
         hardware="CPU X, 2 cores",
         sets=sets,
         drafts=[_draft("a", est), _draft("b")],
-        plain=plain,
-        spec=spec,
-        engine_seconds={"plain": 1.0, "a": 2.0, "b": 3.0},
+        measured=Measured(plain=plain, spec=spec, engine_seconds={"plain": 1.0, "a": 2.0, "b": 3.0}),
         wall_seconds=9.0,
     )
 
@@ -244,9 +242,11 @@ def test_acceptance_is_read_from_the_concurrency_asked_for() -> None:
         hardware="CPU X, 2 cores",
         sets=sets,
         drafts=[_draft("a")],
-        plain={("p", 4): EngineRun(out, 1.0, concurrency=4)},
-        spec={("a", "p", 4): EngineRun(out, 0.5, at4, concurrency=4)},
-        engine_seconds={"plain": 1.0, "a": 2.0},
+        measured=Measured(
+            plain={("p", 4): EngineRun(out, 1.0, concurrency=4)},
+            spec={("a", "p", 4): EngineRun(out, 0.5, at4, concurrency=4)},
+            engine_seconds={"plain": 1.0, "a": 2.0},
+        ),
         wall_seconds=3.0,
     )
     (row,) = report["results"]
@@ -363,9 +363,11 @@ def _sweep_report() -> dict:
         hardware="CPU X, 2 cores",
         sets=sets,
         drafts=drafts,
-        plain={("p", 1): EngineRun(out, 2.0)},
-        spec=spec,
-        engine_seconds={"plain": 1.0, **dict.fromkeys(counters, 1.0)},
+        measured=Measured(
+            plain={("p", 1): EngineRun(out, 2.0)},
+            spec=spec,
+            engine_seconds={"plain": 1.0, **dict.fromkeys(counters, 1.0)},
+        ),
         wall_seconds=9.0,
     )
 
