@@ -15,7 +15,7 @@ from bench.tiny import (  # noqa: F401 (the tokenizer and conversations are shar
     CHAT_TEMPLATES,
     CHAT_WORDS,
     CORPUS,
-    SPECIAL_TOKENS,
+    CONTROL_TOKENS,
     build_tokenizer,
     train_bpe,
     write_conversations,
