@@ -55,7 +55,7 @@ EVAL_SETS=${EVAL_SETS:-mtbench humaneval}  # greedy replies walked by every draf
 EVAL_NEW=${EVAL_NEW:-64}  # new tokens per greedy reply (make quality's and the last GPU run's vLLM setting)
 DEVICE=${DEVICE:-cuda}
 MAX_SAMPLES=${MAX_SAMPLES:-17000}  # smaller (and OFF_SAMPLES) for a rehearsal of this script on a CPU (DEVICE=cpu)
-OFF_SAMPLES=${OFF_SAMPLES:-}  # off-policy records extracted (empty: all OFF_RECORDS that were carried)
+OFF_SAMPLES=${OFF_SAMPLES:-}  # off-policy records extracted (empty: all OFF_RECORDS that were packed)
 MODEL=$WORK/models/SmolLM2-135M-Instruct
 CLI=("$PY" -m peagle_pipeline.cli)
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 TOKENIZERS_PARALLELISM=false
