@@ -14,8 +14,8 @@ from pathlib import Path
 from bench.tiny import (  # noqa: F401 (the tokenizer and conversations are shared with bench/)
     CHAT_TEMPLATES,
     CHAT_WORDS,
-    CORPUS,
     CONTROL_TOKENS,
+    CORPUS,
     build_tokenizer,
     train_bpe,
     write_conversations,
