@@ -129,7 +129,7 @@ target_model() {  # the target as a transformers model directory ($MODEL) from t
 }
 
 stage_a() {
-  mkdir -p "$WORK/whl" && cp .gpu/* "$WORK/" && cp .whl/*.whl "$WORK/whl/" && say "staged: $(ls "$WORK" | tr '\n' ' ')"
+  mkdir -p "$WORK/whl" && find .gpu -maxdepth 1 -type f -exec cp -t "$WORK/" {} + && cp .whl/*.whl "$WORK/whl/" && say "staged: $(ls "$WORK" | tr '\n' ' ')"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   if [[ -z ${SKIP_INSTALL:-} ]]; then
