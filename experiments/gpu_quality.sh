@@ -51,7 +51,7 @@ DEPTHS=${DEPTHS:-4}  # trained K; the export serves min(4, DEPTHS) (`export --sp
 DRAFT_VOCAB=${DRAFT_VOCAB:-16384}
 LOSS_POSITIONS=${LOSS_POSITIONS:-all}  # all: prompt tokens carry loss too (+0.04 AL on the CPU quality run, docs/results/quality.md)
 VARIANTS=${VARIANTS:-}  # NAME=FLAGS;NAME=FLAGS: more drafts trained beside the main one (their flags override its)
-EVAL_SETS=${EVAL_SETS:-mtbench humaneval}  # greedy replies walked by every draft (empty: none)
+EVAL_SETS=${EVAL_SETS-mtbench humaneval}  # greedy replies walked by every draft (empty: none)
 EVAL_NEW=${EVAL_NEW:-64}  # new tokens per greedy reply (make quality's and the last GPU run's vLLM setting)
 DEVICE=${DEVICE:-cuda}
 MAX_SAMPLES=${MAX_SAMPLES:-17000}  # smaller (and OFF_SAMPLES) for a rehearsal of this script on a CPU (DEVICE=cpu)
