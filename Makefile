@@ -79,15 +79,14 @@ $(BENCH_STAMP): pyproject.toml $(CONSTRAINTS)
 		"openai>=2" "datasets>=4,<=5.1.0" hs-connectors==0.9.0 aiohttp httpx psutil rich
 	touch $(BENCH_STAMP)
 
-# On 2 processes too: 10.9 min against 13.1 in one on a 2-core AVX2 host (engines start while others wait).
+# On TEST_WORKERS processes too: engines start while others wait.
 test-vllm: setup-vllm demo-assets bytecode
 	$(VLLM_PY) -m pytest -q -n $(TEST_WORKERS) tests/vllm $(PYTEST_ARGS)
 
 # The bytecode of this checkout's modules (an editable install: pip compiles only site-packages). Where
-# PYTHONDONTWRITEBYTECODE is set (containers; this project's development machines), Python never caches it, and
-# every fresh CLI process a test starts compiles the modules it imports again: 0.13 s of CPU each (extract and
-# train's imports, 2.67 against 2.54 s on a 2-core AVX2 host; most runs now fork from tests/zygote.py's server,
-# which compiles once). Only changed files are compiled; both envs run the same Python, so they share it.
+# PYTHONDONTWRITEBYTECODE is set (containers, some CI machines), Python never caches it, and every fresh CLI
+# process a test starts compiles the modules it imports again. Only changed files are compiled; both envs run the
+# same Python, so they share it.
 bytecode: setup
 	$(PY) -m compileall -q peagle_pipeline bench scripts experiments
 
