@@ -117,7 +117,7 @@ class TrainConfig:
     mask_token_id: int | None = setting(
         None,
         "Token fed at depth >= 1 slots; default by rule: the tokenizer's mask token, an unused embedding row, "
-        "else the lowest special token never seen in the data.",
+        "else the lowest special token never seen in the data (SPEC 5.3).",
     )
     skip_corrupt: bool = setting(
         False, "Skip samples whose data fails its checksum (reported) instead of stopping."
