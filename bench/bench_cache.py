@@ -1,4 +1,5 @@
-"""Cache size and random-read speed vs the common per-sample format (SPEC section 8).
+"""Cache size and random-read speed vs the common per-sample format (goals: <= 0.80x the bytes,
+>= 1.0x the reads).
 
 One real HF extraction (with the last hidden state) feeds three outputs holding the same samples:
   - our cache with compress auto (the default: zstd for ids/mask/top-k log-probs, blosc-lz4 for top-k ids, raw

@@ -1,4 +1,4 @@
-"""Data-wait fraction of training: a short real training run on a SmolLM2 cache (SPEC §8: < 5 % of step time).
+"""Data-wait fraction of training: a short real training run on a SmolLM2 cache (goal: < 5 % of step time).
 
 The trainer measures, for every optimizer step, the time spent waiting for the next packed batch from its
 DataLoader (worker processes reading the cache in random order) and logs `data_wait` = wait / step time and
@@ -8,7 +8,7 @@ emulated bf16 (a CPU without bf16 units) runs many times slower and would hide t
 worker start-up (a one-time cost) and is reported apart; the goal applies to the steady-state windows.
 Without --cache it extracts a small SmolLM2 cache first (kept under --workdir, reused by later runs).
 With --s3-mbit N the cache is uploaded to a real S3 server on localhost (moto, bench/s3_local.py) and training
-reads it by its s3:// URL through a proxy limited to N Mbit/s with --s3-latency-ms per read (issue 13's row).
+reads it by its s3:// URL through a proxy limited to N Mbit/s with --s3-latency-ms per read (the object-store row).
 
     python -m bench.bench_data_wait --out bench/results/data_wait.json [--cache DIR] [--quick]
     python -m bench.bench_data_wait --out bench/results/data_wait_s3.json --s3-mbit 200 [--quick]

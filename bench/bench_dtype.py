@@ -1,5 +1,5 @@
 """Compute dtype on this machine: the dtype `auto` picks (hardware.resolve_compute_dtype) vs the other one, for the
-HF extraction forward and for one training step (issue 12; SPEC section 7).
+HF extraction forward and for one training step (goal: `auto`'s choice >= 1.0x the other on both).
 
   - extraction: `HFBackend.forward` (hooks, chunked top-k) + conversion to the stored dtype (bf16 both times) over
     the same padded batches of the demo model and data (planned as `peagle-pipeline extract` plans them);

@@ -1,4 +1,4 @@
-"""Extraction overhead: HF-backend extraction tokens/s vs the bare HF forward over the same batches (SPEC section 8).
+"""Extraction overhead: HF-backend extraction tokens/s vs the bare HF forward over the same batches (goal >= 0.90x).
 
 Both sides get the same padded batches (planned exactly as `peagle-pipeline extract` plans them):
   - bare: `HFBackend.bare_forward` = plain `model(input_ids)` (logits, no hooks, no top-k), one batch after the

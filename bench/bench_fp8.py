@@ -1,5 +1,5 @@
 """fp8 aux-state storage (`extract --dtype fp8`) vs the lossless cache and the per-sample format: bytes per token
-and reconstruction error (issue 13, item 4).
+and reconstruction error.
 
 One real HF extraction (bf16 hidden states, compress none) feeds, through the real writer: our lossless cache
 (bf16, compress auto: the default) and our fp8 cache (e4m3 + an fp32 scale per token and layer, core/fp8.py,

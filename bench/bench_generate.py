@@ -1,5 +1,5 @@
 """Generation overhead: `peagle-pipeline generate` through vLLM vs a bare `LLM.generate` of the same prompts and
-settings (SPEC section 8; issue 11 goal >= 0.90x). Runs in the vLLM environment (.venv-vllm).
+settings (goal >= 0.90x). Runs in the vLLM environment (.venv-vllm).
 
 Prompts are the first-turn prompts of the first ShareGPT rows (as `generate --turns first` renders them, those over
 --max-prompt-tokens left out); both sides use the same per-request seeds, so they should produce the same replies

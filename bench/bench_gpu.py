@@ -1,4 +1,4 @@
-"""GPU figures on one CUDA device (issue 12's GPU tier; scripts/gpu_tier.sh runs it after `pytest -m gpu`).
+"""GPU figures on one CUDA device (the GPU tier: scripts/gpu_tier.sh runs it after `pytest -m gpu`).
 
   - sequence partitioning: peak CUDA memory of one bf16 training step (SmolLM2-sized draft, K 8, one sample per
     packed row) with 1 and 4 segments at 8k, 16k and 32k tokens, losses compared;

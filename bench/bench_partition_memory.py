@@ -1,4 +1,4 @@
-"""Peak training-step memory with 1 vs 4 sequence segments at 4k-token samples (SPEC §8: >= 2.5x lower), and the
+"""Peak training-step memory with 1 vs 4 sequence segments at 4k-token samples (goal: >= 2.5x lower), and the
 longest sample that trains within a memory budget with 1 and with 4 segments (--budget-mib).
 
 Each configuration runs in a fresh subprocess: it builds the SmolLM2-sized draft and the packed row, resets the

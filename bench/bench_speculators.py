@@ -1,4 +1,4 @@
-"""Training step vs the P-EAGLE training step of PyPI `speculators==0.9.0`, same configuration and batch (SPEC §8).
+"""Training step vs the P-EAGLE training step of PyPI `speculators==0.9.0`, same configuration and batch (goal >= 1.0x).
 
 Runs in the benchmark-only env `.venv-bench` (`make setup-bench`): speculators is called as a library, never
 vendored. Both sides get the same SmolLM2-sized draft (H 576, 9 heads / 3 KV heads, head_dim 64, 1 layer,

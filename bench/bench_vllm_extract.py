@@ -1,4 +1,4 @@
-"""Extraction through vLLM vs a bare vLLM prefill of the same prompts (issue 37 item 6; goal >= 0.85x).
+"""Extraction through vLLM vs a bare vLLM prefill of the same prompts (goal >= 0.85x).
 
 Both sides get the same batches, planned exactly as `peagle-pipeline extract --backend vllm` plans them:
   - extraction: what `extract` runs, `VLLMBackend` (hidden states through our KV connector, `prompt_logprobs=k`)

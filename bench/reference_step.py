@@ -17,7 +17,8 @@ from peagle_pipeline.core.vocab import DraftVocab
 
 
 def reference_mask(layout: CODLayout) -> torch.Tensor:
-    """BoolTensor[N, N] built one query at a time, straight from SPEC §5.2."""
+    """BoolTensor[N, N] built one query at a time, straight from the mask's definition: an element sees the
+    depth-0 elements of its document up to its anchor and the elements of its own anchor up to its depth."""
     a, d, doc = layout.anchor.tolist(), layout.depth.tolist(), layout.doc.tolist()
     n = len(a)
     out = torch.zeros(n, n, dtype=torch.bool)

@@ -69,7 +69,18 @@ def write_chart(figures: list[dict[str, Any]], path: Path, title: str) -> Path |
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    _to_palette(path)
     return path
+
+
+def _to_palette(path: Path, colors: int = 8) -> None:
+    """Rewrite the PNG with a palette of `colors` colours: a chart of flat bars and text looks the same and takes
+    about a quarter of the bytes of matplotlib's RGBA file (the report's chart is kept in the repository)."""
+    from PIL import Image  # matplotlib's own dependency
+
+    with Image.open(path) as im:
+        quantized = im.convert("RGB").quantize(colors=colors, method=Image.Quantize.MEDIANCUT)
+    quantized.save(path, optimize=True)
 
 
 def _short(text: str, width: int = 50) -> str:

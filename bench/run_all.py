@@ -1,4 +1,4 @@
-"""Every SPEC §8 figure in one run (`make bench`): runs the benchmark scripts one after the other, then writes
+"""Every benchmark figure in one run (`make bench`): runs the benchmark scripts one after the other, then writes
 OUT/report.md and OUT/report.json with each figure, its goal, and whether it is met.
 
     python -m bench.run_all --out bench/results [--quick] [--only extract,cache,...]
@@ -169,7 +169,7 @@ def _dtype_cap(r: dict[str, Any]) -> str:
 
 
 def figures(out: Path, demo: Path | None = None) -> list[dict[str, Any]]:
-    """Each SPEC §8 figure from the scripts' JSON (None values = not measured in this run), and the quality
+    """Each benchmark figure from the scripts' JSON (None values = not measured in this run), and the quality
     figures of the `make demo` in `demo` (default DEMO)."""
     figs: list[dict[str, Any]] = []
     missing = "not measured (script failed or not run)"
@@ -489,7 +489,7 @@ def demo_vllm_row(demo: Path) -> dict[str, Any] | None:
 def render(figs: list[dict[str, Any]], meta: dict[str, Any], benches: list[Bench]) -> str:
     mark = {True: "met", False: "**not met**", None: "n/a"}
     lines = [
-        "# Benchmark report (SPEC §8)",
+        "# Benchmark report",
         "",
         f"`{meta['command']}` started {meta['date']}, ran {meta.get('seconds', 0) / 60:.1f} min: "
         f"{meta['machine']}; load average {meta['load_avg_start']} at "

@@ -29,7 +29,7 @@ CHAT_TEMPLATES = {
     ),
 }
 
-SPECIAL_TOKENS = [
+CONTROL_TOKENS = [
     "<pad>",
     "<|begin_of_text|>",
     "<|im_start|>",
@@ -70,7 +70,7 @@ def build_tokenizer(out_dir: str | Path, template: str = "chatml", vocab_size: i
     """Train a byte-level BPE tokenizer on a tiny corpus and save it with a chat template."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = train_bpe(SPECIAL_TOKENS, vocab_size)
+    tok = train_bpe(CONTROL_TOKENS, vocab_size)
     eos = "<|eot_id|>" if template == "llama3" else "<|im_end|>"
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token=eos, pad_token="<pad>"

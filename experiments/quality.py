@@ -9,7 +9,7 @@ and on held-out ShareGPT prompts (records >= 17,000, never trained on), K = 4, T
     data        off-policy (ShareGPT's own replies) | on-policy multi-turn (every reply regenerated, sampled)
     curve       the main draft: both caches of the run (on- and off-policy), trained longer; AL against training
                 tokens (vLLM at checkpoints, trainer estimate)
-    speed       the main draft at concurrency 1 (SPEC 4b): AL and tokens/s with and without it
+    speed       the main draft at concurrency 1 (the headline setting): AL and tokens/s with and without it
 
 The run is sized to an hour on the host it runs on (`--scale auto`: a timed forward of the target picks the factor for
 the data and the ablation's steps, the main run's steps fill the minutes left after them; the evaluation does not
@@ -213,7 +213,7 @@ def evaluate(root: Path, name: str, drafts: list[Path], heldout: Path, s: dict) 
 
 
 def evaluate_speed(root: Path, export: Path, s: dict, name: str = "speed") -> dict[str, Any]:
-    """A main draft at concurrency 1 (one user, SPEC 4b's AL setting) on MT-Bench: AL, tokens/s with and without."""
+    """A main draft at concurrency 1 (one user: the headline AL setting) on MT-Bench: AL, tokens/s with and without."""
     out = root / "eval" / name
     report = out / "report.json"
     if not report.exists():
@@ -305,7 +305,7 @@ def main() -> int:
         )
     }
     # Ablation at equal budget: the data rows. Settled questions left the run to keep it within the hour on a slower
-    # host (their figures: docs/results/what-we-learned.md): the mask token (<|im_end|> against SPEC 5.3's rule,
+    # host (their figures: docs/results/what-we-learned.md): the mask token (<|im_end|> against the default rule's unused token,
     # +0.004), the loss on the replies only (-0.035 MT-Bench AL), greedy regeneration (-0.009 and -0.002 MT-Bench AL
     # against sampled in the last two runs), a second draft layer (-0.002 and -0.010 at equal steps) and single-turn
     # regeneration (-0.006 and +0.004 MT-Bench AL against multi-turn in the last two runs, from a second extraction

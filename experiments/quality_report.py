@@ -263,7 +263,7 @@ def render_doc(summary: dict[str, Any], root: Path, doc: Path) -> str:
         "",
         f"![learning curve]({curve_png(doc).name})",
         "",
-        f"## The main draft as SPEC 4b measures it: concurrency 1, {sp['prompts']} MT-Bench prompts",
+        f"## The main draft at the headline setting: concurrency 1, {sp['prompts']} MT-Bench prompts",
         "",
         f"**MT-Bench AL {_fmt(sp['acceptance_length'])}** at K = 4, T = 0, one request at a time (the same draft "
         f"read {_fmt(summary['curve'][-1]['mtbench_al'] if summary['curve'] else None)} with {EVAL_CONCURRENCY} "

@@ -65,7 +65,7 @@ BASE = {
     "generate_chunk": 256,  # conversations in flight per `generate` chunk: larger waves batch better in vLLM
 }
 # The ablation's AL is read from runs with this many requests in flight (the same AL up to numerics, several times
-# faster than one prompt at a time on a CPU); the main draft is also measured at concurrency 1 (SPEC 4b: the
+# faster than one prompt at a time on a CPU); the main draft is also measured at concurrency 1 (the
 # headline AL and the speedup a single user sees), which shows how close the two are.
 EVAL_CONCURRENCY = 16
 DEFAULT_DIR, DEFAULT_DOC = ".quality", "docs/results/quality.md"

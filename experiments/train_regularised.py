@@ -7,7 +7,7 @@ This wrapper asks whether the classic remedies close that gap, by patching the t
 
 - `--feature-noise A`: EAGLE's feature noise. While training, `fc`'s input (the concatenated aux states, or the
   mask state) gets U(-A, A) x the row's RMS added.
-- `--freeze-embedding`: the embedding table keeps the target's weights (SPEC 5.3 trains it; this is the screen).
+- `--freeze-embedding`: the embedding table keeps the target's weights (`train` trains it; this is the screen).
 
 Everything after `--` is `peagle-pipeline train`'s own arguments, e.g.
 

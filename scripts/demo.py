@@ -105,7 +105,7 @@ def file_sha(path: Path) -> str:
 
 # ------------------------------------------------------------------------------------------------ stages
 def generate(cfg_path: Path, paths: dict[str, Path], state: dict[str, Any]) -> None:
-    """Regenerate the replies with the target (on-policy data, SPEC 4a); resumes, a no-op when complete."""
+    """Regenerate the replies with the target (on-policy data); resumes, a no-op when complete."""
     python = VLLM_PY if VLLM_PY.exists() else Path(sys.executable)
     how = "vLLM" if VLLM_PY.exists() else "transformers (no .venv-vllm: slow; `make setup-vllm`)"
     header(f"1/8 generate: the target writes its own replies to the ShareGPT prompts, with {how}")

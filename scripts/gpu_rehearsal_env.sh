@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Here: a Python 3.12 venv, .venv-gpu312, holding what the lent GPU machines hold of what our GPU scripts import, at
-# their versions (the device tool's KINDS.md, read 2026-11-17), and no zarr stack: the scripts' install steps and
-# their CPU rehearsals (experiments/gpu_profile.sh with REHEARSE=1, experiments/gpu_quality.sh with DEVICE=cpu) then
-# meet what they will meet there (docs/results/gpu-runs.md). PyPI's torch 2.11.0 wheel is the CUDA build (about
-# 3 GB with its libraries); it runs on a CPU.
+# A Python 3.12 venv, .venv-gpu312, holding what a typical CUDA machine holds of what our GPU scripts import, at its
+# versions (MACHINE below: set them to the GPU machine's), and no zarr stack: the scripts' install steps and their CPU
+# rehearsals (experiments/gpu_profile.sh with REHEARSE=1, experiments/gpu_quality.sh with DEVICE=cpu) then meet what
+# they will meet there, before GPU time is spent. PyPI's torch 2.11.0 wheel is the CUDA build (about 3 GB with its
+# libraries); it runs on a CPU.
 #     bash scripts/gpu_rehearsal_env.sh        (PYTHON312=... when python3.12 is not on the PATH)
 set -euo pipefail
 cd "$(dirname "$0")/.."

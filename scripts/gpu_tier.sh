@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU tier in one go, on a GPU machine whose python3 already has CUDA torch (issue 12; docs/guides/gpus.md):
+# The GPU tier in one go, on a CUDA machine whose python3 already has torch, with or without network (docs/guides/gpus.md):
 #   1. `pip install` our wheel with the resolver but no index, missing dependencies from .whl/ (made by
 #      scripts/gpu_wheels.sh): it must install only what is missing and keep the machine's torch; the CLI must run;
 #   2. `pytest -m gpu tests/gpu` (flex mask = dense SDPA, bf16 + DDP of one process, CUDA extraction = CPU fp32
@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-tier-out}
 PY=${PYTHON:-python3}
 WHEELS=${WHEELS:-.whl}
-SPEC_WHEELS=${SPEC_WHEELS:-.whl-speculators}
+BENCH_WHEELS=${BENCH_WHEELS:-.whl-speculators}
 QUICK=${1:-}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -26,7 +26,7 @@ before=$("$PY" -c "$probe")
 echo "before: $before"
 wheel=$(ls "$WHEELS"/peagle_pipeline-*.whl 2>/dev/null | head -1)
 if [[ -z "$wheel" ]]; then
-  echo "no $WHEELS/peagle_pipeline-*.whl: run scripts/gpu_wheels.sh here first and carry .whl"; exit 2
+  echo "no $WHEELS/peagle_pipeline-*.whl: run scripts/gpu_wheels.sh (on a machine with network) and copy .whl here"; exit 2
 fi
 "$PY" -m pip install --no-index --find-links "$WHEELS" --no-compile --report "$OUT/pip-report.json" "$wheel" || status=1
 after=$("$PY" -c "$probe")
@@ -48,12 +48,12 @@ print(json.dumps(res, indent=2))
 sys.exit(0 if res["torch_kept"] and cli == "ok" and installed is not None else 1)
 PYEOF
 
-if [[ -f "$SPEC_WHEELS/speculators-carry.txt" ]]; then
+if [[ -f "$BENCH_WHEELS/speculators-carry.txt" ]]; then
   # speculators and what it needs that this machine lacks (scripts/gpu_wheels.sh --speculators), --no-deps as in
   # make setup-bench: its metadata wants torchvision/torchaudio, and what is installed here stays as it is.
   step "1b. speculators (comparator only)"
-  { "$PY" -m pip install -q --no-index --no-deps --find-links "$SPEC_WHEELS" --no-compile \
-      $("$PY" scripts/wheel_closure.py missing "$SPEC_WHEELS/speculators-carry.txt") &&
+  { "$PY" -m pip install -q --no-index --no-deps --find-links "$BENCH_WHEELS" --no-compile \
+      $("$PY" scripts/wheel_closure.py missing "$BENCH_WHEELS/speculators-carry.txt") &&
     (cd / && "$PY" -c "import speculators, speculators.models.peagle, speculators.losses"); } \
     || echo "speculators did not install or import: no speculators figure"
 fi

@@ -1,4 +1,4 @@
-"""Prepare the real demo assets of SPEC section 7 (no model hub needed), idempotently.
+"""Prepare the real demo assets, SmolLM2-135M-Instruct and ShareGPT (no model hub needed), idempotently.
 
     python scripts/prepare_demo.py --out .demo
 
@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-model", action="store_true", help="prepare only the data")
     parser.add_argument("--skip-data", action="store_true", help="prepare only the model")
     parser.add_argument(
-        "--gguf", type=Path, help="use this copy of the GGUF file (a machine without PyPI, e.g. a lent GPU)"
+        "--gguf",
+        type=Path,
+        help="use this copy of the GGUF file (a machine without network, e.g. a GPU machine)",
     )
     args = parser.parse_args(argv)
     out = Path(args.out)

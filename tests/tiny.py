@@ -14,8 +14,8 @@ from pathlib import Path
 from bench.tiny import (  # noqa: F401 (the tokenizer and conversations are shared with bench/)
     CHAT_TEMPLATES,
     CHAT_WORDS,
+    CONTROL_TOKENS,
     CORPUS,
-    SPECIAL_TOKENS,
     build_tokenizer,
     train_bpe,
     write_conversations,

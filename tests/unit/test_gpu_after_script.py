@@ -1,7 +1,6 @@
-"""`experiments/gpu_after.sh`: here, after a lent GPU ran the calls of docs/results/gpu-runs.md, the files each call
-brought back are kept by call, the export's parts are joined and checked against the checksum the run wrote, and a
-part that is missing or damaged stops it in one line (`EVAL=0`: the vLLM measurement, which needs .venv-vllm, is left
-out; it ran on the rehearsal's export on 2026-11-29, bench/results/gpu-rehearsal-cpu-2026-11-29/)."""
+"""`experiments/gpu_after.sh`: after a GPU run, the files of each results folder copied back are kept by folder, the
+export's parts are joined and checked against the checksum the run wrote, and a part that is missing or damaged stops
+it in one line (`EVAL=0`: the vLLM measurement, which needs .venv-vllm, is left out here)."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PART = 1000  # bytes per export part here (15 MiB on the GPU machine)
+PART = 1000  # bytes per export part here (PART_MIB, 15 MiB by default, on the GPU machine)
 
 
 def _checkout(tmp_path: Path) -> Path:
@@ -24,7 +23,7 @@ def _checkout(tmp_path: Path) -> Path:
 
 
 def _calls(tmp_path: Path, weights: bytes) -> tuple[Path, Path]:
-    """What go 540 and go 30 bring back: the first four parts with config and checksum, then the rest with logs."""
+    """Two results folders copied back: the first four parts with config and checksum, then the rest with logs."""
     go1, go2 = tmp_path / "files" / "go1", tmp_path / "files" / "go2"
     parts = [weights[i : i + PART] for i in range(0, len(weights), PART)]
     assert len(parts) == 12  # parts 10 and 11: joined after part 9, not after part 1
@@ -66,7 +65,7 @@ def test_the_parts_join_to_the_runs_checksum_and_each_calls_files_are_kept(tmp_p
         "model.safetensors",
         "sha256",
     ]
-    # the results folder keeps every returned file by call, and no weights
+    # the results folder keeps every copied file by folder, and no weights
     assert (dest / "go1/logs.txt").read_text() == "go1 log\n" and (
         dest / "go2/logs.txt"
     ).read_text() == "go2 log\n"
@@ -78,7 +77,7 @@ def test_the_parts_join_to_the_runs_checksum_and_each_calls_files_are_kept(tmp_p
 def test_a_missing_or_damaged_part_stops_in_one_line(tmp_path: Path) -> None:
     repo = _checkout(tmp_path)
     go1, go2 = _calls(tmp_path, random.Random(1).randbytes(12 * PART - 5))
-    (go2 / "model.safetensors.part11").unlink()  # the last call did not come back whole
+    (go2 / "model.safetensors.part11").unlink()  # the last folder did not come back whole
     out = _after(repo, str(repo / "r"), f"go1={go1}", f"go2={go2}")
     assert out.returncode == 1
     errors = [line for line in out.stdout.splitlines() if "error" in line]
@@ -88,7 +87,7 @@ def test_a_missing_or_damaged_part_stops_in_one_line(tmp_path: Path) -> None:
     part.write_bytes(b"\0" + part.read_bytes()[1:])
     assert _after(repo, str(repo / "r"), f"go1={go1}", f"go2={go2}").returncode == 1
 
-    bare = tmp_path / "files" / "bare"  # config and checksum, no part at all (go 540 ended before the export)
+    bare = tmp_path / "files" / "bare"  # config and checksum, no part at all
     bare.mkdir()
     for name in ("sha256", "config.json"):
         shutil.copy(go1 / name, bare)
@@ -96,4 +95,4 @@ def test_a_missing_or_damaged_part_stops_in_one_line(tmp_path: Path) -> None:
 
     no_dir = _after(repo, str(repo / "r"), f"go1={tmp_path / 'nowhere'}")
     assert no_dir.returncode == 2 and "no folder" in no_dir.stdout
-    assert _after(repo, str(repo / "r"), "go1").returncode == 2  # not CALL=DIR
+    assert _after(repo, str(repo / "r"), "go1").returncode == 2  # not NAME=DIR

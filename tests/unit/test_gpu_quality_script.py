@@ -1,8 +1,7 @@
-"""`experiments/gpu_quality.sh carry`: each device call's carry plus the working tree the device tool copies with it,
-against the 64 MiB a call may carry (docs/results/gpu-runs.md); `pack-gguf` / `unpack-gguf`: the target's GGUF
-xz-packed and cut between the two calls that carry it, and rebuilt and checked there. Run on a scratch git checkout
-holding the script and sparse files of chosen sizes, so an over-size carry is caught here and not by a refused call on
-a lent GPU."""
+"""`experiments/gpu_quality.sh`: `pack-gguf` / `unpack-gguf`, the target's GGUF xz-packed into parts no larger than
+PART_MIB and rebuilt and checked on the GPU machine; `go` after a finished run, the export split into parts no larger
+than PART_MIB in the results folder with its checksum, config and logs. Run on a scratch checkout holding the script,
+so that a part over the limit or a damaged copy is caught here, before a GPU run."""
 
 from __future__ import annotations
 
@@ -21,15 +20,7 @@ def _checkout(tmp_path: Path) -> Path:
     repo = tmp_path / "repo"
     (repo / "experiments").mkdir(parents=True)
     shutil.copy(ROOT / "experiments" / "gpu_quality.sh", repo / "experiments")
-    (repo / ".gitignore").write_text(".gpu/\n.whl/\n.whl-speculators/\n")
-    subprocess.run(["git", "init", "-q", str(repo)], check=True)
     return repo
-
-
-def _sized(path: Path, mib: float) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        os.truncate(f.fileno(), int(mib * MIB))  # sparse: sizes without the bytes
 
 
 def _script(repo: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -39,72 +30,76 @@ def _script(repo: Path, *args: str, env: dict[str, str] | None = None) -> subpro
         capture_output=True,
         text=True,
         timeout=120,
-        env=None if env is None else {**os.environ, **env},
+        env={**os.environ, **(env or {})},
     )
 
 
-def _carry(repo: Path) -> subprocess.CompletedProcess[str]:
-    return _script(repo, "carry")
-
-
-def _tree_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def test_a_carry_within_64_mib_passes_and_one_over_it_fails(tmp_path: Path) -> None:
+def test_the_packed_gguf_is_cut_into_parts_under_the_limit_and_rebuilds_to_its_checksum(
+    tmp_path: Path,
+) -> None:
     repo = _checkout(tmp_path)
-    _sized(repo / ".gpu/a/gguf.xz.part0", 44)
-    _sized(repo / ".whl/wheels.whl", 15)
-    _sized(repo / ".gpu/b/gguf.xz.part1", 58)
-    _sized(repo / ".whl-speculators/s.whl", 23)
-    ok = _carry(repo)
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-    for call in ("stage-a", "go", "gpu_profile.sh"):
-        assert f"{call} carries" in ok.stdout
-    assert "over 64 MiB" not in ok.stdout
-
-    # 5.5 MiB more of files in the working tree (untracked, not ignored: the device tool copies them too) put
-    # stage-a's 59 MiB of carry over the limit, and only stage-a's: go's 58 MiB stay under it
-    _sized(repo / "bench/results/raw.jsonl", 5.5)
-    over = _carry(repo)
-    assert over.returncode == 1
-    assert "stage-a's carry is over 64 MiB" in over.stdout
-    assert "go's carry" not in over.stdout and "gpu_profile.sh's carry" not in over.stdout
-
-
-def test_the_packed_gguf_is_cut_to_equal_carries_and_rebuilds_to_its_checksum(tmp_path: Path) -> None:
-    repo = _checkout(tmp_path)
-    # a stand-in for the GGUF: half random bytes, half repeated text (xz shrinks only the second)
+    # a stand-in for the GGUF: random bytes (xz cannot shrink them) and repeated text (it can)
     rng = random.Random(0)
     gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(rng.randbytes(1_500_000) + b"tokenizer.ggml.tokens " * 70_000)
-    _sized(repo / ".whl/wheels.whl", 1.0)
-    _sized(repo / ".gpu/b/prompts.jsonl.xz", 0.25)
-    (repo / ".gpu/a").mkdir(parents=True)
-    (repo / ".gpu/a/gguf.part0").write_bytes(b"stale")  # an older layout's part: replaced, not carried twice
+    gguf.write_bytes(rng.randbytes(2_500_000) + b"tokenizer.ggml.tokens " * 70_000)
+    (repo / ".gpu").mkdir()
+    (repo / ".gpu/gguf.xz.part9").write_bytes(b"stale")  # an older pack's part: replaced, not joined
+    (repo / ".gpu/prompts.jsonl.xz").write_bytes(b"kept")  # the data beside it stays
 
-    packed = _script(repo, "pack-gguf", str(gguf))
+    packed = _script(repo, "pack-gguf", str(gguf), env={"PART_MIB": "1"})
     assert packed.returncode == 0, packed.stdout + packed.stderr
-    assert sorted(p.name for p in (repo / ".gpu/a").iterdir()) == ["gguf.sha256", "gguf.xz.part0"]
-    part0, part1 = repo / ".gpu/a/gguf.xz.part0", repo / ".gpu/b/gguf.xz.part1"
-    assert part0.stat().st_size + part1.stat().st_size < gguf.stat().st_size * 0.6
-    stage_a = _tree_bytes(repo / ".gpu/a") + _tree_bytes(repo / ".whl")
-    go = _tree_bytes(repo / ".gpu/b")
-    # equal but for the checksum file and the directories' entries
-    assert abs(stage_a - go) < 16 << 10, (stage_a, go)
+    parts = sorted((repo / ".gpu").glob("gguf.xz.part*"))
+    assert [p.name for p in parts] == ["gguf.xz.part000", "gguf.xz.part001", "gguf.xz.part002"]
+    assert all(p.stat().st_size <= MIB for p in parts)
+    assert sum(p.stat().st_size for p in parts) < gguf.stat().st_size
+    assert (repo / ".gpu/prompts.jsonl.xz").read_bytes() == b"kept"
 
-    # there: stage-a's and go's copies land in one work directory, the GGUF is rebuilt from them and checked
+    # on the GPU machine: stage-a's copy of .gpu/ lands in the work directory; the GGUF is rebuilt and checked
     work = tmp_path / "work"
     work.mkdir()
-    for part in (*(repo / ".gpu/a").iterdir(), part1):
-        shutil.copy(part, work)
+    for f in (repo / ".gpu").iterdir():
+        shutil.copy(f, work)
     rebuilt = _script(repo, "unpack-gguf", env={"WORK": str(work)})
     assert rebuilt.returncode == 0, rebuilt.stdout + rebuilt.stderr
-    digest = hashlib.sha256((work / "model.gguf").read_bytes()).hexdigest()
-    assert digest == hashlib.sha256(gguf.read_bytes()).hexdigest()
+    assert (
+        hashlib.sha256((work / "model.gguf").read_bytes()).digest()
+        == hashlib.sha256(gguf.read_bytes()).digest()
+    )
 
     # a part that lost its last byte on the way is refused in one line, before any stage uses the model
-    (work / "gguf.xz.part1").write_bytes(part1.read_bytes()[:-1])
+    last = work / "gguf.xz.part002"
+    last.write_bytes(last.read_bytes()[:-1])
     damaged = _script(repo, "unpack-gguf", env={"WORK": str(work)})
     assert damaged.returncode == 1
     assert "GGUF damaged" in damaged.stdout
+
+
+def test_go_after_the_run_puts_the_export_in_parts_under_the_limit_into_the_results(tmp_path: Path) -> None:
+    repo = _checkout(tmp_path)
+    work, out = tmp_path / "work", tmp_path / "out"
+    export = work / "run" / "export"
+    export.mkdir(parents=True)
+    weights = random.Random(1).randbytes(2 * MIB + 12345)
+    (export / "model.safetensors").write_bytes(weights)
+    (export / "config.json").write_text("{}\n")
+    (export / ".peagle-export.json").write_text("{}\n")
+    (work / "run" / "train.yaml").write_text("depths: 4\n")
+    (work / "log").write_text("[gpu-quality 06:25:31] model\n[gpu-quality 06:32:48] done\n")
+    (work / "times.txt").write_text("start 1\ntrained 2\n")
+
+    done = _script(repo, "go", "1", env={"WORK": str(work), "OUT": str(out), "PART_MIB": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    parts = sorted(out.glob("model.safetensors.part*"))
+    assert len(parts) == 3 and all(p.stat().st_size <= MIB for p in parts)
+    assert b"".join(p.read_bytes() for p in parts) == weights
+    digest = (out / "sha256").read_text().split()[0]
+    assert digest == hashlib.sha256(weights).hexdigest()
+    assert (out / "config.json").is_file() and (out / ".peagle-export.json").is_file()
+    assert (out / "train.yaml").is_file() and "done" in (out / "logs.txt").read_text()
+
+    # a run that ended without an export says so in one line and fails
+    (export / "model.safetensors").unlink()
+    missing = _script(repo, "go", "1", env={"WORK": str(work), "OUT": str(out)})
+    assert missing.returncode == 1
+    errors = [line for line in missing.stdout.splitlines() if "error" in line]
+    assert len(errors) == 1 and "no export" in errors[0], missing.stdout
