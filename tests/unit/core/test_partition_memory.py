@@ -103,7 +103,7 @@ def test_segment_context_costs_few_bytes_per_element(own, bound):
 
 
 def test_kl_chunk_holds_one_logits_buffer():
-    # [512, 32768] fp32 logits are 64 MiB; log-softmax in place keeps one such buffer (the old out-of-place
+    # [512, 32768] fp32 logits are 2**26 bytes; log-softmax in place keeps one such buffer (the old out-of-place
     # log-softmax held two).
     r = _run(_KL)
     assert r["peak"] < 1.5 * r["buffer"], r["peak"] / r["buffer"]
