@@ -234,6 +234,7 @@ def train(
     depths: Annotated[int | None, _opt(TrainConfig, "depths")] = None,
     draft_vocab_size: Annotated[int | None, _opt(TrainConfig, "draft_vocab_size")] = None,
     tokens_per_step: Annotated[int | None, _opt(TrainConfig, "tokens_per_step")] = None,
+    grad_accum: Annotated[int | None, _opt(TrainConfig, "grad_accum")] = None,
     epochs: Annotated[int | None, _opt(TrainConfig, "epochs")] = None,
     steps: Annotated[int | None, _opt(TrainConfig, "steps")] = None,
     lr: Annotated[float | None, _opt(TrainConfig, "lr")] = None,

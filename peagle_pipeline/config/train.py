@@ -42,6 +42,11 @@ class TrainConfig:
     tokens_per_step: int = setting(
         8192, "Packing budget: shifted tokens per packed row (per rank and micro-step)."
     )
+    grad_accum: int = setting(
+        1,
+        "Gradient accumulation: packed rows per rank per optimizer step. Global batch = tokens_per_step x ranks x "
+        "grad_accum tokens: one process with grad_accum N takes the steps of N ranks.",
+    )
     epochs: int = setting(1, "Passes over the training split (ignored when steps is set).")
     steps: int | None = setting(None, "Optimizer steps to run (overrides epochs).")
     lr: float = setting(6e-4, "Peak learning rate (AdamW).")
@@ -139,6 +144,7 @@ class TrainConfig:
             "draft_layers",
             "draft_vocab_size",
             "tokens_per_step",
+            "grad_accum",
             "epochs",
             "sequence_partitions",
             "eval_every",

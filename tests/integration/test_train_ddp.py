@@ -1,5 +1,5 @@
 """Data parallel on CPU: `torchrun --nproc-per-node 2` (gloo) with one packed row per rank per step gives the same
-weights and losses as one process that accumulates the same two rows per step (fp32).
+weights and losses as one process that accumulates the same two rows per step (`train --grad-accum 2`, fp32).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from peagle_pipeline.cli import main
 from peagle_pipeline.config import TrainConfig, resolve
 from peagle_pipeline.stages.train import draft, metrics
-from peagle_pipeline.stages.train import stage as train
 
 pytestmark = pytest.mark.slow
 
@@ -46,11 +46,10 @@ def _cli_flags() -> list[str]:
     return out
 
 
-def test_two_ranks_equal_one_process_with_two_micro_steps(tiny_cache: Path, tmp_path: Path) -> None:
+def test_two_ranks_equal_one_process_with_grad_accum_2(tiny_cache: Path, tmp_path: Path) -> None:
     single = tmp_path / "single"
-    train.run(
-        resolve(TrainConfig, None, {"cache": str(tiny_cache), "output": str(single), **FLAGS}), micro_steps=2
-    )
+    argv = ["train", "--cache", str(tiny_cache), "--output", str(single), *_cli_flags(), "--grad-accum", "2"]
+    assert main(argv) == 0  # one process, the command line's gradient accumulation
 
     ddp = tmp_path / "ddp"
     env = dict(os.environ, OMP_NUM_THREADS="1")

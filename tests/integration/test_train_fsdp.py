@@ -1,6 +1,7 @@
 """Fully sharded data parallel on CPU: `torchrun --nproc-per-node 2 ... train --fsdp` (gloo, torch FSDP2) gives the
-losses and weights of one process that accumulates the same two rows per step (fp32, 1e-5), each rank holds about
-half of the optimizer state, and a run killed with SIGKILL after a checkpoint resumes to the same weights.
+losses and weights of one process that accumulates the same two rows per step (`train --grad-accum 2`; fp32, 1e-5),
+each rank holds about half of the optimizer state, and a run killed with SIGKILL after a checkpoint resumes to the
+same weights.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ import torch
 from cli_argv import descendants
 from safetensors.torch import load_file
 
-from peagle_pipeline.config import TrainConfig, resolve
+from peagle_pipeline.cli import main
 from peagle_pipeline.stages.train import metrics
-from peagle_pipeline.stages.train import stage as train
 from peagle_pipeline.stages.train.checkpoint import CheckpointManager
 
 pytestmark = pytest.mark.slow
@@ -71,9 +71,8 @@ def _torchrun(cache: Path, run: Path, ckpt_sleep: str = "0", **extra: object) ->
 
 def test_fsdp_two_ranks_equal_one_process_and_resume_after_kill(tiny_cache: Path, tmp_path: Path) -> None:
     single = tmp_path / "single"
-    train.run(
-        resolve(TrainConfig, None, {"cache": str(tiny_cache), "output": str(single), **FLAGS}), micro_steps=2
-    )
+    argv = ["train", "--cache", str(tiny_cache), "--output", str(single), *_cli_flags({"grad_accum": 2})]
+    assert main(argv) == 0  # one process, the command line's gradient accumulation
 
     run = tmp_path / "fsdp"
     proc = _torchrun(

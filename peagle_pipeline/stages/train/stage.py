@@ -28,6 +28,7 @@ from peagle_pipeline.stages.train.rundir import (
     EXPORT_DIR,
     LOCK_FILE,
     check_output_path,
+    global_batch_tokens,
     prepare_output,
     write_run_files,
 )
@@ -41,8 +42,8 @@ log = logging.getLogger(__name__)
 STOP_NOTICE = "stopping after this step and saving a checkpoint (a second Ctrl-C or SIGTERM stops at once)"
 
 
-def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
-    """Train (or resume) a run; returns the final held-out metrics. `micro_steps` = packed rows per rank per step.
+def run(cfg: TrainConfig) -> dict[str, Any]:
+    """Train (or resume) a run; returns the final held-out metrics.
 
     Order: lock the run folder, check it, build every component (cache, draft, data plan: all the checks), and
     only then write train.yaml/run.json/draft.json, so a start that fails leaves nothing that blocks a retry.
@@ -61,17 +62,17 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
         if dist.main:
             lock, created, lock_created = _lock_run(cfg)
         dist.barrier()
-        resumed = prepare_output(cfg, dist.world, micro_steps)  # every rank checks before anyone writes
+        resumed = prepare_output(cfg, dist.world)  # every rank checks before anyone writes
         if cfg.export and resumed:  # refuse an export folder holding the user's files now, not after training
             check_export_target(Path(cfg.output) / EXPORT_DIR, run_identity(cfg.output), own=True)
-        trainer = Trainer(cfg, dist, micro_steps)
+        trainer = Trainer(cfg, dist)
         if resumed and trainer.restore():
             _check_extension(cfg, trainer)
         dist.barrier()
         if dist.main:
             if lock is not None:
                 lock.write_pid()
-            write_run_files(cfg, dist.world, micro_steps, resumed, trainer.total_steps)
+            write_run_files(cfg, dist.world, resumed, trainer.total_steps)
             trainer.spec.save(cfg.output)
         started = True
         if dist.main:
@@ -140,8 +141,11 @@ def _check_extension(cfg: TrainConfig, trainer: Trainer) -> None:
 
 def _start_notes(cfg: TrainConfig, trainer: Trainer) -> list[str]:
     """Lines for the user at the start: resume point and schedule, what the data split left out."""
-    notes = []
-    split, held = trainer.split, trainer.eval_set
+    split, held, world = trainer.split, trainer.eval_set, trainer.dist.world
+    notes = [
+        f"global batch: {global_batch_tokens(cfg, world)} tokens per optimizer step (tokens_per_step "
+        f"{cfg.tokens_per_step} x {world} rank(s) x grad_accum {cfg.grad_accum})"
+    ]
     if trainer.step:
         notes.append(f"resumed {cfg.output} at step {trainer.step} of {trainer.total_steps}")
     if trainer.step and trainer.saved_total not in (None, trainer.total_steps):
