@@ -273,6 +273,7 @@ def train(
     skip_corrupt: Annotated[bool | None, _opt(TrainConfig, "skip_corrupt")] = None,
     max_bad_steps: Annotated[int | None, _opt(TrainConfig, "max_bad_steps")] = None,
     log_every: Annotated[int | None, _opt(TrainConfig, "log_every")] = None,
+    report_to: Annotated[str | None, _opt(TrainConfig, "report_to")] = None,
     export: Annotated[bool | None, _opt(TrainConfig, "export")] = None,
 ) -> None:
     """Train a P-EAGLE draft from a cache (never loads the target model)."""

@@ -57,6 +57,7 @@ RESUME_FREE = frozenset(
         "output",
         "num_workers",
         "log_every",
+        "report_to",
         "export",
         "device",
         "fsdp",  # checkpoints have the same form with and without it

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from peagle_pipeline.config import TrainConfig
+from peagle_pipeline.config import TrainConfig, to_dict
 from peagle_pipeline.errors import BadInput, ResumeMismatch
 from peagle_pipeline.hardware import describe_compute_dtype, usable_cpus
 from peagle_pipeline.preemption import StopRequest, stop_error
@@ -32,6 +32,7 @@ from peagle_pipeline.stages.train.rundir import (
     prepare_output,
     write_run_files,
 )
+from peagle_pipeline.stages.train.trackers import TrackerRun, check_installed, open_trackers
 from peagle_pipeline.stages.train.trainer import Trainer
 
 __all__ = ["run", "Trainer"]
@@ -76,9 +77,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             trainer.spec.save(cfg.output)
         started = True
         if dist.main:
-            sink = trainer.sink = metrics_mod.RunSink(
-                cfg.output, trainer.total_steps, start_step=trainer.step
-            )
+            sink = trainer.sink = _open_sink(cfg, trainer)
             _write_start_notes(cfg, trainer, dist, sink)
         with StopRequest(STOP_NOTICE) as stop:  # Ctrl-C/SIGTERM from here on: finish the step, save, stop
             final = trainer.fit(should_stop=lambda: stop.signum)
@@ -108,6 +107,7 @@ def _lock_run(cfg: TrainConfig) -> tuple[RankLock, bool, bool]:
     made by this start)."""
     out = Path(cfg.output)
     check_output_path(cfg.output)
+    check_installed(cfg.trackers())  # a tracker asked for but not installed: one line, nothing written
     created, lock_created = not out.exists(), not (out / LOCK_FILE).exists()
     lock = RankLock(
         out / LOCK_FILE,
@@ -115,6 +115,23 @@ def _lock_run(cfg: TrainConfig) -> tuple[RankLock, bool, bool]:
         "wait for it or stop it, or choose another --output",
     ).acquire(write_pid=False)  # a start refused by the checks below leaves the folder as it was
     return lock, created, lock_created
+
+
+def _open_sink(cfg: TrainConfig, trainer: Trainer) -> metrics_mod.RunSink:
+    """The run's metrics sink (rank 0): metrics.jsonl, progress and the experiment trackers, which are told the
+    resolved settings and the run's shape."""
+    world = trainer.dist.world
+    settings = {
+        "train": to_dict(cfg),
+        "run": {
+            "world_size": world,
+            "global_batch_tokens": global_batch_tokens(cfg, world),
+            "total_steps": trainer.total_steps,
+        },
+    }
+    run = TrackerRun(Path(cfg.output), trainer.step, settings, resumed=cfg.resume)
+    trackers = open_trackers(cfg.trackers(), run)
+    return metrics_mod.RunSink(cfg.output, trainer.total_steps, start_step=trainer.step, trackers=trackers)
 
 
 def _write_start_notes(cfg: TrainConfig, trainer: Trainer, dist: Dist, sink: metrics_mod.RunSink) -> None:
@@ -193,7 +210,7 @@ def _start_notes(cfg: TrainConfig, trainer: Trainer) -> list[str]:
 def _finish(cfg: TrainConfig, final: dict[str, Any], sink: Any) -> None:
     """Plots, the export and the held-out summary at the end of a run (rank 0)."""
     with contextlib.suppress(BadInput):
-        metrics_mod.plot(cfg.output)
+        sink.add_plots(metrics_mod.plot(cfg.output))
     if cfg.export:
         sink.write(f"exported draft to {export_run(cfg.output, Path(cfg.output) / EXPORT_DIR, 'best')}")
     if final:
