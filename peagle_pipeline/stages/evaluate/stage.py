@@ -6,8 +6,8 @@ memory), all with the same settings and the same prompts. Per draft and prompt s
 without the draft and the speedup, at temperature T (default 0) with concurrency 1 for AL (or
 `--acceptance-concurrency`); tokens/s also at every `--concurrency`. At T = 0 the speculative output is compared
 with the plain output. The trainer's estimated AL (from the run's metrics.jsonl, at the exported checkpoint's step)
-is reported beside vLLM's. Writes DIR/report.json and DIR/acceptance.png when asked. Never trains and never writes
-a cache.
+is reported beside vLLM's. Writes DIR/report.json and DIR/acceptance.png when asked, and each draft's table into
+its export's model card (README.md, `stages.evaluate.card_table`). Never trains and never writes a cache.
 """
 
 from __future__ import annotations
@@ -344,6 +344,7 @@ def _write_outputs(report: dict[str, Any], output: Path, say: Callable[[str], No
 def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any]:
     from peagle_pipeline.backends.vllm import EngineSettings, require_vllm
     from peagle_pipeline.model_dir import load_tokenizer, read_target_info, text_config
+    from peagle_pipeline.stages.evaluate.card_table import refresh_cards
     from peagle_pipeline.stages.evaluate.report import format_table
 
     say = echo or log.info
@@ -392,6 +393,7 @@ def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any
         wall_seconds=time.perf_counter() - t_start,
     )
     say(format_table(report))
+    refresh_cards(report, {d.name: d.path for d in drafts}, say)  # each export's model card, where it has one
     if output is not None:
         _write_outputs(report, output, say)
     return report

@@ -264,3 +264,13 @@ def test_dtype_is_auto_by_default_and_checked() -> None:
     assert engine_dtype("fp32", "t") == "fp32" and engine_dtype("bf16", "t") == "bf16"  # given: used as it is
     with pytest.raises(BadInput, match="--dtype must be auto, bf16 or fp32"):
         EvalOptions(drafts=["d"], dtype="fp16")  # type: ignore[arg-type]
+
+
+def test_measured_table_of_a_card() -> None:
+    from peagle_pipeline.stages.evaluate.card_table import measured_section
+
+    text = measured_section(_report(), "a")
+    assert "| p | 2 | 2 | 1.750 | 0.50 0.25 | 1.600 | yes |" in text  # AL, per position, estimate, = plain
+    assert "| p | 1 | 3.0 | 6.0 | 2.00x |" in text and "| p | 4 | 6.0 | 12.0 | 2.00x |" in text
+    assert "on CPU X, 2 cores (vLLM" in text and "bf16, T=0, at most 4 new tokens" in text
+    assert "| no |" in measured_section(_report(), "b") and "| - | - |" in measured_section(_report(), "b")
