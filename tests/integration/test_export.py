@@ -398,8 +398,7 @@ def test_export_writes_a_model_card(run_dir: Path, tiny_cache: Path, tmp_path: P
 
 
 def test_card_names_the_hub_model_and_its_license(tmp_path: Path) -> None:
-    from peagle_pipeline.stages.export.card import hub_id
-    from peagle_pipeline.stages.export.card_facts import target_license
+    from peagle_pipeline.stages.export.card_facts import hub_id, target_license
 
     assert hub_id("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"
     snapshot = "/data/hub/models--meta-llama--Llama-3.1-8B-Instruct/snapshots/0e9e39f/"

@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 from peagle_pipeline.runtime import atomic_write_text
+from peagle_pipeline.stages.export.card_facts import gather
 
 __all__ = [
     "CARD_FILE",
     "MEASURED_BEGIN",
     "MEASURED_END",
     "card_text",
-    "hub_id",
+    "is_generated",
     "refresh_measured",
     "write_card",
 ]
@@ -36,27 +36,11 @@ GENERATED = (
 )
 MEASURED_BEGIN = "<!-- measured by peagle-pipeline evaluate: begin -->"
 MEASURED_END = "<!-- measured by peagle-pipeline evaluate: end -->"
-DEFAULT_METHOD = (
-    "p-eagle"  # train.yaml without a `method` key: the only method of runs from before it existed
-)
 # method -> (its name, what it does, whether vLLM runs it with parallel drafting)
 _METHODS = {
     "p-eagle": ("P-EAGLE", "parallel-drafting EAGLE-3: it drafts all K tokens in one forward pass", True),
     "eagle3": ("EAGLE-3", "it drafts one token per forward pass, K passes per verification", False),
 }
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_HF_CACHE_DIR = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/")
-
-
-def hub_id(name_or_path: str) -> str | None:
-    """The model hub id a target name stands for: `org/name` itself (not an existing local path), or the repo of a
-    hub cache snapshot folder (`.../models--org--name/snapshots/REV`); None for another local folder."""
-    found = _HF_CACHE_DIR.search(name_or_path)
-    if found:
-        return f"{found.group(1)}/{found.group(2)}"
-    if _HUB_ID.match(name_or_path) and not os.path.exists(name_or_path):
-        return name_or_path
-    return None
 
 
 def write_card(export_dir: str | os.PathLike[str], run_dir: str | os.PathLike[str]) -> Path:
@@ -95,8 +79,6 @@ def refresh_measured(export_dir: str | os.PathLike[str], section: str) -> bool:
 
 def card_text(export_dir: str | os.PathLike[str], run_dir: str | os.PathLike[str]) -> str:
     """The card of an export written from `run_dir` (see the module docstring)."""
-    from peagle_pipeline.stages.export.card_facts import gather
-
     facts = gather(Path(export_dir), Path(run_dir))
     name, what, _ = _METHODS.get(facts.method, (facts.method, "", False))
     target = (

@@ -8,14 +8,31 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peagle_pipeline.stages.export.card import DEFAULT_METHOD, hub_id
 from peagle_pipeline.stages.export.draft_spec import DraftSpec
 
-__all__ = ["CacheFacts", "CardFacts", "gather", "target_license"]
+__all__ = ["DEFAULT_METHOD", "CacheFacts", "CardFacts", "gather", "hub_id", "target_license"]
+
+DEFAULT_METHOD = (
+    "p-eagle"  # train.yaml without a `method` key: the only method of runs from before it existed
+)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_HF_CACHE_DIR = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/")
+
+
+def hub_id(name_or_path: str) -> str | None:
+    """The model hub id a target name stands for: `org/name` itself (not an existing local path), or the repo of a
+    hub cache snapshot folder (`.../models--org--name/snapshots/REV`); None for another local folder."""
+    found = _HF_CACHE_DIR.search(name_or_path)
+    if found:
+        return f"{found.group(1)}/{found.group(2)}"
+    if _HUB_ID.match(name_or_path) and not os.path.exists(name_or_path):
+        return name_or_path
+    return None
 
 
 @dataclass(frozen=True)
