@@ -130,7 +130,9 @@ def test_wandb_mlflow_tensorboard_runs_read_back_and_resume_continues_them(
 
     events = EventAccumulator(str(out / "tb"), size_guidance={"images": 0, "scalars": 0}).Reload()
     assert {e.step: e.value for e in events.Scalars("train/loss")} == pytest.approx(losses, rel=1e-6)
-    assert "plots/loss" in events.Tags()["images"] and events.Tags()["tensors"]  # the plots; the settings text
+    assert (
+        "plots/loss" in events.Tags()["images"] and events.Tags()["tensors"]
+    )  # the plots; the settings text
 
 
 @pytest.mark.parametrize("missing", ["wandb", "mlflow"])
@@ -154,3 +156,18 @@ def test_report_to_none_and_an_unknown_tracker(tiny_cache: Path, tmp_path: Path,
     out = tmp_path / "quiet"
     assert train(tiny_cache, out, "--steps", "1", "--report-to", "none") == 0
     assert metrics.read_metrics(out) and not (out / "tb").exists() and not (out / "trackers.json").exists()
+
+
+def test_a_tracker_that_does_not_start_is_one_line(
+    tiny_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """An MLflow server that does not answer (a closed port): one line naming the tracker and the setting, exit 2;
+    the run never trained, so the same command starts it again once the tracker is fixed."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    out = tmp_path / "run"
+    assert train(tiny_cache, out, "--steps", "1", "--report-to", "mlflow") == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: --report-to mlflow: it did not start (")
+    assert "check MLFLOW_TRACKING_URI" in errors[0]
+    assert train(tiny_cache, out, "--steps", "1", "--report-to", "none") == 0

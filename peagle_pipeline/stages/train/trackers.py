@@ -90,7 +90,13 @@ def open_trackers(names: Sequence[str], run: TrackerRun) -> list[Tracker]:
     opened: list[Tracker] = []
     try:
         for name in names:
-            opened.append(_OPEN[name](run, ids))
+            try:
+                opened.append(_OPEN[name](run, ids))
+            except (
+                Exception
+            ) as err:  # the tracker's own start failed: no login, a server that does not answer
+                why = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+                raise BadInput(f"--report-to {name}: it did not start ({why}); {_FIX[name]}") from None
     except BaseException:
         for tracker in opened:
             tracker.close()
@@ -226,4 +232,9 @@ def _param(key: str, value: Any) -> Any:
 
 
 _OPEN: dict[str, Any] = {"tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _Mlflow}
-assert tuple(_OPEN) == tuple(INSTALL) == TRACKERS  # one sink per name that report_to accepts
+_FIX = {
+    "tensorboard": "check that RUN/tb can be written",
+    "wandb": "run `wandb login`, or set WANDB_MODE=offline and `wandb sync` later",
+    "mlflow": "check MLFLOW_TRACKING_URI (unset: the run's own store in RUN/mlruns)",
+}
+assert tuple(_OPEN) == tuple(INSTALL) == tuple(_FIX) == TRACKERS  # one sink per name that report_to accepts
