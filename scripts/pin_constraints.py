@@ -66,7 +66,9 @@ def render(pins: dict[str, str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--extras", default="dev,test-s3,test-trackers", help="comma-separated extras of the package to include"
+        "--extras",
+        default="dev,test-s3,test-trackers",
+        help="comma-separated extras of the package to include",
     )
     ap.add_argument("--out", default=str(ROOT / "constraints" / "cpu.txt"))
     ap.add_argument("--check", action="store_true")

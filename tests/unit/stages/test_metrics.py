@@ -24,7 +24,9 @@ def _records(sink, steps) -> None:
 
 
 def test_jsonl_tensorboard_and_resume_truncation(tmp_path) -> None:
-    tb = trackers.open_trackers(["tensorboard"], trackers.TrackerRun(tmp_path, 0, {"train": {}}, resumed=False))
+    tb = trackers.open_trackers(
+        ["tensorboard"], trackers.TrackerRun(tmp_path, 0, {"train": {}}, resumed=False)
+    )
     sink = metrics.RunSink(tmp_path, total_steps=6, progress_bar=False, trackers=tb)
     _records(sink, range(1, 7))
     sink.close()
