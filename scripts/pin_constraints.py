@@ -1,8 +1,10 @@
-"""Write constraints/cpu.txt: the exact versions this environment holds of everything `pip install -e ".[dev,test-s3,test-trackers]"`
-pulls in (the closure of pyproject's requirements, markers evaluated here). `make setup` installs with
-`-c constraints/cpu.txt`, so `make test` stays reproducible while pyproject.toml declares ranges.
+"""Write constraints/cpu.txt: the exact versions this environment holds of everything
+`pip install -e ".[dev,test-s3,test-trackers]"` pulls in (the closure of pyproject's requirements, markers evaluated
+here). `make setup` installs with `-c constraints/cpu.txt`, so `make test` stays reproducible while pyproject.toml
+declares ranges.
 
-    .venv/bin/python scripts/pin_constraints.py [--extras dev,test-s3,test-trackers] [--out constraints/cpu.txt] [--check]
+    .venv/bin/python scripts/pin_constraints.py [--extras dev,test-s3,test-trackers] [--out constraints/cpu.txt]
+        [--check]
 
 --check exits 1 when the file differs from what this environment would write (run it after changing
 dependencies or upgrading the venv on purpose).
