@@ -397,8 +397,9 @@ def test_export_writes_a_model_card(run_dir: Path, tiny_cache: Path, tmp_path: P
     assert not card.refresh_measured(out, "| x |") and (out / "README.md").read_text() == "my own notes\n"
 
 
-def test_card_names_the_hub_model_and_its_license(tmp_path: Path) -> None:
-    from peagle_pipeline.stages.export.card_facts import hub_id, target_license
+def test_card_names_the_hub_model_its_license_and_on_policy_data(tmp_path: Path) -> None:
+    from peagle_pipeline.data.onpolicy_files import META_FILE as GENERATED
+    from peagle_pipeline.stages.export.card_facts import hub_id, on_policy, target_license
 
     assert hub_id("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"
     snapshot = "/data/hub/models--meta-llama--Llama-3.1-8B-Instruct/snapshots/0e9e39f/"
@@ -411,3 +412,9 @@ def test_card_names_the_hub_model_and_its_license(tmp_path: Path) -> None:
     )
     assert target_license(str(target), None, None) == {"license": "other", "license_name": "llama3.1"}
     assert target_license(str(tmp_path / "none"), None, None) == {}
+    replies, chats = tmp_path / "onpolicy", tmp_path / "chats.jsonl"
+    replies.mkdir()
+    (replies / GENERATED).write_text("{}")
+    chats.write_text("{}\n")
+    assert on_policy([str(replies)]) is True and on_policy([str(chats)]) is False
+    assert on_policy([str(tmp_path / "moved-away.jsonl")]) is None  # not where the cache recorded it: unknown

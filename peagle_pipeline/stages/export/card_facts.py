@@ -15,7 +15,7 @@ from typing import Any
 
 from peagle_pipeline.stages.export.draft_spec import DraftSpec
 
-__all__ = ["DEFAULT_METHOD", "CacheFacts", "CardFacts", "gather", "hub_id", "target_license"]
+__all__ = ["DEFAULT_METHOD", "CacheFacts", "CardFacts", "gather", "hub_id", "on_policy", "target_license"]
 
 DEFAULT_METHOD = (
     "p-eagle"  # train.yaml without a `method` key: the only method of runs from before it existed
@@ -176,7 +176,7 @@ def _caches(train: dict[str, Any], run: dict[str, Any]) -> list[CacheFacts]:
                 tokens=int(samples["length"].sum()),
                 supervised=int(samples["num_supervised"].sum()),
                 sources=[(_source_name(str(s)), int(n)) for s, n in counts.items()],
-                on_policy=_on_policy([str(s) for s in counts.index]),
+                on_policy=on_policy([str(s) for s in counts.index]),
                 template_kwargs=dict(cache.meta.chat_template_kwargs or {}),
             )
         )
@@ -188,7 +188,7 @@ def _source_name(source: str) -> str:
     return Path(source).name if os.path.isabs(source) else source
 
 
-def _on_policy(sources: list[str]) -> bool | None:
+def on_policy(sources: list[str]) -> bool | None:
     """True when a source is the output of `generate` (the target's own replies); None when none can be found."""
     from peagle_pipeline.data.onpolicy_files import META_FILE
 
