@@ -120,6 +120,7 @@ def test_resume_follows_a_moved_cache_and_refuses_another(
 # -------------------------------------------------------------------- item 10: harmless changes, extending
 def test_resume_allows_changes_that_keep_the_result(run_copy: Path, tiny_cache: Path, capsys) -> None:
     argv = ["--device", "cpu", "--keep-checkpoints", "3", "--save-every", "1", "--eval-every", "1"]
+    argv += ["--report-to", "none"]  # where the metrics go is not the weights either
     assert train(tiny_cache, run_copy, "--resume", *argv) == 0
     assert train(tiny_cache, run_copy, "--resume", "--lr", "1e-3") == 5  # this one changes the result
     assert "lr (0.002 -> 0.001)" in error_line(capsys)

@@ -57,7 +57,7 @@ RESUME_FREE = frozenset(
         "output",
         "num_workers",
         "log_every",
-        "report_to",
+        "report_to",  # where the metrics go
         "export",
         "device",
         "fsdp",  # checkpoints have the same form with and without it
