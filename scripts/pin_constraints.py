@@ -1,8 +1,10 @@
-"""Write constraints/cpu.txt: the exact versions this environment holds of everything `pip install -e ".[dev,test-s3]"`
-pulls in (the closure of pyproject's requirements, markers evaluated here). `make setup` installs with
-`-c constraints/cpu.txt`, so `make test` stays reproducible while pyproject.toml declares ranges.
+"""Write constraints/cpu.txt: the exact versions this environment holds of everything
+`pip install -e ".[dev,test-s3,test-trackers]"` pulls in (the closure of pyproject's requirements, markers evaluated
+here). `make setup` installs with `-c constraints/cpu.txt`, so `make test` stays reproducible while pyproject.toml
+declares ranges.
 
-    .venv/bin/python scripts/pin_constraints.py [--extras dev,test-s3] [--out constraints/cpu.txt] [--check]
+    .venv/bin/python scripts/pin_constraints.py [--extras dev,test-s3,test-trackers] [--out constraints/cpu.txt]
+        [--check]
 
 --check exits 1 when the file differs from what this environment would write (run it after changing
 dependencies or upgrading the venv on purpose).
@@ -66,7 +68,9 @@ def render(pins: dict[str, str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--extras", default="dev,test-s3", help="comma-separated extras of the package to include"
+        "--extras",
+        default="dev,test-s3,test-trackers",
+        help="comma-separated extras of the package to include",
     )
     ap.add_argument("--out", default=str(ROOT / "constraints" / "cpu.txt"))
     ap.add_argument("--check", action="store_true")

@@ -16,7 +16,10 @@ from peagle_pipeline.config.fields import COD_DEFAULTS, setting
 from peagle_pipeline.core.settings import SERVING_DEPTHS, CODConfig
 from peagle_pipeline.errors import BadConfig
 
-__all__ = ["TrainConfig"]
+__all__ = ["TrainConfig", "TRACKERS"]
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+"""The experiment trackers `report_to` may name (stages/train/trackers.py has one sink per name)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,6 +56,11 @@ class TrainConfig:
     )
     tokens_per_step: int = setting(
         8192, "Packing budget: shifted tokens per packed row (per rank and micro-step)."
+    )
+    grad_accum: int = setting(
+        1,
+        "Gradient accumulation: packed rows per rank per optimizer step. Global batch = tokens_per_step x ranks x "
+        "grad_accum tokens: one process with grad_accum N takes the steps of N ranks.",
     )
     epochs: int = setting(1, "Passes over the training split (ignored when steps is set).")
     steps: int | None = setting(None, "Optimizer steps to run (overrides epochs).")
@@ -144,6 +152,12 @@ class TrainConfig:
         5, "Stop after this many consecutive steps with non-finite loss or gradients."
     )
     log_every: int = setting(10, "Log metrics every N steps.")
+    report_to: str = setting(
+        "tensorboard",
+        f"Experiment trackers that receive the metrics, the resolved settings and the plots (rank 0), "
+        f"comma-separated: {', '.join(TRACKERS)}; none for metrics.jsonl only. A resumed run continues its "
+        "tracker runs (ids in RUN/trackers.json).",
+    )
     export: bool = setting(
         True,
         "Export the speculators checkpoint (peagle or eagle3 format, as the method) at the end of training.",
@@ -160,6 +174,7 @@ class TrainConfig:
             "draft_layers",
             "draft_vocab_size",
             "tokens_per_step",
+            "grad_accum",
             "epochs",
             "sequence_partitions",
             "eval_every",
@@ -183,9 +198,32 @@ class TrainConfig:
                 "use sequence_partitions 1 (and a smaller tokens_per_step, or grad_checkpointing, to cut memory)"
             )
         self.cod()  # depths, down_sample_ratio(_min) and max_anchors are checked by CODConfig
+        self.trackers()
         for name in ("warmup", "eval_samples", "num_workers", "grad_clip", "weight_decay"):
             if getattr(self, name) < 0:
                 raise BadConfig(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def trackers(self) -> tuple[str, ...]:
+        """The tracker names of `report_to`, in order, without repeats (() for none).
+
+        Raises:
+            BadConfig: a name that is not a tracker, or none beside a tracker.
+        """
+        names = tuple(dict.fromkeys(n.strip() for n in self.report_to.split(",") if n.strip()))
+        if names == ("none",):
+            return ()
+        unknown = [n for n in names if n not in TRACKERS]
+        if unknown or not names:
+            why = (
+                f"unknown tracker {unknown[0]!r}"
+                if unknown and unknown[0] != "none"
+                else "none with a tracker"
+            )
+            raise BadConfig(
+                f"report_to {self.report_to!r}: {why if names else 'no tracker named'}; give a comma-separated "
+                f"list of {', '.join(TRACKERS)}, or none"
+            )
+        return names
 
     def cod(self) -> CODConfig:
         """The COD sampling settings of this run (core.cod's own section)."""

@@ -6,7 +6,9 @@ RUN/
   run.json          world size, the cache's identity, one record per start  RUN_JSON
   train.lock        held while a `train` writes the run                      LOCK_FILE
   metrics.jsonl     one JSON record per logged step and evaluation           METRICS_FILE
-  tb/               TensorBoard events (when tensorboard is installed)       TB_DIR
+  tb/               TensorBoard events (--report-to tensorboard, the default) TB_DIR
+  trackers.json     the W&B and MLflow run ids a resume continues            TRACKERS_FILE
+  wandb/, mlruns/   W&B's files; MLflow's store when no server is named      (the trackers' own)
   plots/            `peagle-pipeline plot` PNGs                              PLOTS_DIR
   checkpoints/      step-N/, latest, best                                    CHECKPOINTS_DIR
   export/           the speculators P-EAGLE export vLLM loads                EXPORT_DIR
@@ -20,6 +22,7 @@ __all__ = [
     "LOCK_FILE",
     "METRICS_FILE",
     "TB_DIR",
+    "TRACKERS_FILE",
     "PLOTS_DIR",
     "CHECKPOINTS_DIR",
     "EXPORT_DIR",
@@ -30,6 +33,7 @@ RUN_JSON = "run.json"
 LOCK_FILE = "train.lock"
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
+TRACKERS_FILE = "trackers.json"
 PLOTS_DIR = "plots"
 CHECKPOINTS_DIR = "checkpoints"
 EXPORT_DIR = "export"

@@ -150,7 +150,7 @@ def setup_run_damaged_checkpoint(ph: dict[str, str], fx: dict[str, Path]) -> Non
 
 
 def setup_run_export_with_readme(ph: dict[str, str], fx: dict[str, Path]) -> None:
-    """{run} exported to {out}, then the user adds a README.md there."""
+    """{run} exported to {out}, then the user puts a README.md of their own there (in place of the card)."""
     from peagle_pipeline.stages.export.stage import export_run
 
     shutil.copytree(fx["run"], ph["run"])

@@ -234,7 +234,12 @@ def test_export_cli_replaces_a_previous_export(run_dir: Path, tmp_path: Path, ca
     assert main(["export", str(run_dir), "--output", str(out), "--checkpoint", "step-3"]) == 0
     assert main(["export", str(run_dir), "--output", str(out)]) == 0  # an export there is ours: replaced
     assert f"exported to {out}" in capsys.readouterr().out
-    assert sorted(p.name for p in out.iterdir()) == [MARKER_FILE, "config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        MARKER_FILE,
+        "README.md",
+        "config.json",
+        "model.safetensors",
+    ]
     marker = json.loads((out / MARKER_FILE).read_text())
     assert marker["run"] == str(run_dir.resolve()) and marker["checkpoint"] == "step-00000003"
     assert main(["export", str(tmp_path / "nope"), "--output", str(tmp_path / "x")]) == 2
@@ -370,7 +375,79 @@ def test_exported_and_checkpoint_files_follow_the_umask(run_dir: Path, tmp_path:
         "config.json": 0o640,
         "model.safetensors": 0o640,
         MARKER_FILE: 0o640,
+        "README.md": 0o640,
     }
     assert (path.stat().st_mode & 0o777) == 0o750  # the directory too (it starts as a temporary one)
     ckpt = _modes(run_dir / "checkpoints")
     assert ckpt and set(ckpt.values()) == {0o666 & ~old}, ckpt
+
+
+def _front_matter(card: str) -> dict:
+    import yaml
+
+    assert card.startswith("---\n")
+    return yaml.safe_load(card[4 : card.index("\n---\n", 4)])
+
+
+def test_export_writes_a_model_card(run_dir: Path, tiny_cache: Path, tmp_path: Path) -> None:
+    from peagle_pipeline.stages.export import card
+    from peagle_pipeline.stages.train import metrics
+
+    out = export.export_run(run_dir, tmp_path / "draft")
+    text = (out / "README.md").read_text()
+    meta = _front_matter(text)
+    assert meta["library_name"] == "vllm" and {"speculative-decoding", "p-eagle"} <= set(meta["tags"])
+    assert "base_model" not in meta and "# base_model: the target's model hub id" in text  # a local target
+    assert "license" not in meta  # the tiny target's files state none
+    cache = open_cache(str(tiny_cache))
+    samples, tokens = len(cache.samples), int(cache.samples["length"].sum())
+    assert f"| training | {samples:,} | {tokens:,} |" in text and "from the data (off-policy)" in text
+    assert (
+        "`conv.jsonl` (" in text and "`{}`" not in text
+    )  # sources by file name; no template variables: none
+    assert (
+        f"| K trained / served | {K} / {K} |" in text
+        and f"| draft vocabulary | {VD} of the target's {V} " in text
+    )
+    assert (
+        "| optimizer steps | 3 of 3 |" in text
+        and "| global batch | 256 tokens (tokens_per_step 256 x 1" in text
+    )
+    final = [r for r in metrics.read_metrics(run_dir) if r["kind"] == "eval"][-1]
+    assert f"On held-out samples at step 3: acceptance length {final['acceptance']:.3f}" in text
+    assert '"method": "eagle3", "parallel_drafting": true, "num_speculative_tokens": 4}' in text
+    assert "hf upload YOUR-NAMESPACE/" in text and "--exclude .peagle-export.json" in text
+
+    assert card.refresh_measured(out, "| mt-bench | 1.5 |") and card.refresh_measured(
+        out, "| mt-bench | 1.6 |"
+    )
+    again = (out / "README.md").read_text()
+    assert "| mt-bench | 1.6 |" in again and "1.5 |" not in again and again.count(card.MEASURED_BEGIN) == 1
+    assert _front_matter(again) == meta
+    export.export_run(run_dir, out)  # a new export: a new card, not yet measured
+    assert "| mt-bench |" not in (out / "README.md").read_text()
+    (out / "README.md").write_text("my own notes\n")  # a README of the user's own is never changed
+    assert not card.refresh_measured(out, "| x |") and (out / "README.md").read_text() == "my own notes\n"
+
+
+def test_card_names_the_hub_model_its_license_and_on_policy_data(tmp_path: Path) -> None:
+    from peagle_pipeline.data.onpolicy_files import META_FILE as GENERATED
+    from peagle_pipeline.stages.export.card_facts import hub_id, on_policy, target_license
+
+    assert hub_id("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"
+    snapshot = "/data/hub/models--meta-llama--Llama-3.1-8B-Instruct/snapshots/0e9e39f/"
+    assert hub_id(snapshot) == "meta-llama/Llama-3.1-8B-Instruct"
+    assert hub_id(str(tmp_path)) is None and hub_id("./models/x") is None
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "README.md").write_text(
+        "---\nlicense: other\nlicense_name: llama3.1\ntags: [x]\n---\n# Model\n"
+    )
+    assert target_license(str(target), None, None) == {"license": "other", "license_name": "llama3.1"}
+    assert target_license(str(tmp_path / "none"), None, None) == {}
+    replies, chats = tmp_path / "onpolicy", tmp_path / "chats.jsonl"
+    replies.mkdir()
+    (replies / GENERATED).write_text("{}")
+    chats.write_text("{}\n")
+    assert on_policy([str(replies)]) is True and on_policy([str(chats)]) is False
+    assert on_policy([str(tmp_path / "moved-away.jsonl")]) is None  # not where the cache recorded it: unknown

@@ -164,6 +164,7 @@ def test_resume_of_a_finished_run_keeps_the_users_files_in_its_export(
     assert train(tiny_cache, finished_run, "--resume") == 0  # only our files there: re-exported in place
     assert sorted(p.name for p in (finished_run / "export").iterdir()) == [
         ".peagle-export.json",
+        "README.md",  # the model card again: the user's README (not a card) was never replaced
         "config.json",
         "model.safetensors",
     ]

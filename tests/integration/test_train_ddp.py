@@ -1,5 +1,6 @@
 """Data parallel on CPU: `torchrun --nproc-per-node 2` (gloo) with one packed row per rank per step gives the same
-weights and losses as one process that accumulates the same two rows per step (fp32), for each drafting method.
+weights and losses as one process that accumulates the same two rows per step (`train --grad-accum 2`, fp32), for
+each drafting method.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from peagle_pipeline.cli import main
 from peagle_pipeline.config import TrainConfig, resolve
 from peagle_pipeline.stages.train import draft, metrics
-from peagle_pipeline.stages.train import stage as train
 
 pytestmark = pytest.mark.slow
 
@@ -47,14 +48,22 @@ def _cli_flags(method: str) -> list[str]:
 
 
 @pytest.mark.parametrize("method", ["peagle", "eagle3"])
-def test_two_ranks_equal_one_process_with_two_micro_steps(
-    tiny_cache: Path, tmp_path: Path, method: str
-) -> None:
+def test_two_ranks_equal_one_process_with_grad_accum_2(tiny_cache: Path, tmp_path: Path, method: str) -> None:
     single = tmp_path / "single"
+    argv = [
+        "train",
+        "--cache",
+        str(tiny_cache),
+        "--output",
+        str(single),
+        *_cli_flags(method),
+        "--grad-accum",
+        "2",
+    ]
+    assert main(argv) == 0  # one process, the command line's gradient accumulation
     cfg = resolve(
         TrainConfig, None, {"cache": str(tiny_cache), "output": str(single), "method": method, **FLAGS}
     )
-    train.run(cfg, micro_steps=2)
 
     ddp = tmp_path / "ddp"
     env = dict(os.environ, OMP_NUM_THREADS="1")

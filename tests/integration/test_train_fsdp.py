@@ -1,7 +1,7 @@
 """Fully sharded data parallel on CPU: `torchrun --nproc-per-node 2 ... train --fsdp` (gloo, torch FSDP2) gives the
-losses and weights of one process that accumulates the same two rows per step (fp32, 1e-5), each rank holds about
-half of the optimizer state, and a run killed with SIGKILL after a checkpoint resumes to the same weights; for each
-drafting method (EAGLE-3 in one segment per row: it runs rows whole).
+losses and weights of one process that accumulates the same two rows per step (`train --grad-accum 2`; fp32, 1e-5),
+each rank holds about half of the optimizer state, and a run killed with SIGKILL after a checkpoint resumes to the
+same weights; for each drafting method (EAGLE-3 in one segment per row: it runs rows whole).
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ import torch
 from cli_argv import descendants
 from safetensors.torch import load_file
 
-from peagle_pipeline.config import TrainConfig, resolve
+from peagle_pipeline.cli import main
 from peagle_pipeline.stages.checkpoint import CheckpointManager
 from peagle_pipeline.stages.train import metrics
-from peagle_pipeline.stages.train import stage as train
 
 pytestmark = pytest.mark.slow
 
@@ -79,10 +78,15 @@ def test_fsdp_two_ranks_equal_one_process_and_resume_after_kill(
 ) -> None:
     extra = METHODS[method]
     single = tmp_path / "single"
-    train.run(
-        resolve(TrainConfig, None, {"cache": str(tiny_cache), "output": str(single), **FLAGS, **extra}),
-        micro_steps=2,
-    )
+    argv = [
+        "train",
+        "--cache",
+        str(tiny_cache),
+        "--output",
+        str(single),
+        *_cli_flags({**extra, "grad_accum": 2}),
+    ]
+    assert main(argv) == 0  # one process, the command line's gradient accumulation
 
     run = tmp_path / "fsdp"
     proc = _torchrun(

@@ -120,9 +120,12 @@ def test_resume_follows_a_moved_cache_and_refuses_another(
 # --------------------------------------------------------------------- harmless changes, extending
 def test_resume_allows_changes_that_keep_the_result(run_copy: Path, tiny_cache: Path, capsys) -> None:
     argv = ["--device", "cpu", "--keep-checkpoints", "3", "--save-every", "1", "--eval-every", "1"]
+    argv += ["--report-to", "none"]  # where the metrics go is not the weights either
     assert train(tiny_cache, run_copy, "--resume", *argv) == 0
     assert train(tiny_cache, run_copy, "--resume", "--lr", "1e-3") == 5  # this one changes the result
     assert "lr (0.002 -> 0.001)" in error_line(capsys)
+    assert train(tiny_cache, run_copy, "--resume", "--grad-accum", "2") == 5  # so does the global batch
+    assert error_line(capsys).endswith("settings differ from its train.yaml: grad_accum (1 -> 2)")
 
 
 def test_resume_extends_the_run_and_recomputes_the_schedule(run_copy: Path, tiny_cache: Path, capsys) -> None:
@@ -137,6 +140,10 @@ def test_resume_extends_the_run_and_recomputes_the_schedule(run_copy: Path, tiny
     assert ckpt_steps(run_copy)[-1] == 7
     facts = json.loads((run_copy / "run.json").read_text())
     assert [s["total_steps"] for s in facts["starts"]] == [STEPS, 7]
+    assert facts["global_batch_tokens"] == 256  # tokens_per_step x 1 rank x grad_accum 1
+    assert (
+        "global batch: 256 tokens per optimizer step (tokens_per_step 256 x 1 rank(s) x grad_accum 1)" in err
+    )
     assert train(tiny_cache, run_copy, "--resume", "--steps", "5") == 5
     assert "it is at step 7" in error_line(capsys)
 

@@ -69,7 +69,7 @@ def test_no_exact_pins_in_pyproject():
 def test_constraints_pin_every_requirement_inside_its_range():
     pins = _pins()
     assert "peagle-pipeline" not in pins
-    for name, req in _requirements(("dev", "test-s3")).items():
+    for name, req in _requirements(("dev", "test-s3", "test-trackers")).items():
         assert name in pins, f"constraints/cpu.txt has no pin for {name} (run scripts/pin_constraints.py)"
         assert req.specifier.contains(pins[name], prereleases=True), (
             f"constraints/cpu.txt pins {name}=={pins[name]}, outside pyproject.toml's {req.specifier}"

@@ -14,9 +14,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import TINY_LAYERS, run_cli
 from drafts import make_random_draft
 
+from peagle_pipeline.stages.export.card import CARD_FILE, MEASURED_BEGIN, MEASURED_END
 from peagle_pipeline.stages.export.marker import MARKER_FILE
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -139,6 +141,24 @@ def test_both_methods_jsonl_and_heldout(
         assert r["trainer_estimate"] == expected  # the exported step's estimate, from metrics.jsonl
     assert "trainer est. AL" in proc.stdout and "speedup" in proc.stdout and "EAGLE-3" in proc.stdout
     assert "draft e3@2 (EAGLE-3, K=2)" in proc.stdout and "draft run/export (P-EAGLE, K=3)" in proc.stdout
+
+    # the trained run's export carries its model card, now with this measurement; the random draft has no card
+    card = (trained_run / "export" / CARD_FILE).read_text()
+    assert (
+        yaml.safe_load(card.split("---\n")[1])["library_name"] == "vllm"
+    )  # the metadata header still parses
+    measured = card[card.index(MEASURED_BEGIN) : card.index(MEASURED_END)]
+    for r in report["results"]:
+        if r["draft"] == "run/export":
+            al, per = (
+                f"{r['acceptance_length']:.3f}",
+                " ".join(f"{p:.2f}" for p in r["acceptance_per_position"]),
+            )
+            assert f"| {r['prompt_set']} | 3 | 3 | {al} | {per} |" in measured, measured
+            assert f"{r['throughput'][1]['speedup']:.2f}x |" in measured
+    assert report["hardware"] in measured and "Not measured yet" not in card
+    assert f"wrote the measured table into {trained_run / 'export' / CARD_FILE}" in proc.stdout
+    assert not (random_draft / CARD_FILE).exists()
 
 
 def test_missing_draft_and_not_an_export(tmp_path: Path, tiny_model: Path, vllm_env: dict[str, str]) -> None:

@@ -9,8 +9,8 @@ without the draft and the speedup, at temperature T (default 0) with concurrency
 `--acceptance-concurrency`); tokens/s also at every `--concurrency`. At T = 0 the speculative output is compared
 with the plain output. The trainer's estimated AL (from the run's metrics.jsonl, at the exported checkpoint's step)
 is reported beside vLLM's. Writes DIR/report.json, DIR/acceptance.png (per position) and DIR/comparison.png (AL and
-speedup against K, a line per draft) when asked. Never trains and never writes
-a cache.
+speedup against K, a line per draft) when asked, and each draft's table into its export's model card (README.md,
+`stages.evaluate.card_table`). Never trains and never writes a cache.
 """
 
 from __future__ import annotations
@@ -377,6 +377,7 @@ def _write_outputs(report: dict[str, Any], output: Path, say: Callable[[str], No
 def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any]:
     from peagle_pipeline.backends.vllm import EngineSettings, require_vllm
     from peagle_pipeline.model_dir import load_tokenizer, read_target_info, text_config
+    from peagle_pipeline.stages.evaluate.card_table import refresh_cards
     from peagle_pipeline.stages.evaluate.report import format_table
 
     say = echo or log.info
@@ -423,6 +424,7 @@ def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any
         wall_seconds=time.perf_counter() - t_start,
     )
     say(format_table(report))
+    refresh_cards(report, {d.name: d.path for d in drafts}, say)  # each export's model card, where it has one
     if output is not None:
         _write_outputs(report, output, say)
     return report

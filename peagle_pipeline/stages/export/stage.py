@@ -2,10 +2,11 @@
 
 Output directory: `config.json` + `model.safetensors` (`stages.export.speculators_format`) + `.peagle-export.json`
 (the run and checkpoint it came from, `stages.export.marker`), written into a temporary sibling directory and
-swapped into place, so a reader sees a whole export or none. A folder is replaced only when it holds exactly those
-files from the same run (another run's export: only with `force`); files we did not write are never deleted. The
-facts the export needs beyond the weights come from `RUN/draft.json` (`stages.draft_spec.DraftSpec`),
-written by the trainer at the start of a run. Never trains and never reads the cache.
+swapped into place, so a reader sees a whole export or none; an export of a run then gets its model card
+`README.md` beside them (`stages.export.card`). A folder is replaced only when it holds exactly those files from
+the same run (another run's export: only with `force`); files we did not write are never deleted. The facts the
+export needs beyond the weights come from `RUN/draft.json` (`stages.draft_spec.DraftSpec`), written by the
+trainer at the start of a run. Never trains; of the cache it reads only the records the card quotes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from peagle_pipeline.runtime import (
     raise_if_no_space,
 )
 from peagle_pipeline.stages.draft_spec import DraftSpec, export_method
+from peagle_pipeline.stages.export.card import CARD_FILE, is_generated, write_card
 from peagle_pipeline.stages.export.marker import MARKER_FILE, run_identity, same_run
 from peagle_pipeline.stages.export.speculators_format import (
     CONFIG_FILE,
@@ -43,7 +45,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["EXPORT_FILES", "check_export_target", "write_export", "export_run"]
 
-EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, MARKER_FILE})
+# the card only from a run, and only a card an export wrote (`card.is_generated`) counts as part of an export
+EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, MARKER_FILE, CARD_FILE})
 
 
 def check_export_target(
@@ -67,7 +70,7 @@ def check_export_target(
     if not out.is_dir():
         raise OutputExists(f"{out} exists and is not a directory: choose another export directory")
     names = {p.name for p in out.iterdir()}
-    foreign = sorted(names - EXPORT_FILES)
+    foreign = sorted(names - EXPORT_FILES | ({CARD_FILE} & names if not is_generated(out) else set()))
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         hint = "move them out or pass --no-export" if own else "move them out or choose another --output"
@@ -175,7 +178,7 @@ def _write_files(
         "time": time.time(),
     }
     (folder / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
-    for name in EXPORT_FILES:
+    for name in (CONFIG_FILE, WEIGHTS_FILE, MARKER_FILE):
         fsync_file(folder / name)
     fsync_dir(folder)
 
@@ -220,6 +223,8 @@ def export_run(
     manager = CheckpointManager(run_dir, keep=1)
     ckpt = manager.load(manager.resolve(checkpoint), with_optimizer=False)
     source.update(checkpoint=ckpt.path.name, step=ckpt.step)
-    return write_export(
+    path = write_export(
         output, spec, ckpt.model, source=source, force=force, own=own, speculative_tokens=speculative_tokens
     )
+    write_card(path, run_dir)
+    return path

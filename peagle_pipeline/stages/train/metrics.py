@@ -1,4 +1,4 @@
-"""Where training metrics go: metrics.jsonl, TensorBoard events, a tqdm bar; and PNG curves from metrics.jsonl.
+"""Where training metrics go: metrics.jsonl, the experiment trackers, a tqdm bar; and PNG curves from metrics.jsonl.
 
 A record is a flat dict: `step`, `kind` ("train" or "eval"), scalars (`loss`, `lr`, `tokens_per_s`, ...) and
 per-depth lists (`agreement`: top-1 agreement at depth 0..K-1). Only rank 0 builds real sinks; other ranks get
@@ -13,11 +13,13 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from peagle_pipeline.stages.run_layout import METRICS_FILE, PLOTS_DIR, TB_DIR
+from peagle_pipeline.stages.train.trackers import Tracker, scalars
 
 __all__ = [
     "METRICS_FILE",
@@ -159,7 +161,8 @@ def format_figure(x: float | None, digits: int = 2) -> str:
 
 
 class RunSink:
-    """metrics.jsonl (append, line-buffered, fsync on close) + TensorBoard + progress: a tqdm bar on a terminal,
+    """metrics.jsonl (append, line-buffered, fsync on close) + the run's trackers (stages/train/trackers.py:
+    TensorBoard, W&B, MLflow) + progress: a tqdm bar on a terminal,
     else (SLURM, nohup, `| tee`) plain lines on stderr, one per eval and at most one per LINE_EVERY_S of training.
 
     On resume, records with step > `start_step` left by the killed run are dropped from metrics.jsonl first, so
@@ -172,7 +175,7 @@ class RunSink:
         total_steps: int,
         start_step: int = 0,
         progress_bar: bool = True,
-        tensorboard: bool = True,
+        trackers: Sequence[Tracker] = (),
     ) -> None:
         self.run_dir = Path(run_dir)
         path = self.run_dir / METRICS_FILE
@@ -180,11 +183,7 @@ class RunSink:
             kept = [r for r in read_metrics(self.run_dir) if int(r.get("step", 0)) <= start_step]
             path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (owned until close)
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / TB_DIR), purge_step=start_step + 1)
+        self._trackers = list(trackers)
         self._bar = None
         if progress_bar:
             from tqdm import tqdm
@@ -206,17 +205,10 @@ class RunSink:
         self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         if self._lines:
             self._print_line(record)
-        if self._tb is not None:
-            step, kind = int(record["step"]), record.get("kind", "train")
-            for key, value in record.items():
-                if key in ("step", "kind"):
-                    continue
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                    self._tb.add_scalar(f"{kind}/{key}", value, step)
-                elif isinstance(value, list):
-                    for d, v in enumerate(value):
-                        if isinstance(v, (int, float)) and math.isfinite(v):
-                            self._tb.add_scalar(f"{kind}/{key}/depth{d}", v, step)
+        if self._trackers:
+            values = scalars(record)
+            for tracker in self._trackers:
+                tracker.log(int(record["step"]), values)
 
     def _print_line(self, r: dict[str, Any]) -> None:
         """One plain progress line for a record (no terminal: the bar is off)."""
@@ -270,6 +262,11 @@ class RunSink:
         else:
             print(line, file=sys.stderr)
 
+    def add_plots(self, paths: Sequence[Path]) -> None:
+        """The run's PNG plots, at its end, to each tracker."""
+        for tracker in self._trackers:
+            tracker.add_plots(paths)
+
     def note(self, line: str) -> None:
         """A start-of-run note shown above the progress bar only while the bar is shown (a terminal, no
         TQDM_DISABLE), so that a failing command still prints one line on stderr."""
@@ -280,9 +277,9 @@ class RunSink:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            tracker.close()
         if not self._file.closed:
             self._file.flush()
             os.fsync(self._file.fileno())

@@ -1,7 +1,7 @@
 """The training run directory: what a run records about itself, and the checks before (re)starting one.
 
-`train.yaml` (resolved settings, what --resume compares), `run.json` (world size, the cache's real path and
-identity, argv, versions and total steps per start). A run *has trained* once it holds a complete checkpoint or a
+`train.yaml` (resolved settings, what --resume compares), `run.json` (world size, global batch, the cache's real
+path and identity, argv, versions and total steps per start). A run *has trained* once it holds a complete checkpoint or a
 train record in metrics.jsonl; a folder whose run never trained (its start failed, or it was stopped before its
 first step) does not block the next start, with or without --resume.
 """
@@ -42,6 +42,7 @@ __all__ = [
     "EXTENDABLE",
     "cache_identity",
     "check_output_path",
+    "global_batch_tokens",
     "has_trained",
     "prepare_output",
     "write_run_files",
@@ -56,6 +57,7 @@ RESUME_FREE = frozenset(
         "output",
         "num_workers",
         "log_every",
+        "report_to",  # where the metrics go
         "export",
         "device",
         "fsdp",  # checkpoints have the same form with and without it
@@ -83,6 +85,11 @@ def cache_identity(cache: str) -> str | None:
         return None
 
 
+def global_batch_tokens(cfg: TrainConfig, world: int) -> int:
+    """Packing budget of one optimizer step over all ranks: tokens_per_step x ranks x grad_accum."""
+    return cfg.tokens_per_step * world * cfg.grad_accum
+
+
 def check_output_path(output: str) -> None:
     """Raises BadInput when --output names an existing file (a run directory is needed)."""
     out = Path(output)
@@ -101,7 +108,7 @@ def has_trained(out: Path) -> bool:
     return metrics.is_file() and '"kind": "train"' in metrics.read_text(encoding="utf-8", errors="replace")
 
 
-def prepare_output(cfg: TrainConfig, world: int, micro_steps: int) -> bool:
+def prepare_output(cfg: TrainConfig, world: int) -> bool:
     """Check the run directory against the request; True when a previous run is continued.
 
     Raises:
@@ -130,6 +137,9 @@ def prepare_output(cfg: TrainConfig, world: int, micro_steps: int) -> bool:
         raise BadInput(f"nothing to resume in {out} (no {TRAIN_YAML}): drop --resume to start a new run")
     saved = (yaml.safe_load((out / TRAIN_YAML).read_text()) or {}).get("train", {})
     now = to_dict(cfg)
+    facts = _read_run_json(out)
+    if "grad_accum" not in saved and "micro_steps" in facts:  # a run from before grad_accum was a setting
+        saved["grad_accum"] = facts["micro_steps"]
     for f in dataclasses.fields(TrainConfig):  # a setting newer than the run: the run had its default
         if f.name in saved:
             continue
@@ -137,9 +147,8 @@ def prepare_output(cfg: TrainConfig, world: int, micro_steps: int) -> bool:
             saved[f.name] = f.default
         elif f.default_factory is not dataclasses.MISSING:  # a list setting (extra_cache)
             saved[f.name] = f.default_factory()
-    facts = _read_run_json(out)
-    saved.update(world_size=facts.get("world_size", world), micro_steps=facts.get("micro_steps", micro_steps))
-    now.update(world_size=world, micro_steps=micro_steps)
+    saved.update(world_size=facts.get("world_size", world))
+    now.update(world_size=world)
     free = RESUME_FREE | EXTENDABLE | {"cache"}
     diff = setting_differences(saved, now, ignore=free, ordered=True)
     if diff:
@@ -176,8 +185,9 @@ def _check_same_cache(out: Path, saved: str, now: str, facts: dict[str, Any]) ->
         log.info("cache %s moved to %s (same cache.json); resuming on it", saved, now)
 
 
-def write_run_files(cfg: TrainConfig, world: int, micro_steps: int, resumed: bool, total_steps: int) -> None:
-    """Write train.yaml (the current settings) and append this start to run.json (argv, versions, total steps)."""
+def write_run_files(cfg: TrainConfig, world: int, resumed: bool, total_steps: int) -> None:
+    """Write train.yaml (the current settings) and append this start to run.json (argv, versions, total steps,
+    the global batch)."""
     from importlib.metadata import version
 
     import torch
@@ -196,7 +206,7 @@ def write_run_files(cfg: TrainConfig, world: int, micro_steps: int, resumed: boo
 
     facts.update(
         world_size=world,
-        micro_steps=micro_steps,
+        global_batch_tokens=global_batch_tokens(cfg, world),
         cache_realpath=os.path.realpath(cfg.cache),
         cache_identity=cache_identity(cfg.cache),
     )

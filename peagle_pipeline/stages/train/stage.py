@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from peagle_pipeline.config import TrainConfig
+from peagle_pipeline.config import TrainConfig, to_dict
 from peagle_pipeline.errors import BadInput, ResumeMismatch
 from peagle_pipeline.hardware import describe_compute_dtype, usable_cpus
 from peagle_pipeline.preemption import StopRequest, stop_error
@@ -28,9 +28,11 @@ from peagle_pipeline.stages.train.rundir import (
     EXPORT_DIR,
     LOCK_FILE,
     check_output_path,
+    global_batch_tokens,
     prepare_output,
     write_run_files,
 )
+from peagle_pipeline.stages.train.trackers import TrackerRun, check_installed, open_trackers
 from peagle_pipeline.stages.train.trainer import Trainer
 
 __all__ = ["run", "Trainer"]
@@ -41,8 +43,8 @@ log = logging.getLogger(__name__)
 STOP_NOTICE = "stopping after this step and saving a checkpoint (a second Ctrl-C or SIGTERM stops at once)"
 
 
-def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
-    """Train (or resume) a run; returns the final held-out metrics. `micro_steps` = packed rows per rank per step.
+def run(cfg: TrainConfig) -> dict[str, Any]:
+    """Train (or resume) a run; returns the final held-out metrics.
 
     Order: lock the run folder, check it, build every component (cache, draft, data plan: all the checks), and
     only then write train.yaml/run.json/draft.json, so a start that fails leaves nothing that blocks a retry.
@@ -61,23 +63,21 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
         if dist.main:
             lock, created, lock_created = _lock_run(cfg)
         dist.barrier()
-        resumed = prepare_output(cfg, dist.world, micro_steps)  # every rank checks before anyone writes
+        resumed = prepare_output(cfg, dist.world)  # every rank checks before anyone writes
         if cfg.export and resumed:  # refuse an export folder holding the user's files now, not after training
             check_export_target(Path(cfg.output) / EXPORT_DIR, run_identity(cfg.output), own=True)
-        trainer = Trainer(cfg, dist, micro_steps)
+        trainer = Trainer(cfg, dist)
         if resumed and trainer.restore():
             _check_extension(cfg, trainer)
         dist.barrier()
         if dist.main:
             if lock is not None:
                 lock.write_pid()
-            write_run_files(cfg, dist.world, micro_steps, resumed, trainer.total_steps)
+            write_run_files(cfg, dist.world, resumed, trainer.total_steps)
             trainer.spec.save(cfg.output)
         started = True
         if dist.main:
-            sink = trainer.sink = metrics_mod.RunSink(
-                cfg.output, trainer.total_steps, start_step=trainer.step
-            )
+            sink = trainer.sink = _open_sink(cfg, trainer)
             _write_start_notes(cfg, trainer, dist, sink)
         with StopRequest(STOP_NOTICE) as stop:  # Ctrl-C/SIGTERM from here on: finish the step, save, stop
             final = trainer.fit(should_stop=lambda: stop.signum)
@@ -107,6 +107,7 @@ def _lock_run(cfg: TrainConfig) -> tuple[RankLock, bool, bool]:
     made by this start)."""
     out = Path(cfg.output)
     check_output_path(cfg.output)
+    check_installed(cfg.trackers())  # a tracker asked for but not installed: one line, nothing written
     created, lock_created = not out.exists(), not (out / LOCK_FILE).exists()
     lock = RankLock(
         out / LOCK_FILE,
@@ -114,6 +115,23 @@ def _lock_run(cfg: TrainConfig) -> tuple[RankLock, bool, bool]:
         "wait for it or stop it, or choose another --output",
     ).acquire(write_pid=False)  # a start refused by the checks below leaves the folder as it was
     return lock, created, lock_created
+
+
+def _open_sink(cfg: TrainConfig, trainer: Trainer) -> metrics_mod.RunSink:
+    """The run's metrics sink (rank 0): metrics.jsonl, progress and the experiment trackers, which are told the
+    resolved settings and the run's shape."""
+    world = trainer.dist.world
+    settings = {
+        "train": to_dict(cfg),
+        "run": {
+            "world_size": world,
+            "global_batch_tokens": global_batch_tokens(cfg, world),
+            "total_steps": trainer.total_steps,
+        },
+    }
+    run = TrackerRun(Path(cfg.output), trainer.step, settings, resumed=cfg.resume)
+    trackers = open_trackers(cfg.trackers(), run)
+    return metrics_mod.RunSink(cfg.output, trainer.total_steps, start_step=trainer.step, trackers=trackers)
 
 
 def _write_start_notes(cfg: TrainConfig, trainer: Trainer, dist: Dist, sink: metrics_mod.RunSink) -> None:
@@ -143,8 +161,11 @@ def _check_extension(cfg: TrainConfig, trainer: Trainer) -> None:
 
 def _start_notes(cfg: TrainConfig, trainer: Trainer) -> list[str]:
     """Lines for the user at the start: resume point and schedule, what the data split left out."""
-    notes = []
-    split, held = trainer.split, trainer.eval_set
+    split, held, world = trainer.split, trainer.eval_set, trainer.dist.world
+    notes = [
+        f"global batch: {global_batch_tokens(cfg, world)} tokens per optimizer step (tokens_per_step "
+        f"{cfg.tokens_per_step} x {world} rank(s) x grad_accum {cfg.grad_accum})"
+    ]
     if trainer.step:
         notes.append(f"resumed {cfg.output} at step {trainer.step} of {trainer.total_steps}")
     if trainer.step and trainer.saved_total not in (None, trainer.total_steps):
@@ -192,7 +213,7 @@ def _start_notes(cfg: TrainConfig, trainer: Trainer) -> list[str]:
 def _finish(cfg: TrainConfig, final: dict[str, Any], sink: Any) -> None:
     """Plots, the export and the held-out summary at the end of a run (rank 0)."""
     with contextlib.suppress(BadInput):
-        metrics_mod.plot(cfg.output)
+        sink.add_plots(metrics_mod.plot(cfg.output))
     if cfg.export:
         sink.write(f"exported draft to {export_run(cfg.output, Path(cfg.output) / EXPORT_DIR, 'best')}")
     if final:

@@ -63,8 +63,8 @@ STEP_SLEEP_ENV = "PEAGLE_TEST_STEP_SLEEP"  # the test hook of the module docstri
 class Trainer:
     """Owns the model, optimizer, data stream and checkpoints of one run (one per process)."""
 
-    def __init__(self, cfg: TrainConfig, dist: Dist, micro_steps: int = 1, sink: Any = None) -> None:
-        self.cfg, self.dist, self.micro_steps = cfg, dist, micro_steps
+    def __init__(self, cfg: TrainConfig, dist: Dist, sink: Any = None) -> None:
+        self.cfg, self.dist, self.micro_steps = cfg, dist, cfg.grad_accum
         self.cache, self.split = training_data(cfg)  # with extra_cache: a CacheUnion
         self.method = method_for(cfg.method)
         self.model, self.spec, self.vocab = build_draft(self.cache, cfg)
@@ -89,7 +89,7 @@ class Trainer:
         self.split, self.eval_cache, self.eval_set = hold_out(self.cache, self.split, cfg)
         check_truncation(self.split, cfg.tokens_per_step)
         settings = dataclasses.replace(loader_settings(cfg), pin_memory=dist.device.type == "cuda")
-        self.loader = TrainLoader(self.cache, self.split, settings, dist.rank, dist.world, micro_steps)
+        self.loader = TrainLoader(self.cache, self.split, settings, dist.rank, dist.world, self.micro_steps)
         self.total_steps = cfg.steps or sum(self.loader.steps_in_epoch(e) for e in range(cfg.epochs))
         self.ckpt = CheckpointManager(cfg.output, cfg.keep_checkpoints)
         self.sink = sink or metrics_mod.NullSink()

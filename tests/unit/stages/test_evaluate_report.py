@@ -391,3 +391,13 @@ def test_one_table_compares_methods_and_ks(tmp_path: Path) -> None:
     assert "EAGLE-3" in b_row and "3.000" in b_row and "3.0 -> 12.0" in b_row and "4.00x" in b_row
     path = plot_comparison(report, tmp_path / "comparison.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_measured_table_of_a_card() -> None:
+    from peagle_pipeline.stages.evaluate.card_table import measured_section
+
+    text = measured_section(_report(), "a")
+    assert "| p | 2 | 2 | 1.750 | 0.50 0.25 | 1.600 | yes |" in text  # AL, per position, estimate, = plain
+    assert "| p | 1 | 3.0 | 6.0 | 2.00x |" in text and "| p | 4 | 6.0 | 12.0 | 2.00x |" in text
+    assert "on CPU X, 2 cores (vLLM" in text and "bf16, T=0, at most 4 new tokens" in text
+    assert "| no |" in measured_section(_report(), "b") and "| - | - |" in measured_section(_report(), "b")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from peagle_pipeline.errors import BadInput
-from peagle_pipeline.stages.train import metrics
+from peagle_pipeline.stages.train import metrics, trackers
 
 
 def _records(sink, steps) -> None:
@@ -24,21 +24,24 @@ def _records(sink, steps) -> None:
 
 
 def test_jsonl_tensorboard_and_resume_truncation(tmp_path) -> None:
-    sink = metrics.RunSink(tmp_path, total_steps=6, progress_bar=False)
+    tb = trackers.open_trackers(
+        ["tensorboard"], trackers.TrackerRun(tmp_path, 0, {"train": {}}, resumed=False)
+    )
+    sink = metrics.RunSink(tmp_path, total_steps=6, progress_bar=False, trackers=tb)
     _records(sink, range(1, 7))
     sink.close()
     assert len(metrics.read_metrics(tmp_path)) == 9
     assert any((tmp_path / "tb").iterdir())
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 7, "kind": "tra')  # torn line of a killed run
-    resumed = metrics.RunSink(tmp_path, total_steps=6, start_step=4, progress_bar=False, tensorboard=False)
+    resumed = metrics.RunSink(tmp_path, total_steps=6, start_step=4, progress_bar=False)
     resumed.close()
     recs = metrics.read_metrics(tmp_path)
     assert max(r["step"] for r in recs) == 4 and len(recs) == 6
 
 
 def test_plot_writes_three_pngs(tmp_path) -> None:
-    sink = metrics.RunSink(tmp_path, total_steps=6, progress_bar=False, tensorboard=False)
+    sink = metrics.RunSink(tmp_path, total_steps=6, progress_bar=False)
     _records(sink, range(1, 7))
     sink.close()
     paths = metrics.plot(tmp_path)
@@ -56,7 +59,7 @@ def test_non_finite_values_are_strict_json(tmp_path) -> None:
     """json.dumps writes NaN/Infinity, which jq and strict parsers refuse: they become null plus a flag."""
     import json
 
-    sink = metrics.RunSink(tmp_path, total_steps=2, progress_bar=False, tensorboard=False)
+    sink = metrics.RunSink(tmp_path, total_steps=2, progress_bar=False)
     sink.log(
         {
             "step": 1,
@@ -93,7 +96,7 @@ def test_skipped_steps_are_not_a_loss_of_zero() -> None:
 
 
 def test_plot_skips_windows_without_a_loss(tmp_path) -> None:
-    sink = metrics.RunSink(tmp_path, total_steps=3, progress_bar=False, tensorboard=False)
+    sink = metrics.RunSink(tmp_path, total_steps=3, progress_bar=False)
     sink.log({"step": 1, "kind": "train", "loss": 2.0, "agreement": [0.5]})
     sink.log({"step": 2, "kind": "train", "loss": None, "skipped_steps": 1, "agreement": [None]})
     sink.close()
@@ -101,7 +104,7 @@ def test_plot_skips_windows_without_a_loss(tmp_path) -> None:
 
 
 def test_plain_progress_lines_when_there_is_no_terminal(tmp_path, capsys) -> None:
-    sink = metrics.RunSink(tmp_path, total_steps=3, tensorboard=False)  # stderr is captured: not a terminal
+    sink = metrics.RunSink(tmp_path, total_steps=3)  # stderr is captured: not a terminal
     for step in (1, 2, 3):
         sink.log({"step": step, "kind": "train", "loss": 1.5, "lr": 1e-3, "tokens_per_s": 100.0})
     sink.log({"step": 3, "kind": "eval", "loss": 1.4, "acceptance": 1.25, "agreement": [0.5, None]})

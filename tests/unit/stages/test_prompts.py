@@ -143,7 +143,7 @@ def test_heldout_from_a_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     cfg = TrainConfig(
         cache="data/cache", output=str(run), eval_samples=5, seed=7
     )  # relative, as a user gives it
-    write_run_files(cfg, 1, 1, False, 10)
+    write_run_files(cfg, 1, False, 10)
     monkeypatch.chdir(tmp_path / "data" / "run")  # "data/cache" is found from the run's parents
     settings = read_run_settings(run)
     assert settings.cache.resolve() == (tmp_path / "data" / "cache").resolve()
@@ -177,7 +177,7 @@ def test_heldout_of_a_run_with_an_eval_cache(tmp_path: Path) -> None:
         output=str(run),
         eval_samples=3,
     )
-    write_run_files(cfg, 1, 1, False, 10)
+    write_run_files(cfg, 1, False, 10)
     assert read_run_settings(run).cache == tmp_path / "eval-cache"
 
 
@@ -196,7 +196,7 @@ def test_cache_prompts_use_the_runs_recorded_split(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     write_cache(cache, lengths=[9, 30, 12, 40, 25, 16, 50, 33, 21, 18, 27, 44])
     run = tmp_path / "run"
-    write_run_files(TrainConfig(cache=str(cache), output=str(run), eval_samples=5, seed=7), 1, 1, False, 10)
+    write_run_files(TrainConfig(cache=str(cache), output=str(run), eval_samples=5, seed=7), 1, False, 10)
     assert cache_split_settings(cache, run) == (7, 5)
     defaults = TrainConfig(cache=str(cache), output=str(run))
     assert cache_split_settings(cache, None) == (defaults.seed, defaults.eval_samples)
