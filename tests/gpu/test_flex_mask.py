@@ -73,13 +73,13 @@ def test_eagle3_steps_with_block_masks_equal_dense_masks():
     inputs = ttt_inputs(lay.to("cuda"), tokens.cuda(), aux.cuda())
     assert not isinstance(inputs["masks"][1], torch.Tensor)  # flex BlockMasks on CUDA
     dense = {**inputs, "masks": [m.cuda() for m in step_masks(lay, "cpu")]}
+    valid = lay.doc.cuda() >= 0  # padding rows attend nowhere: left out
     outs, grads = [], []
     for given in (inputs, dense):
         model.zero_grad(set_to_none=True)
         hidden = model(**given)
-        (hidden.float().pow(2).mean()).backward()
+        (hidden[valid].float().pow(2).mean()).backward()
         outs.append(hidden.detach())
         grads.append(model.fc.weight.grad.detach().clone())
-    valid = lay.doc.cuda() >= 0  # padding rows attend nowhere (0 either way)
     assert torch.allclose(outs[0][valid], outs[1][valid], atol=1e-4)
     assert float((grads[0] - grads[1]).norm() / grads[1].norm()) < 1e-4
