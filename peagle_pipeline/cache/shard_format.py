@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import zstandard
@@ -27,6 +27,7 @@ __all__ = [
     "byte_range",
     "contiguous",
     "parse_index",
+    "ChunkBytes",
     "decode_chunks_into",
 ]
 
@@ -146,23 +147,25 @@ def contiguous(span: np.ndarray, chunk_bytes: int) -> bool:
     return bool((span[:, 1] == chunk_bytes).all() and (span[1:, 0] == span[:-1, 0] + span[:-1, 1]).all())
 
 
-def decode_chunks_into(
-    out: np.ndarray,
-    info: ArrayInfo,
-    chunk: int,
-    span: np.ndarray,
-    blob: bytes,
-    base: int,
-    start: int,
-    stop: int,
-    where: str,
-) -> None:
-    """Decode chunks chunk.. (their index rows `span`, bytes `blob` read from shard offset `base`) into the
-    rows of out (= rows [start, stop) of the array) that they cover; absent chunks give the fill value.
+class ChunkBytes(NamedTuple):
+    """Consecutive chunks of one shard as read: the first one's index, their index rows `span` ([n, 2] offset and
+    length, EMPTY for an absent chunk) and the bytes `blob` read for them from shard offset `base`."""
+
+    chunk: int
+    span: np.ndarray
+    blob: bytes
+    base: int
+
+
+def decode_chunks_into(out: np.ndarray, info: ArrayInfo, got: ChunkBytes, start: int, where: str) -> None:
+    """Decode the chunks `got` into the rows of `out` (= rows [start, start + len(out)) of the array) that they
+    cover; absent chunks give the fill value.
 
     Raises CorruptCache (naming `where`) for a chunk that is truncated, fails its crc32c or decodes to the wrong
     size.
     """
+    chunk, span, blob, base = got
+    stop = start + len(out)
     C = info.chunk_tokens
     chunk_bytes = C * info.row_bytes
     for j in range(len(span)):

@@ -1,4 +1,4 @@
-"""The Zarr v3 arrays of one store, as the cache writer creates, reopens, fills and fsyncs them (SPEC cache format).
+"""The Zarr v3 arrays of one store, as the cache writer creates, reopens, fills and fsyncs them (docs/reference/cache-format.md).
 
 One array per stored field (`layout.array_specs`), sharded by `shard_tokens` rows and chunked by `chunk_tokens`;
 each shard is one file `NAME/c/INDEX/0...` (one 0 per inner dimension). Codecs per array come from

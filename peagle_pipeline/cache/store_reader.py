@@ -23,6 +23,7 @@ from peagle_pipeline.cache.remote import describe_error
 from peagle_pipeline.cache.shard_format import (
     EMPTY,
     ArrayInfo,
+    ChunkBytes,
     byte_range,
     contiguous,
     decode_chunks_into,
@@ -325,7 +326,7 @@ class StoreReader:
         for (info, _, chunk, _), (span, base) in zip(pieces, spans, strict=True):
             blob = next(blobs) if (span[:, 0] != EMPTY).any() else b""
             decode_chunks_into(
-                out[info.name], info, chunk, span, blob, base, start, stop, f"store {self.name}"
+                out[info.name], info, ChunkBytes(chunk, span, blob, base), start, f"store {self.name}"
             )
         return out
 
@@ -362,7 +363,8 @@ class StoreReader:
             if present.any():
                 base, end = byte_range(span)
                 blob = os.pread(self._fd(info, shard), end - base, base)  # one read for all chunks needed
-            decode_chunks_into(out, info, chunk, span, blob, base, start, stop, f"store {self.name}")
+            got = ChunkBytes(chunk, span, blob, base)
+            decode_chunks_into(out, info, got, start, f"store {self.name}")
             chunk = last + 1
         return out
 

@@ -37,6 +37,12 @@ class TrainConfig:
         "test over every chain to full depth, exported in the speculators eagle3 format).",
     )
     draft_layers: int = setting(1, "Decoder layers of the draft (the first is the fused EAGLE-3 layer).")
+    draft_arch: Literal["auto", "llama", "qwen3"] = setting(
+        "auto",
+        "Style of the draft's decoder layers: llama (plain attention), qwen3 (RMS norms on queries and keys, "
+        "QK-norm), or auto (the target's family: qwen3 for targets with QK-norm, llama for the rest). vLLM serves "
+        "either style beside any target.",
+    )
     depths: int = setting(
         COD_DEFAULTS["depths"],
         f"K trained: tokens drafted in parallel (COD depths 0..K-1). The export serves at most this many (default "
@@ -129,7 +135,7 @@ class TrainConfig:
     mask_token_id: int | None = setting(
         None,
         "Token fed at depth >= 1 slots (peagle only); default by rule: the tokenizer's mask token, an unused "
-        "embedding row, else the lowest special token never seen in the data (SPEC 5.3).",
+        "embedding row, else the lowest special token never seen in the data (docs/reference/algorithm.md).",
     )
     skip_corrupt: bool = setting(
         False, "Skip samples whose data fails its checksum (reported) instead of stopping."

@@ -1,7 +1,7 @@
 """COD (conditional-on-distribution) sampling of P-EAGLE training chains, and the packed element layout.
 
 Pure torch: no I/O, no global RNG (every draw takes an explicit `torch.Generator`), no config objects beyond
-`CODConfig`. Sampling runs per sample in shifted coordinates (SPEC §2), so a chain never crosses samples.
+`CODConfig`. Sampling runs per sample in shifted coordinates, so a chain never crosses samples.
 
 Worked example (one sample, S = 6, valid V = {1, 2, 3, 4, 5}, K = 3, r = 0.7, r_min = 0.2, no max_anchors draw):
 seeds = V = [1, 2, 3, 4, 5]; n_1 = int(4 * 0.7) = 2, say positions [2, 4] are picked (anchors 1, 3);
@@ -95,7 +95,7 @@ def _usable_valid(valid: torch.Tensor) -> torch.Tensor:
 
 
 def sample_chains(valid: torch.Tensor, cfg: CODConfig, generator: torch.Generator) -> list[torch.Tensor]:
-    """Sample COD positions of one sample (SPEC §5.1).
+    """Sample COD positions of one sample (docs/reference/algorithm.md, COD sampling).
 
     Position 0 is removed from the valid set before anything is drawn, so the `max_anchors` draw is
     `randperm(|V \\ {0}|)` and `|seeds|` in the closed form counts usable seeds. Whenever position 0 is not
@@ -105,7 +105,7 @@ def sample_chains(valid: torch.Tensor, cfg: CODConfig, generator: torch.Generato
     Args:
         valid: BoolTensor[S], shifted loss mask of the sample (position i trains target i).
         cfg: COD settings.
-        generator: the only source of randomness; advanced exactly as SPEC §5.1 describes.
+        generator: the only source of randomness; advanced in the documented order (one randperm for the seeds, one per sampled depth).
 
     Returns:
         For depths 1.. in order, LongTensor[n_d] of selected positions (sample coordinates, ascending); the

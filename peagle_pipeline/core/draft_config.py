@@ -1,5 +1,5 @@
-"""The draft's sizes and settings (SPEC §5.3): `DraftConfig`, read from the target's HF config dict, and the
-`transformer_layer_config` it exports (SPEC §6).
+"""The draft's sizes and settings: `DraftConfig`, read from the target's HF config dict, and the
+`transformer_layer_config` it exports.
 
 Pure: no I/O, no torch. Sizes, heads, head_dim, MLP size, norm eps and RoPE are the target's; the number of
 layers, of aux states, the draft vocabulary and the mask token are the run's. Targets with Qwen3's QK-norm get
@@ -140,7 +140,7 @@ class DraftConfig:
         )
 
     def layer_config(self) -> dict[str, Any]:
-        """A Llama (or, with `qk_norm`, Qwen3) HF config dict of the draft (SPEC §6 `transformer_layer_config`)."""
+        """A Llama (or, with `qk_norm`, Qwen3) HF config dict of the draft (the export's `transformer_layer_config`)."""
         return {
             "architectures": ["Qwen3ForCausalLM" if self.qk_norm else "LlamaForCausalLM"],
             "model_type": "qwen3" if self.qk_norm else "llama",

@@ -1,8 +1,8 @@
-"""The layers of the draft (SPEC §5.3): RMS norm, grouped-query attention with RoPE over COD elements, SwiGLU MLP,
+"""The layers of the draft: RMS norm, grouped-query attention with RoPE over COD elements, SwiGLU MLP,
 and the pre-norm decoder layer (layer 0 the fused EAGLE-3 one, as vLLM's `llama_eagle3`).
 
 Pure torch: no I/O, no global RNG (the draft model initialises every weight). Parameter names are those of the
-exported weights (SPEC §6), so a layer's `state_dict()` keys are the checkpoint's.
+exported weights (docs/reference/checkpoint-format.md), so a layer's `state_dict()` keys are the checkpoint's.
 
 Worked example (SmolLM2-135M sizes: H = 576, 9 heads, 3 KV heads, head_dim 64, MLP 1536): the fused layer 0 takes
 cat(input_layernorm(embeds), hidden_norm(fc(aux))) [N, 1152], so q_proj is [576, 1152], k_proj and v_proj

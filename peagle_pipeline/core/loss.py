@@ -1,7 +1,7 @@
 """Chunked forward KL(target || draft) over the draft vocabulary, top-1 agreement and acceptance estimates.
 
 Pure torch: no I/O. Returns sums and counts, never means: the caller divides by the global count (all ranks,
-micro-steps and segments; SPEC §5.4). The KL runs `chunk` elements at a time inside one autograd Function
+micro-steps and segments; docs/reference/algorithm.md). The KL runs `chunk` elements at a time inside one autograd Function
 that computes the gradient wrt the hidden states while the chunk's logits are alive (d KL / d logits = q - p),
 so no [N, Vd] tensor ever exists and backward does no recomputation.
 """

@@ -1,4 +1,4 @@
-"""The P-EAGLE attention mask (SPEC §5.2): one predicate, rendered as a flex BlockMask (CUDA) or a dense
+"""The P-EAGLE attention mask (docs/reference/algorithm.md): one predicate, rendered as a flex BlockMask (CUDA) or a dense
 boolean matrix (CPU SDPA), and `attend`, which runs attention with either.
 
 Pure torch: no I/O, no global state. Query q = (a_q, d_q) may see key k = (a_k, d_k) iff both are in the

@@ -1,11 +1,11 @@
-"""The P-EAGLE draft model (SPEC §5.3), built from the target's config dict and its saved pieces.
+"""The P-EAGLE draft model (docs/reference/algorithm.md), built from the target's config dict and its saved pieces.
 
 Pure torch: no I/O, never loads the target model, no global RNG (initialisation takes a `torch.Generator`).
 Matches vLLM's `llama_eagle3` runtime: fused layer 0 sees cat(input_layernorm(embeds), hidden_norm(fc(aux)))
 with residual fc(aux) (or the normed hidden with `norm_before_residual`), plain pre-norm Llama layers after,
 a final norm, and logits from a frozen lm_head over the draft vocabulary. Depth >= 1 elements get
 `mask_token_id` as token and `mask_hidden` as aux states (before `fc`, as vLLM's combine_hidden_states does).
-`state_dict()` keys are exactly the exported weight names of SPEC §6. Sizes: `core.draft_config`; layers:
+`state_dict()` keys are exactly the exported weight names (docs/reference/checkpoint-format.md). Sizes: `core.draft_config`; layers:
 `core.draft_layers`; RoPE: `core.rope`.
 
 Worked example (the packed row of the core/cod.py example: L = 7 rows, 10 elements, targets

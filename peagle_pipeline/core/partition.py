@@ -1,4 +1,4 @@
-"""Sequence partitioning (SPEC §5.5, paper Algorithm 1): split a packed row's COD elements into segments
+"""Sequence partitioning (the P-EAGLE paper's Algorithm 1): split a packed row's COD elements into segments
 that each run their own forward and backward, cutting peak memory.
 
 Pure torch: plans index sets only; the caller runs the model on `layout.select(seg.index)` (mask from the

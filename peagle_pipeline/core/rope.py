@@ -1,4 +1,4 @@
-"""Rotary position embeddings of the draft (SPEC §5.3): the target's RoPE settings and their inverse frequencies.
+"""Rotary position embeddings of the draft: the target's RoPE settings and their inverse frequencies.
 
 Pure torch: no I/O, no global state. Default, linear, llama3, YaRN and LongRoPE scaling, computed as transformers and
 vLLM compute them, over all of each head or (partial rotary, as Qwen3-Next and Qwen3.5 set it) over its first

@@ -32,7 +32,7 @@ GPU_MEMORY_UTILIZATION = 0.9
 
 @dataclass(frozen=True, slots=True)
 class CODConfig:
-    """COD sampling settings (SPEC §5.1)."""
+    """COD sampling settings (docs/reference/algorithm.md)."""
 
     depths: int = 8
     """K: elements per chain (depth 0 .. K-1); trained deeper than served (`SERVING_DEPTHS`)."""

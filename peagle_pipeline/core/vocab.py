@@ -1,4 +1,4 @@
-"""Draft vocabulary (SPEC §5.3) from supervised-token counts, and the mask-token rule.
+"""Draft vocabulary from supervised-token counts, and the mask-token rule.
 
 Pure torch: no I/O, no tokenizer objects (callers pass the few ids the rule needs).
 Example: counts [5, 0, 9, 5] and size 2 keep ids {2, 0} (0 wins the tie with 3 by id) -> ids [0, 2],
@@ -164,7 +164,7 @@ def choose_mask_token_id(
     token_counts: torch.Tensor | None = None,
     override: int | None = None,
 ) -> MaskTokenChoice:
-    """The token fed at every depth >= 1 slot (SPEC §5.3); its embedding row is trained as the mask embedding.
+    """The token fed at every depth >= 1 slot; its embedding row is trained as the mask embedding.
 
     Rule, first match wins: (1) an explicit `override`; (2) the tokenizer's mask token; (3) the first unused
     embedding row when the tokenizer is smaller than the embedding; (4) the lowest-id special token that is not

@@ -1,4 +1,4 @@
-"""Prompts for regenerating a conversation's assistant replies, kept as token ids (SPEC section 4a).
+"""Prompts for regenerating a conversation's assistant replies, kept as token ids.
 
 Turn j is prompted with the conversation so far in which the earlier replies are the target's *own* generated
 ones, rendered the way the template renders an earlier reply (as vLLM renders the conversation when it serves

@@ -80,7 +80,7 @@ class TokenizedConversation:
     """A row that carries its own token ids and loss mask (on-policy data written by `generate`): used as is.
 
     `input_ids` [T] are the tokens the target saw and produced; `loss_mask` [T] is True on generated reply
-    tokens. Re-rendering the text could give other ids than were generated (SPEC §4a), so none is done.
+    tokens. Re-rendering the text could give other ids than were generated, so none is done.
     """
 
     source: str
@@ -98,7 +98,7 @@ class Reject:
     reason: str
     prompt: Conversation | None = None
     """A conversation with no reply at all that ends with a user turn (a prompt): nothing to extract, but
-    `generate` writes its reply (SPEC 4a: drafts are trained on prompts whose replies the target writes)."""
+    `generate` writes its reply (drafts are trained on prompts whose replies the target writes)."""
 
 
 Row = Conversation | TokenizedConversation | Reject

@@ -57,7 +57,7 @@ def _syncs(fn) -> int:
 
 
 def test_submit_waits_no_more_than_the_bare_forward(tiny_model):
-    """issue 37: queuing a batch (forward, top-k, device-to-host copies) makes no host sync the model's own
+    """Queuing a batch (forward, top-k, device-to-host copies) makes no host sync the model's own
     forward does not make; collecting it then gives the outputs of a plain `forward`."""
     from peagle_pipeline.backends.hf import HFBackend
     from peagle_pipeline.config import ExtractConfig

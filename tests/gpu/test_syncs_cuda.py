@@ -1,4 +1,4 @@
-"""issue 37 on CUDA: the loss's per-depth counts make no host sync; rows copied one step ahead on a side stream
+"""The loss's per-depth counts make no host sync; rows copied one step ahead on a side stream
 arrive equal to the host rows."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A Hugging Face DatasetDict saved to disk (issue 39 item 10): `extract` and `generate` read its `train` split, or the
+"""A Hugging Face DatasetDict saved to disk: `extract` and `generate` read its `train` split, or the
 one `--split` names, and say which in their summary; the test split never ends up in a training cache unannounced.
 
 The DatasetDict is written in the layout `DatasetDict.save_to_disk` writes (Arrow IPC stream files, state.json per

@@ -1,4 +1,4 @@
-"""The speculators P-EAGLE export (SPEC section 6) of a real tiny run: every config field, every weight key, shape and
+"""The speculators P-EAGLE export of a real tiny run: every config field, every weight key, shape and
 dtype, the Vd == V case, atomic replacement, and a reload that reproduces the trained model's outputs in bf16.
 """
 
@@ -248,7 +248,7 @@ def test_export_cli_replaces_a_previous_export(run_dir: Path, tmp_path: Path, ca
 
 
 def test_export_records_the_served_k_apart_from_the_trained_k(run_dir: Path, tmp_path: Path, capsys) -> None:
-    """Train deeper than you serve (issue 36): speculative_tokens is the served K, at most the trained one."""
+    """Train deeper than you serve: speculative_tokens is the served K, at most the trained one."""
 
     def served(path: Path) -> int:
         cfg = json.loads((path / "config.json").read_text())
@@ -298,7 +298,7 @@ def test_non_finite_weights_are_never_exported_or_saved(
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-# ---- issue 15, item 2: an export folder is ours only if it holds exactly what an export writes --------------
+# ---- an export folder is ours only if it holds exactly what an export writes --------------
 def _tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
@@ -364,7 +364,7 @@ def _modes(root: Path) -> dict[str, int]:
 
 
 def test_exported_and_checkpoint_files_follow_the_umask(run_dir: Path, tmp_path: Path) -> None:
-    """issue 15, item 12: model.safetensors was written 0600, so a vLLM running as another user could not read it."""
+    """Model.safetensors was written 0600, so a vLLM running as another user could not read it."""
     import os
 
     old = os.umask(0o027)

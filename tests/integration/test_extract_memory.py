@@ -1,5 +1,5 @@
 """A 20 MB single-conversation line through the real `extract` CLI: peak memory stays bounded by the max length
-(issue 15, item 11: it was tokenised whole before truncation; 50 MB took 9.6 GB and 114 s)."""
+(it was tokenised whole before truncation; 50 MB took 9.6 GB and 114 s)."""
 
 from __future__ import annotations
 

@@ -205,7 +205,7 @@ def test_fp32_last_hidden_and_layer_validation(tiny_model, tmp_path, patch_backe
 
 
 def test_collapsed_default_layers_are_reported(tiny_model, tmp_path, patch_backend):
-    """issue 15, item 12: [2, L//2, L-3] on the 6-layer tiny model is [2, 3, 3] -> 2 aux layers; say so."""
+    """[2, L//2, L-3] on the 6-layer tiny model is [2, 3, 3] -> 2 aux layers; say so."""
     data = _data(tmp_path / "d.jsonl", 4)
     patch_backend()
     text = stage.run(_cfg(tiny_model, data, tmp_path / "c")).format()
@@ -219,7 +219,7 @@ def test_collapsed_default_layers_are_reported(tiny_model, tmp_path, patch_backe
 
 
 def test_cache_files_follow_the_umask(tiny_model, tmp_path, patch_backend):
-    """issue 15, item 12: no file of a cache is private (0600): other users (a vLLM server, a trainer) read it."""
+    """No file of a cache is private (0600): other users (a vLLM server, a trainer) read it."""
     import os
 
     data = _data(tmp_path / "d.jsonl", 4)
@@ -238,7 +238,7 @@ def test_cache_files_follow_the_umask(tiny_model, tmp_path, patch_backend):
     assert {k: m for k, m in modes.items() if m != 0o644} == {}
 
 
-# ---- issue 15, item 5: zero usable samples is an error naming the reasons; the output is left as it was ------
+# ---- zero usable samples is an error naming the reasons; the output is left as it was ------
 def _lines(path: Path, records: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
@@ -336,7 +336,7 @@ class _RunningAhead(FakeBackend):
 def test_runner_submits_the_next_batch_before_writing_the_last(
     tiny_model, tmp_path, patch_backend, monkeypatch
 ):
-    """issue 37: batch i+1 is enqueued before batch i is copied/written, and the cache is bit-identical to the
+    """Batch i+1 is enqueued before batch i is copied/written, and the cache is bit-identical to the
     one a forward-then-write backend gives (rejects included, recorded in the same order)."""
     data = _data(tmp_path / "d.jsonl")
     patch_backend()

@@ -85,7 +85,7 @@ def test_mask_token_is_an_unused_special_token_never_seen_in_the_data(tiny_model
     assert forced.token_id == 4 and "occurs 1 times" in forced.warning
 
 
-# ---- issue 39, item 9 ------------------------------------------------------------------------------------
+# ---- token-id rows and assistant_turns -------------------------------------------------------------------
 def test_assistant_turns_last_keeps_only_the_last_reply_of_token_id_rows(tiny_model, tmp_path):
     """A token-id row's replies are its runs of supervised tokens (generate supervises each reply, never the template
     text between them): `--assistant-turns last` supervises the last run only, as it does for text rows."""

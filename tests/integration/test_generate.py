@@ -148,7 +148,7 @@ def test_first_and_last_turns(tiny_stop_model, conversations, tmp_path):
 
 
 def test_prompts_without_replies_get_the_targets_reply(tiny_stop_model, tmp_path):
-    """Prompt-only rows (SPEC 4a: drafts trained on prompts, replies by the target), e.g. a list of questions: each
+    """Prompt-only rows, e.g. a list of questions: each
     gets one generated reply, and extract reads the rows as token ids."""
     from peagle_pipeline.data.formats import iter_rows
     from peagle_pipeline.data.records import TokenizedConversation
@@ -180,7 +180,7 @@ def test_long_prompts_and_empty_replies_are_recorded(tiny_stop_model, conversati
         starts = [a for a, _ in _runs(row["loss_mask"])]
         assert all(s <= 40 for s in starts)  # every reply was prompted with <= max_prompt_tokens tokens
     # greedy: this model's most likely first token is the end-of-turn, so every reply is empty; no row is kept, which
-    # is an error naming the reason (as extract's "no usable samples"), and nothing is left (issue 39 item 6)
+    # is an error naming the reason (as extract's "no usable samples"), and nothing is left
     with pytest.raises(
         BadInput, match=rf"every row was rejected \(10 x '{REASON_EMPTY}'\); nothing was kept"
     ):

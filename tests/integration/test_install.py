@@ -1,5 +1,5 @@
 """`pip install` of the package into an environment that already has its own torch leaves that torch in place,
-and the CLI works there (issue 12: install beside the torch a GPU user's vLLM pinned).
+and the CLI works there (install beside the torch a GPU user's vLLM pinned).
 
 What runs offline here: a fresh venv (a real one, not --system-site-packages) gets torch from the local wheel that
 pip's find-links serve; the other dependencies cannot be downloaded, so the venv borrows them read-only from

@@ -1,4 +1,4 @@
-"""A Qwen3 target end to end (issue 39): a tiny random Qwen3ForCausalLM with Qwen3's real chat template, extracted,
+"""A Qwen3 target end to end: a tiny random Qwen3ForCausalLM with Qwen3's real chat template, extracted,
 trained and exported with the real CLI; then what the export says about its target and its draft layer.
 """
 
@@ -48,7 +48,7 @@ def qwen3_run(tiny_qwen3: Path, tmp_path_factory) -> Path:
     return run
 
 
-# ---- item 3: the draft layer is a Qwen3 layer that starts from the target's, q_norm/k_norm included --------------
+# ---- the draft layer is a Qwen3 layer that starts from the target's, q_norm/k_norm included --------------
 def test_train_makes_a_qwen3_draft_layer_and_exports_it(qwen3_run: Path, tiny_qwen3: Path) -> None:
     from safetensors.torch import load_file
 
@@ -86,7 +86,7 @@ def test_the_fused_layer_starts_from_the_target_layers_qk_norms(qwen3_run: Path,
     assert loaded.cfg.qk_norm  # an export reloads as the Qwen3 layer it was trained as
 
 
-# ---- item 4: a draft run against another target is refused before any engine starts ----------------------------
+# ---- a draft run against another target is refused before any engine starts ----------------------------
 def test_export_records_the_target_it_was_trained_on(qwen3_run: Path, tiny_qwen3: Path) -> None:
     from peagle_pipeline.stages.export.marker import read_marker, target_identity
 
@@ -119,7 +119,7 @@ def test_another_chat_template_only_warns(qwen3_run: Path, tiny_qwen3: Path, tmp
     assert note is not None and note.startswith(f"warning: {other}'s chat template differs")
 
 
-# ---- item 2: `generate --turns all` continues Qwen3 conversations past their first reply ------------------------
+# ---- `generate --turns all` continues Qwen3 conversations past their first reply ------------------------
 def _generate_rows(tiny_qwen3: Path, tmp_path: Path, **settings) -> tuple[list[dict], str, Path]:
     """`generate --backend hf --turns all` on 10 conversations with the tiny Qwen3 that ends its replies: the
     rows, the rejects' text and the model directory."""

@@ -1,4 +1,4 @@
-"""What `generate` and `extract` leave behind when they cannot start or have nothing to do (issue 39 items 5, 6, 13).
+"""What `generate` and `extract` leave behind when they cannot start or have nothing to do.
 
 A new output is stamped (generate.json, cache.json: backend, compute dtype) only once its backend has started: a
 failed start (vLLM not installed, `--device cuda` without CUDA) is one line and leaves nothing, so the command the

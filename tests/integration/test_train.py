@@ -147,7 +147,7 @@ def test_resume_of_a_finished_run_does_nothing_more(finished_run: Path, tiny_cac
 def test_resume_of_a_finished_run_keeps_the_users_files_in_its_export(
     finished_run: Path, tiny_cache: Path, capsys
 ) -> None:
-    """issue 15, item 2: `train --resume` on a finished run re-exports; it must not delete a README put there."""
+    """`train --resume` on a finished run re-exports; it must not delete a README put there."""
     readme = finished_run / "export" / "README.md"
     readme.write_text("my notes\n")
     weights = (finished_run / "export" / "model.safetensors").read_bytes()
@@ -256,7 +256,7 @@ def test_a_run_shorter_than_the_default_warmup_still_reaches_the_peak_lr(
 
 
 def test_start_prints_draft_vocabulary_coverage(tiny_cache: Path, tmp_path: Path, capsys) -> None:
-    """docs/guides/recipes.md: the coverage of the draft vocabulary is printed at the start of training (issue 15, 16)."""
+    """Docs/guides/recipes.md: the coverage of the draft vocabulary is printed at the start of training."""
     import numpy as np
 
     from peagle_pipeline.cache.reader import open_cache

@@ -1,4 +1,4 @@
-"""Ctrl-C and a second start on a live run, with real `peagle-pipeline` subprocesses (issue 15, items 1 and 15).
+"""Ctrl-C and a second start on a live run, with real `peagle-pipeline` subprocesses.
 
 SIGINT goes to the whole process group, as a terminal sends it (the DataLoader worker gets it too). Training must
 stop at a step boundary, save that step, exit 130 with one error line, and `--resume` must then finish with the

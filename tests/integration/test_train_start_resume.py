@@ -1,4 +1,4 @@
-"""Starting and resuming training runs the way users do (issue 15): a failed start never blocks the retry, a
+"""Starting and resuming training runs the way users do: a failed start never blocks the retry, a
 resume compares what paths point to (and the cache's identity) rather than their spelling, settings that do not
 change the result may change, a run can be extended (the schedule rule is stated), progress is printed without a
 terminal, and what the run quietly adjusted (eval split, truncation) is reported.
@@ -55,7 +55,7 @@ def run_copy(finished: Path, tmp_path: Path) -> Path:
     return dst
 
 
-# ---------------------------------------------------------------------------------------- item 8: failed starts
+# ----------------------------------------------------------------------------------------- failed starts
 def test_failed_start_leaves_nothing_and_the_retry_runs(tiny_cache: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "run"
     assert train(tiny_cache, out, "--target", "exact") == 2  # the cache has no last hidden states
@@ -84,7 +84,7 @@ def test_leftovers_of_a_run_that_never_trained_do_not_block(
     assert ckpt_steps(out)[-1] == STEPS and "lr: 0.002" in (out / "train.yaml").read_text()
 
 
-# ------------------------------------------------------------------------------- item 9: paths and identity
+# -------------------------------------------------------------------------------- paths and identity
 def test_resume_compares_real_paths_not_spellings(
     run_copy: Path, tiny_cache: Path, tmp_path: Path, monkeypatch
 ) -> None:
@@ -117,7 +117,7 @@ def test_resume_follows_a_moved_cache_and_refuses_another(
     assert "is another cache" in error_line(capsys)
 
 
-# -------------------------------------------------------------------- item 10: harmless changes, extending
+# --------------------------------------------------------------------- harmless changes, extending
 def test_resume_allows_changes_that_keep_the_result(run_copy: Path, tiny_cache: Path, capsys) -> None:
     argv = ["--device", "cpu", "--keep-checkpoints", "3", "--save-every", "1", "--eval-every", "1"]
     assert train(tiny_cache, run_copy, "--resume", *argv) == 0
@@ -141,7 +141,7 @@ def test_resume_extends_the_run_and_recomputes_the_schedule(run_copy: Path, tiny
     assert "it is at step 7" in error_line(capsys)
 
 
-# ------------------------------------------------------------------ items 13 and 15: what the user is told
+# ------------------------------------------------------------------- what the user is told
 def test_progress_lines_and_resume_notice_without_a_terminal(tiny_cache: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     first = run_peagle("train", "--cache", str(tiny_cache), "--output", str(out), *FLAGS)  # stderr is a pipe

@@ -1,4 +1,4 @@
-"""issue 37: a training step copies its metrics to the host once, not once per segment (each copy of a device
+"""A training step copies its metrics to the host once, not once per segment (each copy of a device
 tensor to the host waits for the GPU); counted here on CPU by the calls the step makes."""
 
 from __future__ import annotations

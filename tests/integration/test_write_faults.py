@@ -1,4 +1,4 @@
-"""Writes that fail (issue 15, item 7): a full disk during training or export and read-only output folders give
+"""Writes that fail: a full disk during training or export and read-only output folders give
 one error line with the documented exit code (9 disk full, 2 unusable path), never a traceback, and leave no
 half-written `.tmp` folder; a full disk during training resumes once space is back.
 

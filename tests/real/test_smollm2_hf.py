@@ -122,7 +122,7 @@ def test_pieces_of_tied_smollm2(smollm2_dir, backend, tmp_path):
 
 
 def test_bounded_rendering_is_identical_on_real_data(tokenizer, sharegpt_jsonl):
-    """issue 15, item 11: rendering with max_tokens (memory bounded by the max length) gives exactly the first
+    """Rendering with max_tokens (memory bounded by the max length) gives exactly the first
     max_tokens ids and mask values of the whole rendering, on ShareGPT with SmolLM2's tokenizer (the bounded path
     is taken for every row longer than 16 characters per token wanted)."""
     from peagle_pipeline.data.chat import RejectRow

@@ -174,7 +174,7 @@ def test_light_commands_do_not_import_torch(argv, tmp_path):
     assert out.stdout.strip().splitlines()[-1] == "RC 0 False False", out.stdout + out.stderr
 
 
-# ---- issue 39, item 7 ------------------------------------------------------------------------------------
+# ---- greedy sampling with several samples per prompt -----------------------------------------------------
 def test_the_docs_greedy_example_with_two_samples_is_one_line_exit_2(capsys, tmp_path):
     """`--temperature 0 --samples-per-prompt 2` would write byte-identical duplicates: refused before anything."""
     out = tmp_path / "gen"

@@ -171,7 +171,7 @@ def test_field_choices_come_from_literal_types():
 
 
 def test_duplicate_data_and_layers_are_refused(tmp_path, monkeypatch):
-    """issue 15, item 12: the same data file twice (however spelled) or a layer id twice is a one-line error."""
+    """The same data file twice (however spelled) or a layer id twice is a one-line error."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(BadConfig, match=r"data names the same file twice: 'd.jsonl' and '\./d.jsonl'"):
         resolve(ExtractConfig, None, {**BASE_EXTRACT, "data": ["d.jsonl", "e.jsonl", "./d.jsonl"]})
@@ -183,7 +183,7 @@ def test_duplicate_data_and_layers_are_refused(tmp_path, monkeypatch):
     assert cfg.data == ["d.jsonl", "e.jsonl"] and cfg.layers == [3, 2]
 
 
-# ---- issue 39, item 7 ------------------------------------------------------------------------------------
+# ---- greedy sampling with several samples per prompt -----------------------------------------------------
 def test_greedy_with_several_samples_per_prompt_is_refused(tmp_path):
     """temperature 0 is greedy: n samples of one prompt would be n byte-identical rows. One line names both fixes."""
     base = {"model": "m", "data": ["d"], "output": "o"}

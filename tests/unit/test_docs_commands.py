@@ -1,4 +1,4 @@
-"""Every `peagle-pipeline ...` command line shown in the docs parses with the real CLI (issue 15, item 16).
+"""Every `peagle-pipeline ...` command line shown in the docs parses with the real CLI.
 
 Command lines are taken from fenced code blocks and inline code spans of README.md and docs/**/*.md. Placeholders
 (RUN, CACHE, ...) are ordinary arguments; optional parts in brackets, `...` elisions and trailing comments are

@@ -1,5 +1,5 @@
 """Every relative link in README.md and docs/**/*.md points to a file that exists, and every `#anchor` to a heading
-of that file (issue 38: the docs moved into guides/, reference/ and results/, and a moved page must not leave a
+of that file (the docs moved into guides/, reference/ and results/, and a moved page must not leave a
 dead link behind). Links inside code (fenced blocks, inline spans) are not links and are not checked.
 """
 

@@ -1,4 +1,4 @@
-"""The architecture, checked: imports point inward (STYLE.md, docs/reference/architecture.md), no import circles, core stays
+"""The architecture, checked: imports point inward (docs/reference/architecture.md), no import circles, core stays
 pure, importing is cheap.
 
 Every import counts, wherever it stands (module level, inside a function, under TYPE_CHECKING) and in every form

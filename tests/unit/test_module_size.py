@@ -1,4 +1,4 @@
-"""The house's size rules (STYLE.md, docs/reference/architecture.md): one idea per module, short functions.
+"""The house's size rules (docs/reference/architecture.md): one idea per module, short functions.
 
 A module over MAX_MODULE_LINES or a function over MAX_FUNCTION_LINES (its whole span, docstring included) is a
 sign that it holds more than one idea: split it by idea, as `stages/extract/` and `config/` are split.

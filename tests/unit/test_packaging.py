@@ -1,4 +1,4 @@
-"""Packaging metadata: pyproject.toml builds without setuptools deprecation warnings (issue 15, item 17)."""
+"""Packaging metadata: pyproject.toml builds without setuptools deprecation warnings."""
 
 from __future__ import annotations
 

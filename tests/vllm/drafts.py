@@ -1,7 +1,7 @@
 """Hand-made exports for the vLLM tier: a random P-EAGLE (or EAGLE-3) draft for a target, written by our own exporter.
 
 The weights are random (acceptance ~ 0), but the files are exactly what `peagle-pipeline train` exports
-(SPEC section 6: `stages.export.write_export` of a `core.model.PEagleDraft`, or of a `core.eagle3.Eagle3Draft` for
+(`stages.export.write_export` of a `core.model.PEagleDraft`, or of a `core.eagle3.Eagle3Draft` for
 `method="eagle3"`), so vLLM must load them.
 """
 
@@ -25,6 +25,7 @@ def make_random_draft(
     draft_layers: int = 1,
     rope_parameters: dict | None = None,
     method: str = "peagle",
+    qk_norm: bool | None = None,
 ) -> Path:
     """Export a random P-EAGLE draft of `draft_layers` layers for `target` (embeddings/lm_head/norm from the target) to `out`.
 
@@ -37,6 +38,7 @@ def make_random_draft(
         rope_parameters: the draft's RoPE instead of the target's (a rotation no runnable target of the tier
             has, checked on a target that runs).
         method: "peagle" or "eagle3" (the speculators format written, as `train --method`).
+        qk_norm: Qwen3-style draft layers (`train --draft-arch qwen3`) or not; default: the target's family.
     """
     from peagle_pipeline.core.draft_config import DraftConfig, has_qk_norm
     from peagle_pipeline.core.eagle3 import Eagle3Draft
@@ -62,7 +64,8 @@ def make_random_draft(
         mask_token_id=mask_token_id,
         norm_before_residual=False,
         depths=depths,
-        qk_norm=has_qk_norm(info.config),  # a Qwen3 target gets a Qwen3 draft layer, as `train` makes it
+        # a Qwen3 target gets a Qwen3 draft layer, as `train` makes it by default (`--draft-arch auto`)
+        qk_norm=has_qk_norm(info.config) if qk_norm is None else qk_norm,
         target_identity=target_identity(target),
         method=method,
     )

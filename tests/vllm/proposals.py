@@ -1,4 +1,4 @@
-"""What vLLM drafts against what our draft model computes, token by token (SPEC §5: train as vLLM serves).
+"""What vLLM drafts against what our draft model computes, token by token.
 
 Every speculative step, vLLM's proposer drafts K tokens from the last verified position (the anchor): at once for a
 P-EAGLE export, in K sequential steps for an EAGLE-3 one (our forward then feeds each step its previous argmax).
@@ -161,7 +161,7 @@ def our_proposals(target: Path, export: Path, tokens: list[int], depths: int) ->
         aux = hf.forward([tokens])[0].aux_hidden.float()
     finally:
         hf.close()
-    n = len(tokens) - 1  # shifted rows: row i pairs token x_{i+1} with the aux states of x_i (SPEC §2)
+    n = len(tokens) - 1  # shifted rows: row i pairs token x_{i+1} with the aux states of x_i
     valid = torch.ones(n, dtype=torch.bool)
     layout = cod.build_layout([n], valid, cod.CODConfig(depths=depths), None, full=True)
     x = torch.tensor(tokens)

@@ -1,8 +1,9 @@
-"""vLLM drafts exactly the tokens our draft model computes (SPEC §5: training must match the serving runtime).
+"""VLLM drafts exactly the tokens our draft model computes.
 
 `proposals.compare_proposals` records every K-token proposal of vLLM's drafter on greedy replies and looks up the
 argmax of `PEagleDraft.forward_layout` at the same anchor and depth (the forward `train` optimises): they must be
-equal at every depth, for a 4-layer draft of the real SmolLM2, a 2-layer draft of a Qwen3 (QK-norm) target, and
+equal at every depth, for a 4-layer draft of the real SmolLM2, a 2-layer draft of a Qwen3 (QK-norm) target, a
+Qwen3-style draft layer of a Llama target (`train --draft-arch qwen3`), and
 1-layer drafts of a Qwen3-MoE target, of targets with YaRN RoPE (a Qwen3 with its long-context setting, a
 gpt-oss), with LongRoPE (a Phi-3), with partial rotary (Qwen3-Next's and Qwen3.5's), of a Gemma 4, a Llama 4 and a Granite. The acceptance that the walk over the replies
 implies must equal vLLM's own counters (but for the tokens a step accepted past `max_tokens`, which the reply does
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMOLLM2
+from conftest import SMOLLM2, TINY_LAYERS
 from drafts import make_random_draft
 from proposals import chat_prompts, compare_proposals
 
@@ -79,6 +80,17 @@ def test_two_layer_draft_of_qwen3(tiny_qwen3: Path, tmp_path: Path) -> None:
     )
     _sharpen(export, 3.0)
     _check(tiny_qwen3, export)
+
+
+def test_qwen3_style_draft_of_a_llama_target(tiny_model: Path, tmp_path: Path) -> None:
+    """`train --draft-arch qwen3` on a Llama target: vLLM serves the Qwen3 draft layer (q_norm/k_norm) beside a
+    target without them, computing what our layer computes."""
+    export = make_random_draft(tiny_model, tmp_path / "draft", TINY_LAYERS, depths=K, draft_vocab_size=300,
+                               qk_norm=True)  # fmt: skip
+    layer = json.loads((export / "config.json").read_text())["transformer_layer_config"]
+    assert layer["model_type"] == "qwen3"
+    _sharpen(export, 3.0)
+    _check(tiny_model, export)
 
 
 def test_draft_of_a_yarn_target(tiny_qwen3_yarn: Path, tmp_path: Path) -> None:

@@ -1,13 +1,16 @@
-"""`peagle-pipeline evaluate` in a real vLLM: two drafts side by side on a JSONL prompt set and a run's held-out
-split; the report's figures are consistent with vLLM's counters, greedy output is unchanged, the chart is a PNG.
+"""`peagle-pipeline evaluate` in a real vLLM: drafts of both methods side by side on a JSONL prompt set and a run's
+held-out split, one of them at two K; the report's figures are consistent with vLLM's counters, greedy output is
+unchanged, the charts are PNGs.
 
-The trained draft comes from `peagle-pipeline train` on the cache `extract --backend vllm` wrote (its export sits in
-the run, so the trainer's estimate is found); the second is a random draft written by our exporter.
+The trained P-EAGLE draft comes from `peagle-pipeline train` on the cache `extract --backend vllm` wrote (its export
+sits in the run, so the trainer's estimate is found); the EAGLE-3 draft is a random draft written by our exporter in
+the speculators `eagle3` format (served without parallel drafting).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,21 @@ from drafts import make_random_draft
 from peagle_pipeline.stages.export.marker import MARKER_FILE
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def as_eagle3(export: Path, out: Path) -> Path:
+    """A copy of a P-EAGLE export in the speculators EAGLE-3 format: the same layers, no mask token or mask state."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(export, out)
+    config = json.loads((out / "config.json").read_text())
+    config["speculators_model_type"] = config["speculators_config"]["algorithm"] = "eagle3"
+    del config["mask_token_id"]
+    (out / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(out / "model.safetensors"))
+    del weights["mask_hidden"]
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +50,13 @@ def trained_run(tiny_caches: dict[str, Path], tmp_path_factory: pytest.TempPathF
     return run
 
 
-def test_two_drafts_jsonl_and_heldout(
+def test_both_methods_jsonl_and_heldout(
     tiny_model: Path, trained_run: Path, tmp_path: Path, vllm_env: dict[str, str]
 ) -> None:
     random_draft = make_random_draft(
         tiny_model, tmp_path / "random", TINY_LAYERS, depths=3, draft_vocab_size=300
     )
+    eagle3 = as_eagle3(random_draft, tmp_path / "e3")
     prompts = tmp_path / "questions.jsonl"
     prompts.write_text(
         "\n".join(
@@ -49,7 +68,7 @@ def test_two_drafts_jsonl_and_heldout(
         vllm_env,
         "evaluate",
         str(trained_run / "export"),
-        str(random_draft),
+        f"{eagle3}@2,3",  # its own K list: an engine per K
         "--target",
         str(tiny_model),
         "--prompts",
@@ -71,18 +90,22 @@ def test_two_drafts_jsonl_and_heldout(
     print("\n" + proc.stdout)
     report = json.loads((out / "report.json").read_text())
     assert (out / "acceptance.png").read_bytes()[:8] == PNG_MAGIC
+    assert (out / "comparison.png").read_bytes()[:8] == PNG_MAGIC
 
     assert [s["name"] for s in report["prompt_sets"]] == ["questions", "heldout"]
     assert [s["prompts"] for s in report["prompt_sets"]] == [3, 3]
-    assert [d["name"] for d in report["drafts"]] == ["run/export", "random"]
+    assert [d["name"] for d in report["drafts"]] == ["run/export", "e3@2", "e3@3"]
+    assert [(d["label"], d["method"], d["parallel_drafting"]) for d in report["drafts"]] == [
+        ("run/export", "peagle", True), ("e3", "eagle3", False), ("e3", "eagle3", False),
+    ]  # fmt: skip
     assert report["settings"]["concurrency"] == [1, 2] and report["settings"]["temperature"] == 0.0
-    assert set(report["engine_start_seconds"]) == {"plain", "run/export", "random"}
+    assert set(report["engine_start_seconds"]) == {"plain", "run/export", "e3@2", "e3@3"}
     assert all(v > 0 for v in report["engine_start_seconds"].values())
 
     # the trainer's estimate is the last held-out acceptance of the run's metrics.jsonl
     evals = [json.loads(x) for x in (trained_run / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in evals if r.get("kind") == "eval"][-1]
-    trained, rand = report["drafts"]
+    trained, rand, _ = report["drafts"]
     assert trained["trainer_estimate"]["acceptance_length"] == pytest.approx(last["acceptance"])
     assert trained["trainer_estimate"]["step"] == last["step"] and trained["run"] == str(trained_run)
     assert rand["trainer_estimate"] is None and rand["run"] is None
@@ -92,14 +115,17 @@ def test_two_drafts_jsonl_and_heldout(
     assert at_step and trained["trainer_estimate"]["exported_step"] == step  # `best`: an evaluated step
     assert trained["trainer_estimate"]["exported_acceptance_length"] == pytest.approx(at_step[-1])
 
-    assert len(report["results"]) == 4  # 2 drafts x 2 prompt sets
+    assert len(report["results"]) == 6  # (1 draft + 1 draft at 2 K) x 2 prompt sets
+    depths = {"run/export": 3, "e3@2": 2, "e3@3": 3}
     for r in report["results"]:
-        assert r["depths"] == 3 and r["max_tokens"] == 16 and r["concurrency"] == 1 and r["hardware"]
+        K = depths[r["draft"]]
+        assert r["depths"] == K and r["max_tokens"] == 16 and r["concurrency"] == 1 and r["hardware"]
+        assert r["method"] == ("peagle" if r["draft"] == "run/export" else "eagle3")
         assert r["identical"] is True and r["mismatched_prompts"] == 0
         assert r["drafts"] > 0
         assert r["acceptance_length"] == pytest.approx(1 + r["accepted"] / r["drafts"])
         per = r["accepted_per_position"]
-        assert len(per) == 3 and sum(per) == r["accepted"]
+        assert len(per) == K and sum(per) == r["accepted"] and r["draft_tokens"] == K * r["drafts"]
         assert all(0 <= n <= r["drafts"] for n in per)
         assert all(a >= b for a, b in zip(per, per[1:], strict=False))  # position i needs 0..i-1 accepted
         assert r["acceptance_per_position"] == pytest.approx([n / r["drafts"] for n in per])
@@ -111,7 +137,8 @@ def test_two_drafts_jsonl_and_heldout(
         assert r["throughput"][0]["acceptance_length"] == r["acceptance_length"]
         expected = pytest.approx(at_step[-1]) if r["draft"] == "run/export" else None
         assert r["trainer_estimate"] == expected  # the exported step's estimate, from metrics.jsonl
-    assert "trainer est. AL" in proc.stdout and "speedup" in proc.stdout
+    assert "trainer est. AL" in proc.stdout and "speedup" in proc.stdout and "EAGLE-3" in proc.stdout
+    assert "draft e3@2 (EAGLE-3, K=2)" in proc.stdout and "draft run/export (P-EAGLE, K=3)" in proc.stdout
 
 
 def test_missing_draft_and_not_an_export(tmp_path: Path, tiny_model: Path, vllm_env: dict[str, str]) -> None:

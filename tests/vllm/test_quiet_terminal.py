@@ -1,4 +1,4 @@
-"""vLLM's own output goes to a log file, the terminal keeps ours (issue 39 item 17).
+"""VLLM's own output goes to a log file, the terminal keeps ours.
 
 `evaluate` with stdout and stderr piped (no terminal), as `make demo` and SLURM run it: vLLM's WARNING lines, the
 traceback of its chat-template warm-up (it has no tokenizer here) and transformers' `torch_dtype` deprecation

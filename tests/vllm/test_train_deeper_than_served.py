@@ -1,4 +1,4 @@
-"""Train at K = 8, serve at K = 4 (issue 36; P-EAGLE trains deeper than it serves), with the draft trained by two
+"""Train at K = 8, serve at K = 4 (P-EAGLE trains deeper than it serves), with the draft trained by two
 FSDP ranks (`torchrun ... train --fsdp`, gloo): the export records speculative_tokens 4 and the trained K apart,
 vLLM's own speculators conversion takes K = 4 from it (what `vllm serve DRAFT` drafts), and vLLM loads the draft
 at K = 4 with greedy output unchanged.

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TINY_LAYERS, run_cli
+from conftest import SMOLLM2, TINY_LAYERS, run_cli
 from drafts import make_random_draft
 
 
@@ -115,7 +115,7 @@ def test_draft_for_another_vocabulary_is_refused(
 def test_draft_for_another_target_is_refused(
     tiny_qwen3: Path, tmp_path: Path, tiny_model: Path, vllm_env: dict[str, str]
 ) -> None:
-    """Issue 39 item 4: a draft for the tiny Qwen3 (same vocabulary size) on the tiny Llama: one line, no engine."""
+    """A draft for the tiny Qwen3 (same vocabulary size) on the tiny Llama: one line, no engine."""
     draft = make_random_draft(tiny_qwen3, tmp_path / "qwen3-draft", [1, 2, 3], depths=3)
     proc = run_cli(vllm_env, "vllm-check", str(draft), "--target", str(tiny_model), timeout=120)
     assert proc.returncode == 2
@@ -128,7 +128,7 @@ def test_draft_for_another_target_is_refused(
 def test_qwen3_draft_layer_loads_and_keeps_greedy_output(
     tiny_qwen3: Path, tmp_path: Path, vllm_env: dict[str, str]
 ) -> None:
-    """Issue 39 item 3: a Qwen3 draft layer (q_norm/k_norm, model_type qwen3) loads in vLLM's parallel drafting."""
+    """A Qwen3 draft layer (q_norm/k_norm, model_type qwen3) loads in vLLM's parallel drafting."""
     draft = make_random_draft(tiny_qwen3, tmp_path / "qwen3-draft", [1, 2, 3], depths=3, draft_vocab_size=300)
     assert (
         json.loads((draft / "config.json").read_text())["transformer_layer_config"]["model_type"] == "qwen3"
@@ -166,6 +166,26 @@ def test_eagle3_export_loads_without_parallel_drafting_and_keeps_greedy_output(
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(report.read_text())
     assert result["identical"] and result["drafts"] > 0 and result["depths"] == 3
+
+
+@pytest.mark.real
+@pytest.mark.skipif(not SMOLLM2.is_dir(), reason="SmolLM2 demo assets missing: run `make demo-assets`")
+def test_a_qwen3_style_draft_of_smollm2_keeps_greedy_output(tmp_path: Path, vllm_env: dict[str, str]) -> None:
+    """`train --draft-arch qwen3` on SmolLM2 (a Llama target): the Qwen3 draft layer loads in vLLM and, in fp32,
+    greedy output equals plain decoding (test_drafts_match_vllm checks its drafted tokens on the tiny Llama)."""
+    draft = make_random_draft(SMOLLM2, tmp_path / "draft", [2, 15, 27], depths=3, draft_vocab_size=8192,
+                              qk_norm=True)  # fmt: skip
+    layer = json.loads((draft / "config.json").read_text())["transformer_layer_config"]
+    assert layer["model_type"] == "qwen3" and layer["num_attention_heads"] == 9
+    report = tmp_path / "check.json"
+    proc = run_cli(
+        vllm_env,
+        *["vllm-check", str(draft), "--target", str(SMOLLM2), "--dtype", "fp32", "--num-prompts", "2"],
+        *["--max-tokens", "16", "--report", str(report)],
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(report.read_text())
+    assert result["identical"] and result["prompts"] == 2 and result["drafts"] > 0
 
 
 def test_prompt_sources(tiny_model: Path, tiny_chat_data: Path, tmp_path: Path) -> None:

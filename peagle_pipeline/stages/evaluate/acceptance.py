@@ -1,7 +1,7 @@
 """Acceptance as vLLM measures it: spec-decode counters, the figures derived from them, and timed engine runs.
 
 AL (mean acceptance length) = 1 + accepted / drafts from vLLM's counters `vllm:spec_decode_num_drafts`,
-`vllm:spec_decode_num_accepted_tokens` and `..._per_pos`, differenced before/after a run (SPEC section 4b); the
+`vllm:spec_decode_num_accepted_tokens` and `..._per_pos`, differenced before/after a run (docs/reference/algorithm.md); the
 per-position rate i is accepted_per_pos[i] / drafts. Runs keep at most `concurrency` requests in flight (1 = one
 prompt at a time) and time only the measured prompts (a short warm-up request comes first).
 Shared by `evaluate` and `vllm-check`. Never imports vLLM at module import time; never writes files.
@@ -33,7 +33,9 @@ __all__ = [
     "run_prompts",
     "engine",
     "mismatches",
+    "METHOD_NAMES",
     "read_draft_config",
+    "draft_method",
     "draft_depths",
     "speculative_config",
     "describe_hardware",
@@ -266,6 +268,11 @@ def _run_prompts(
 # ------------------------------------------------------------------------------------------------ drafts
 
 
+# The speculators formats a draft export may have (`draft_spec.EXPORT_METHODS`): P-EAGLE drafts every position in
+# one forward (vLLM's parallel drafting), EAGLE-3 one position per forward, each fed the one before.
+METHOD_NAMES = {"peagle": "P-EAGLE", "eagle3": "EAGLE-3"}
+
+
 def read_draft_config(draft_dir: str | Path) -> dict[str, Any]:
     """The export's config.json, checked to be a speculators export of ours (peagle or eagle3).
 
@@ -290,6 +297,11 @@ def read_draft_config(draft_dir: str | Path) -> dict[str, Any]:
     return config
 
 
+def draft_method(config: dict[str, Any]) -> str:
+    """The method of a checked export config (`read_draft_config`): "peagle" or "eagle3"."""
+    return str(export_method(config))
+
+
 def draft_depths(config: dict[str, Any]) -> int:
     """K the draft was exported with (`speculators_config.proposal_methods[0].speculative_tokens`)."""
     try:
@@ -303,7 +315,7 @@ def draft_depths(config: dict[str, Any]) -> int:
 def speculative_config(draft_dir: str | Path, depths: int) -> dict[str, Any]:
     """vLLM's speculative_config for an export, K = `depths`: vLLM's EAGLE-3 proposer, with parallel drafting for a
     P-EAGLE export (all K tokens in one pass), without for an EAGLE-3 one (K sequential steps)."""
-    parallel = export_method(read_draft_config(draft_dir)) == "peagle"
+    parallel = draft_method(read_draft_config(draft_dir)) == "peagle"
     return {
         "model": str(Path(draft_dir).resolve()),
         "method": "eagle3",

@@ -1,4 +1,5 @@
-"""The exports `evaluate` measures: where each is, the K it serves and was trained for, and what its training run
+"""The exports `evaluate` measures: where each is, its method (P-EAGLE or EAGLE-3, from its config.json), the K it
+serves and was trained for, the K list it is measured at (`DIR@K` on the command line), and what its training run
 estimated (the held-out AL from the run's metrics.jsonl, at the exported checkpoint's step), for the report.
 
 Reads export folders and run folders only; never runs vLLM.
@@ -6,16 +7,19 @@ Reads export folders and run folders only; never runs vLLM.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from peagle_pipeline.config.evaluate import K_LIST, parse_depths
 from peagle_pipeline.errors import BadInput
-from peagle_pipeline.stages.evaluate.acceptance import draft_depths, read_draft_config
+from peagle_pipeline.stages.evaluate.acceptance import draft_depths, draft_method, read_draft_config
 from peagle_pipeline.stages.run_layout import EXPORT_DIR
 
 __all__ = [
     "Draft",
+    "split_draft_arg",
+    "expand_depths",
     "find_run",
     "exported_step",
     "trainer_estimate",
@@ -37,11 +41,23 @@ class Draft:
     depths: int
     run: str | None
     estimate: dict[str, Any] | None
+    method: str = "peagle"
+    """"peagle" (parallel drafting) or "eagle3" (sequential drafting), the export's `speculators_model_type`."""
+    group: str = ""
+    """The export's name, shared by its measurements at several K (`name` is then `group@K`); "" = `name`."""
+
+    @property
+    def label(self) -> str:
+        """The name of the export itself, whatever K it is measured at (one line per label in the chart)."""
+        return self.group or self.name
 
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
+            "label": self.label,
             "path": self.path,
+            "method": self.method,
+            "parallel_drafting": self.method == "peagle",
             "trained_depths": self.trained_depths,
             "depths": self.depths,
             "run": self.run,
@@ -135,11 +151,29 @@ def walk_of_export(estimate: dict[str, Any] | None) -> float | None:
     return estimate.get("acceptance_walk")
 
 
+def split_draft_arg(arg: str) -> tuple[str, list[int] | None]:
+    """A draft argument `DIR` or `DIR@KLIST` (`config.evaluate.parse_depths`): the directory and its own K list (None: not given).
+
+    An existing directory whose name itself ends in "@..." is taken as it is.
+    """
+    path, at, ks = arg.rpartition("@")
+    if not at or not path or not K_LIST.match(ks) or Path(arg).is_dir():
+        return arg, None
+    return path, parse_depths(ks)
+
+
+def expand_depths(draft: Draft, depths: list[int]) -> list[Draft]:
+    """One measurement per K of `depths` (an engine each): named `NAME@K` when there are several."""
+    if len(depths) == 1:
+        return [replace(draft, depths=depths[0], group=draft.name)]
+    return [replace(draft, depths=k, name=f"{draft.name}@{k}", group=draft.name) for k in depths]
+
+
 def resolve_draft(path: str, depths: int | None) -> Draft:
     """Check an export and gather what the report says about it.
 
     Raises:
-        BadInput: missing directory or not a P-EAGLE export.
+        BadInput: missing directory or not a P-EAGLE or EAGLE-3 export.
     """
     from peagle_pipeline.stages.export.marker import trained_depths
 
@@ -159,4 +193,5 @@ def resolve_draft(path: str, depths: int | None) -> Draft:
         depths=depths if depths is not None else served,
         run=str(run_dir) if run_dir is not None else None,
         estimate=trainer_estimate(run_dir, exported_step(path, run_dir)) if run_dir is not None else None,
+        method=draft_method(config),
     )

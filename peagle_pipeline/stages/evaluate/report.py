@@ -1,4 +1,5 @@
-"""How an `evaluate` report is shown: the printed table and the per-position acceptance chart (PNG).
+"""How an `evaluate` report is shown: the printed table, the per-position acceptance chart and the comparison chart
+(AL and speedup against K, a line per draft) (PNGs).
 
 Both read only the report dict (`evaluate.build_report`), so a saved report.json can be shown again. Never runs
 vLLM; writes only the chart file it is given.
@@ -9,7 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_table", "plot_acceptance"]
+from peagle_pipeline.stages.evaluate.acceptance import METHOD_NAMES as METHODS
+
+__all__ = ["format_table", "plot_acceptance", "plot_comparison"]
 
 
 def _f(x: float | None, fmt: str = ".3f") -> str:
@@ -33,19 +36,34 @@ def _estimate_cell(estimate: float | None, walk: float | None) -> str:
     return _f(estimate) if walk is None else f"{_f(estimate)} (walk {_f(walk)})"
 
 
+def _at_acceptance(r: dict[str, Any], concurrency: int) -> dict[str, Any]:
+    """The throughput entry of a result row measured at the acceptance concurrency ({} if none)."""
+    return next((t for t in r["throughput"] if t["concurrency"] == concurrency), {})
+
+
+def _speedup(t: dict[str, Any]) -> str:
+    return "-" if t.get("speedup") is None else f"{t['speedup']:.2f}x"
+
+
 def _acceptance_rows(report: dict[str, Any]) -> list[list[str]]:
-    """One row per draft and prompt set: K, prompts, AL, per-position acceptance, trainer estimate, = plain."""
+    """One row per draft, K and prompt set: method, K, prompts, AL, per-position acceptance, tokens/s without and
+    with the draft and the speedup (at the acceptance concurrency), trainer estimate, = plain."""
     acc_rows = []
+    ac = report["settings"].get("acceptance_concurrency", 1)
     for r in report["results"]:
         per = r["acceptance_per_position"]
+        t = _at_acceptance(r, ac)
         acc_rows.append(
             [
                 r["prompt_set"],
                 r["draft"],
+                METHODS.get(r.get("method", "peagle"), r.get("method", "?")),
                 str(r["depths"]),
                 str(r["prompts"]),
                 _f(r["acceptance_length"]),
                 " ".join(_f(p, ".2f") for p in per) if per else "-",
+                f"{_f(t.get('plain_tokens_per_s'), '.1f')} -> {_f(t.get('tokens_per_s'), '.1f')}",
+                _speedup(t),
                 _estimate_cell(r["trainer_estimate"], r.get("trainer_walk")),
                 _greedy_check(r),
             ]
@@ -66,7 +84,7 @@ def _throughput_rows(report: dict[str, Any]) -> list[list[str]]:
                     str(t["concurrency"]),
                     _f(t["plain_tokens_per_s"], ".1f"),
                     _f(t["tokens_per_s"], ".1f"),
-                    "-" if t["speedup"] is None else f"{t['speedup']:.2f}x",
+                    _speedup(t),
                     _f(t["acceptance_length"]),
                 ]
             )
@@ -100,14 +118,26 @@ def format_table(report: dict[str, Any]) -> str:
     """The report as text: acceptance per draft and prompt set, then tokens/s and speedup per concurrency."""
     s = report["settings"]
     cond = (
-        f"T={s['temperature']:g}, max {s['max_tokens']} new tokens, parallel drafting, prefix caching off, "
+        f"T={s['temperature']:g}, max {s['max_tokens']} new tokens, prefix caching off, "
         f"{report['dtype']}, on {report['hardware']}"
     )
     lines = [
         f"vLLM acceptance (concurrency {s.get('acceptance_concurrency', 1)}; {cond}); target {report['target']}"
     ]
     lines += _table(
-        ["prompt set", "draft", "K", "prompts", "AL", "per position 1..K", "trainer est. AL", "= plain"],
+        [
+            "prompt set",
+            "draft",
+            "method",
+            "K",
+            "prompts",
+            "AL",
+            "per position 1..K",
+            "tok/s plain -> draft",
+            "speedup",
+            "trainer est. AL",
+            "= plain",
+        ],
         _acceptance_rows(report),
     )
     lines.append(f"output tokens/s with and without the draft ({cond})")
@@ -160,6 +190,58 @@ def plot_acceptance(report: dict[str, Any], path: str | Path) -> Path:
     fig.suptitle(
         f"vLLM per-position acceptance: T={s['temperature']:g}, max {s['max_tokens']} new tokens, "
         f"concurrency {s.get('acceptance_concurrency', 1)}, {report['hardware']}",
+        fontsize="small",
+    )
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def _comparison_lines(report: dict[str, Any], prompt_set: str) -> dict[str, list[tuple[int, Any, Any]]]:
+    """{draft label: [(K, AL, speedup at the acceptance concurrency)] sorted by K} for one prompt set."""
+    ac = report["settings"].get("acceptance_concurrency", 1)
+    lines: dict[str, list[tuple[int, Any, Any]]] = {}
+    for r in report["results"]:
+        if r["prompt_set"] == prompt_set:
+            point = (r["depths"], r["acceptance_length"], _at_acceptance(r, ac).get("speedup"))
+            lines.setdefault(r.get("label") or r["draft"], []).append(point)
+    return {k: sorted(v, key=lambda p: p[0]) for k, v in lines.items()}
+
+
+def plot_comparison(report: dict[str, Any], path: str | Path) -> Path:
+    """AL (top) and speedup (bottom) against K: one panel column per prompt set, one line per draft (its method in
+    the legend); a draft measured at one K is a single marker."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = [p["name"] for p in report["prompt_sets"]]
+    methods = {d.get("label", d["name"]): d.get("method", "peagle") for d in report["drafts"]}
+    fig, axes = plt.subplots(2, len(sets), figsize=(max(5.0, 4.5 * len(sets)), 6.5), dpi=110, squeeze=False)
+    ks: set[int] = set()
+    for col, name in enumerate(sets):
+        for label, points in _comparison_lines(report, name).items():
+            ks.update(p[0] for p in points)
+            legend = f"{label} ({METHODS.get(methods.get(label, ''), '?')})"
+            for row, index in ((0, 1), (1, 2)):
+                xs = [p[0] for p in points if p[index] is not None]
+                ys = [p[index] for p in points if p[index] is not None]
+                axes[row][col].plot(xs, ys, marker="o", label=legend)
+        axes[0][col].set(title=name, ylabel="acceptance length (vLLM)")
+        axes[1][col].set(xlabel="K (num_speculative_tokens)", ylabel="speedup (draft / plain tokens/s)")
+        axes[1][col].axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+        for row in (0, 1):
+            axes[row][col].grid(alpha=0.3)
+            axes[row][col].legend(fontsize="small")
+    for ax in axes.flat:
+        ax.set_xticks(sorted(ks) or [1])
+    s = report["settings"]
+    fig.suptitle(
+        f"vLLM AL and speedup against K: T={s['temperature']:g}, max {s['max_tokens']} new tokens, "
+        f"concurrency {s.get('acceptance_concurrency', 1)}, {report['dtype']}, {report['hardware']}",
         fontsize="small",
     )
     fig.tight_layout()

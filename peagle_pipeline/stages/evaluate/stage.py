@@ -1,12 +1,15 @@
-"""`peagle-pipeline evaluate`: measure exported drafts in vLLM as peers measure them (SPEC section 4b).
+"""`peagle-pipeline evaluate`: measure exported drafts in vLLM as peers measure them (docs/reference/algorithm.md).
 
-One engine for the plain target, then one engine per draft (each shut down before the next starts, to bound
-memory), all with the same settings and the same prompts. Per draft and prompt set: vLLM's acceptance length
+One engine for the plain target, then one engine per draft and K (each shut down before the next starts, to bound
+memory), all with the same settings and the same prompts. Drafts of either method compare in one run: a P-EAGLE
+export is served with parallel drafting, an EAGLE-3 one without (each export's config.json says which), and each
+draft may be measured at its own K list (`DIR@3-5`; `--depths` for the others). Per draft and prompt set: vLLM's acceptance length
 (AL = 1 + accepted / drafts, counters differenced around the run), per-position acceptance, output tokens/s with and
 without the draft and the speedup, at temperature T (default 0) with concurrency 1 for AL (or
 `--acceptance-concurrency`); tokens/s also at every `--concurrency`. At T = 0 the speculative output is compared
 with the plain output. The trainer's estimated AL (from the run's metrics.jsonl, at the exported checkpoint's step)
-is reported beside vLLM's. Writes DIR/report.json and DIR/acceptance.png when asked. Never trains and never writes
+is reported beside vLLM's. Writes DIR/report.json, DIR/acceptance.png (per position) and DIR/comparison.png (AL and
+speedup against K, a line per draft) when asked. Never trains and never writes
 a cache.
 """
 
@@ -16,7 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -25,6 +28,7 @@ from peagle_pipeline.config import EvaluateConfig
 from peagle_pipeline.errors import BadInput
 from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.stages.evaluate.acceptance import (
+    METHOD_NAMES,
     EngineRun,
     describe_hardware,
     engine,
@@ -33,7 +37,14 @@ from peagle_pipeline.stages.evaluate.acceptance import (
     run_prompts,
     speculative_config,
 )
-from peagle_pipeline.stages.evaluate.drafts import Draft, estimate_of_export, resolve_draft, walk_of_export
+from peagle_pipeline.stages.evaluate.drafts import (
+    Draft,
+    estimate_of_export,
+    expand_depths,
+    resolve_draft,
+    split_draft_arg,
+    walk_of_export,
+)
 from peagle_pipeline.stages.evaluate.prompts import PromptSet, load_prompt_set
 
 if TYPE_CHECKING:
@@ -41,8 +52,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EvalOptions",
+    "Measured",
     "REPORT_FILE",
     "CHART_FILE",
+    "COMPARISON_FILE",
     "build_report",
     "finite",
     "run",
@@ -52,6 +65,7 @@ log = logging.getLogger(__name__)
 
 REPORT_FILE = "report.json"
 CHART_FILE = "acceptance.png"
+COMPARISON_FILE = "comparison.png"
 MAX_MISMATCHES = 5  # mismatching prompts listed per row in the report
 
 
@@ -148,6 +162,8 @@ def _result_row(
     diff = mismatches(base.outputs, al_run.outputs) if greedy else []
     return {
         "draft": draft.name,
+        "label": draft.label,
+        "method": draft.method,
         "prompt_set": prompt_set.name,
         "prompts": len(prompt_set.prompts),
         **_figure_settings(opts, draft.depths, ac, hardware),
@@ -169,15 +185,24 @@ def _settings_json(opts: EvalOptions) -> dict[str, Any]:
         "temperature": opts.temperature,
         "max_tokens": opts.max_tokens,
         "num_prompts": opts.num_prompts,
-        "depths": opts.depths,
+        "depths": opts.depth_list,
         "concurrency": opts.levels,
         "acceptance_concurrency": opts.acceptance_concurrency,
         "seed": opts.seed,
-        "parallel_drafting": True,
         "prefix_caching": False,
         "tensor_parallel_size": opts.tensor_parallel_size,
         **({"chat_template_kwargs": opts.chat_template_kwargs} if opts.chat_template_kwargs else {}),
     }
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the engines measured: `plain[(set, c)]`, `spec[(draft, set, c)]`, and each engine's start seconds by
+    engine ("plain" or the draft's name)."""
+
+    plain: dict[tuple[str, int], EngineRun]
+    spec: dict[tuple[str, str, int], EngineRun]
+    engine_seconds: dict[str, float]
 
 
 def build_report(
@@ -187,17 +212,16 @@ def build_report(
     hardware: str,
     sets: list[PromptSet],
     drafts: list[Draft],
-    plain: dict[tuple[str, int], EngineRun],
-    spec: dict[tuple[str, str, int], EngineRun],
-    engine_seconds: dict[str, float],
+    measured: Measured,
     wall_seconds: float,
 ) -> dict[str, Any]:
-    """The report (JSON-ready, no NaN) from the runs: `plain[(set, c)]`, `spec[(draft, set, c)]`.
+    """The report (JSON-ready, no NaN) from what the engines `measured`.
 
     AL and per-position acceptance come from the run at `opts.acceptance_concurrency` (1 unless asked); tokens/s
     and speedup from each concurrency (the acceptance one is always measured, so it is always reported).
     """
-    rows = [_result_row(opts, d, s, plain, spec, hardware) for d in drafts for s in sets]
+    plain = measured.plain
+    rows = [_result_row(opts, d, s, plain, measured.spec, hardware) for d in drafts for s in sets]
     report = {
         "target": target,
         "dtype": opts.dtype,
@@ -205,7 +229,7 @@ def build_report(
         "settings": _settings_json(opts),
         "prompt_sets": [s.describe() for s in sets],
         "drafts": [d.to_json() for d in drafts],
-        "engine_start_seconds": engine_seconds,
+        "engine_start_seconds": measured.engine_seconds,
         "plain": [
             {
                 "prompt_set": s.name,
@@ -258,7 +282,7 @@ def run(opts: EvalOptions, echo: Callable[[str], None] | None = None) -> dict[st
         The report (see `build_report`).
 
     Raises:
-        BadInput: a missing draft or target, not a P-EAGLE export, drafts for another vocabulary or target
+        BadInput: a missing draft or target, not a P-EAGLE or EAGLE-3 export, a bad K list, drafts for another vocabulary or target
             (`check_served_target`), a bad prompt
             set, vLLM not installed or refusing to start.
         Interrupted, Terminated: Ctrl-C or SIGTERM (nothing is kept: the message says so).
@@ -270,11 +294,17 @@ def run(opts: EvalOptions, echo: Callable[[str], None] | None = None) -> dict[st
 
 
 def _resolve_drafts(opts: EvalOptions) -> list[Draft]:
-    """Every draft of `opts`, checked, under names made unique (`name#2` for a repeated name)."""
-    drafts = [resolve_draft(p, opts.depths) for p in opts.drafts]
+    """Every measurement of `opts`, checked: each draft (under a name made unique, `name#2` for a repeated one) at
+    each K of its own `DIR@KLIST`, else of `--depths`, else at its served K."""
+    args = [split_draft_arg(a) for a in opts.drafts]
+    drafts = [resolve_draft(path, None) for path, _ in args]
     for d, name in zip(drafts, _unique([d.name for d in drafts]), strict=True):
         d.name = name
-    return drafts
+    return [
+        m
+        for d, (_, ks) in zip(drafts, args, strict=True)
+        for m in expand_depths(d, ks or opts.depth_list or [d.depths])
+    ]
 
 
 def _check_drafts(
@@ -287,7 +317,11 @@ def _check_drafts(
     """
     from peagle_pipeline.stages.export.marker import check_served_target
 
+    checked: set[str] = set()
     for d in drafts:
+        if d.path in checked:  # the same export at another K
+            continue
+        checked.add(d.path)
         if d.vocab_size is not None and d.vocab_size != vocab_size:
             raise BadInput(
                 f"draft {d.path} was trained for a vocabulary of {d.vocab_size}, target {target} has "
@@ -296,6 +330,7 @@ def _check_drafts(
         note = check_served_target(d.path, target, opts.allow_other_target)
         if note:
             say(note)
+    for d in drafts:
         if d.depths > d.trained_depths:
             say(
                 f"note: {d.name} was trained for K={d.trained_depths}; measuring K={d.depths} (extra positions "
@@ -309,12 +344,9 @@ def _measure_all(
     drafts: list[Draft],
     opts: EvalOptions,
     say: Callable[[str], None],
-) -> tuple[dict[tuple[str, int], EngineRun], dict[tuple[str, str, int], EngineRun], dict[str, float]]:
-    """The plain target, then each draft, each on its own engine (shut down before the next starts).
-
-    Returns:
-        `plain[(set, c)]`, `spec[(draft, set, c)]` and the engine start seconds by engine ("plain" or draft name).
-    """
+) -> Measured:
+    """The plain target, then each draft at each of its K, each on its own engine (shut down before the next
+    starts)."""
     levels = opts.levels
     engine_seconds: dict[str, float] = {}
     with engine(settings, None) as (llm, started):
@@ -322,23 +354,24 @@ def _measure_all(
         plain = _measure(llm, sets, opts, levels, say)
     spec: dict[tuple[str, str, int], EngineRun] = {}
     for d in drafts:
-        say(f"draft {d.name} (K={d.depths})")
+        say(f"draft {d.name} ({METHOD_NAMES[d.method]}, K={d.depths})")
         with engine(settings, speculative_config(d.path, d.depths)) as (llm, started):
             engine_seconds[d.name] = started
             for (set_name, c), r in _measure(llm, sets, opts, levels, say).items():
                 spec[(d.name, set_name, c)] = r
-    return plain, spec, engine_seconds
+    return Measured(plain, spec, engine_seconds)
 
 
 def _write_outputs(report: dict[str, Any], output: Path, say: Callable[[str], None]) -> None:
-    """OUTPUT/report.json and OUTPUT/acceptance.png."""
+    """OUTPUT/report.json, OUTPUT/acceptance.png and OUTPUT/comparison.png."""
     from peagle_pipeline.runtime import atomic_write_json
-    from peagle_pipeline.stages.evaluate.report import plot_acceptance
+    from peagle_pipeline.stages.evaluate.report import plot_acceptance, plot_comparison
 
     output.mkdir(parents=True, exist_ok=True)
     atomic_write_json(output / REPORT_FILE, report)
     plot_acceptance(report, output / CHART_FILE)
-    say(f"wrote {output / REPORT_FILE} and {output / CHART_FILE}")
+    plot_comparison(report, output / COMPARISON_FILE)
+    say(f"wrote {output / REPORT_FILE}, {output / CHART_FILE} and {output / COMPARISON_FILE}")
 
 
 def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any]:
@@ -377,7 +410,7 @@ def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any
     )
     vllm_log.route_to(output)  # vLLM's own output: OUTPUT/vllm.log (a temporary file without --output)
     say(f"plain target {target}: {sum(len(s.prompts) for s in sets)} prompts in {len(sets)} set(s)")
-    plain, spec, engine_seconds = _measure_all(settings, sets, drafts, opts, say)
+    measured = _measure_all(settings, sets, drafts, opts, say)
     # after the engines: naming a GPU initialises CUDA in this process, which vLLM prefers to do in its workers
     hardware = describe_hardware(opts.tensor_parallel_size)
     report = build_report(
@@ -386,9 +419,7 @@ def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any
         hardware=hardware,
         sets=sets,
         drafts=drafts,
-        plain=plain,
-        spec=spec,
-        engine_seconds=engine_seconds,
+        measured=measured,
         wall_seconds=time.perf_counter() - t_start,
     )
     say(format_table(report))

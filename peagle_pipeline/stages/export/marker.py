@@ -69,7 +69,7 @@ def trained_depths(export_dir: str | os.PathLike[str], config: dict[str, Any]) -
     return int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
 
 
-# What identifies the target a draft was trained on (the cache's fields of the same names, SPEC section 3); the
+# What identifies the target a draft was trained on (the cache's fields of the same names); the
 # first two must match for a draft to serve a target, the chat template only shapes the data it was trained on.
 TARGET_IDENTITY = ("target_config_sha256", "tokenizer_sha256", "chat_template_sha256")
 

@@ -2,7 +2,7 @@
 `mask_token_id` and `mask_hidden`): the `config.json` of a draft, its weights in export form, and a draft rebuilt
 from an export folder.
 
-`export_config` writes every field SPEC section 6 lists; `serving_depths` is the K it serves; `export_weights` gives
+`export_config` writes every field vLLM's P-EAGLE loader reads; `serving_depths` is the K it serves; `export_weights` gives
 bf16 floats, plus `d2t` (int64) and `t2d` (bool) only when the draft vocabulary is smaller than the target's;
 `load_export` reads such a folder back into a `PEagleDraft` for checks and evaluation. No files are written here
 (`stages.export.stage` writes them).
@@ -58,7 +58,7 @@ def serving_depths(trained: int, requested: int | None = None) -> int:
 
 
 def export_config(spec: DraftSpec, speculative_tokens: int | None = None) -> dict[str, Any]:
-    """The speculators `config.json` of a draft (every field SPEC section 6 lists); `speculative_tokens` is the
+    """The speculators `config.json` of a draft (every field vLLM's P-EAGLE loader reads); `speculative_tokens` is the
     served K (`serving_depths`), `spec.depths` the trained one."""
     from peagle_pipeline.core.draft_config import DraftConfig
 

@@ -1,4 +1,4 @@
-"""`peagle-pipeline export`: write a trained draft in the speculators P-EAGLE format that vLLM loads (SPEC section 6).
+"""`peagle-pipeline export`: write a trained draft in the speculators P-EAGLE format that vLLM loads (docs/reference/checkpoint-format.md).
 
 Output directory: `config.json` + `model.safetensors` (`stages.export.speculators_format`) + `.peagle-export.json`
 (the run and checkpoint it came from, `stages.export.marker`), written into a temporary sibling directory and
@@ -49,7 +49,7 @@ EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, MARKER_FILE})
 def check_export_target(
     output: str | os.PathLike[str], source: dict[str, Any] | None, force: bool = False, own: bool = False
 ) -> None:
-    """Refuse an `output` that an export may not replace (issue 15): nothing there is ever deleted unless it is
+    """Refuse an `output` that an export may not replace: nothing there is ever deleted unless it is
     exactly an export (config.json, model.safetensors, the marker) of the same run, or of another run with `force`.
 
     Args:

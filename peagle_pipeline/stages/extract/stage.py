@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from peagle_pipeline.backends import vllm_log
 from peagle_pipeline.backends.base import TargetBackend
@@ -29,9 +27,7 @@ from peagle_pipeline.cache.location import read_recorded_meta, remove_new_cache
 from peagle_pipeline.cache.remote import RemoteCache, is_remote
 from peagle_pipeline.cache.writer import CacheWriter
 from peagle_pipeline.config import ExtractConfig
-from peagle_pipeline.data.records import rank_rows
 from peagle_pipeline.errors import BadInput
-from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import check_output_dir, writer_rank
 from peagle_pipeline.stages.extract.batch_pipeline import BatchPipeline
 from peagle_pipeline.stages.extract.batch_plan import RowReject, plan_batches, render_rows, sort_by_length
@@ -44,6 +40,7 @@ from peagle_pipeline.stages.extract.settings import (
     settle_auto,
     target_device,
 )
+from peagle_pipeline.stages.rank_run import Progress, open_beside, run_rank, this_rank_rows
 from peagle_pipeline.stages.tokenizer_facts import tokenizer_facts
 from peagle_pipeline.target_info import check_topk
 
@@ -54,8 +51,6 @@ if TYPE_CHECKING:
 __all__ = ["run", "ExtractSummary"]
 
 log = logging.getLogger(__name__)
-
-LINE_EVERY_S = 10.0  # plain progress lines (no terminal): at most one per this many seconds
 
 
 @dataclass
@@ -135,8 +130,17 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     summary.compute_dtype = f"{why}; stored hidden states {cfg.dtype}"
     log.info("%s", summary.compute_dtype)
     start = time.perf_counter()
-    undo = (lambda: _remove_new(root, existed, place)) if created else None
-    _write_store(run_cfg, meta, writer, renderer, rank, world, summary, backend, undo)
+    work = _StoreWork(
+        run_cfg,
+        meta,
+        writer,
+        renderer,
+        summary,
+        (rank, world),
+        backend,
+        lambda: _remove_new(root, existed, place),
+    )
+    run_rank(work, fresh=created, world=world, unwritable=lambda err: raise_if_unwritable(err, cfg.output))
     summary.elapsed_s = time.perf_counter() - start
     return _unstage(_finish(summary, writer, already=False), place.remote, writer)
 
@@ -190,16 +194,17 @@ def _open_store(
 ) -> tuple[Path, CacheWriter]:
     """Create or check the cache (pushed to the object store, if any; a new one keeps the tokenizer's `facts`) and
     open this rank's writer; a started `backend` is closed if that fails."""
-    try:
+
+    def open_output() -> tuple[Path, CacheWriter]:
         root = prepare_output(cfg, meta, root=place.local, tokenizer_facts=facts)
         if place.remote is not None:
             place.remote.push_root(meta)
         return root, CacheWriter(root, meta, rank, world, remote=place.remote).open()
-    except BaseException as err:
-        if backend is not None:
-            backend.close()
-        if isinstance(err, OSError):
-            raise_if_unwritable(err, cfg.output)
+
+    try:
+        return open_beside(open_output, backend)
+    except OSError as err:
+        raise_if_unwritable(err, cfg.output)
         raise
 
 
@@ -218,50 +223,6 @@ def _already_complete(
     if writer.committed_samples == 0 and world == 1:  # written by a version that allowed it
         raise BadInput(f"{_no_samples(cfg, writer)}; remove {cfg.output} and re-run with usable data")
     return _unstage(_finish(summary, writer, already=True), remote, writer)
-
-
-def _write_store(
-    cfg: ExtractConfig,
-    meta: CacheMeta,
-    writer: CacheWriter,
-    renderer: Any,
-    rank: int,
-    world: int,
-    summary: ExtractSummary,
-    backend: TargetBackend | None,
-    undo: Callable[[], None] | None,
-) -> None:
-    """Compute and commit this rank's store (its new tokens into `summary`), then close the backend.
-
-    `undo` (a new cache only) removes the cache when this (only) rank has no usable sample.
-    """
-    try:
-        backend, summary.new_tokens = _loop(
-            cfg, meta, writer, renderer, rank, world, summary.compute_dtype, backend
-        )
-        if writer.next_ordinal == 0 and world == 1:  # (one of several ranks may legitimately get none)
-            raise _NoSamples(_no_samples(cfg, writer))  # the store is never committed: a re-run starts afresh
-        writer.close()
-    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM (preemption): the committed shards stay
-        writer.abort()
-        raise stop_error(
-            stop,
-            f": {writer.committed_samples} samples of {writer.store} are committed; re-run the same command to resume",
-        ) from None
-    except _NoSamples as err:
-        writer.abort()
-        if undo is not None:  # nothing else is in it: leave the output as it was before this call
-            undo()
-        raise BadInput(str(err)) from None
-    except OSError as err:  # (disk full is already OutOfSpace, raised by the writer)
-        writer.abort()
-        raise_if_unwritable(err, cfg.output)
-    except BaseException:
-        writer.abort()
-        raise
-    finally:
-        if backend is not None:
-            backend.close()
 
 
 def _remove_new(root: Path, existed: bool, place: _Place) -> None:
@@ -289,10 +250,6 @@ def _unstage(summary: ExtractSummary, remote: RemoteCache | None, writer: CacheW
     return summary
 
 
-class _NoSamples(Exception):
-    """This (only) rank produced no usable sample: reported as BadInput once the new cache is removed."""
-
-
 def _no_samples(cfg: ExtractConfig, writer: CacheWriter) -> str:
     """The error for a store without a single usable sample, naming the most frequent reject reasons."""
     from peagle_pipeline.data.records import most_common_reasons
@@ -304,64 +261,71 @@ def _no_samples(cfg: ExtractConfig, writer: CacheWriter) -> str:
     return f"no usable samples in {data}: all {writer.num_rejects} rows were rejected ({top}); nothing was written"
 
 
-def _loop(
-    cfg: ExtractConfig,
-    meta: CacheMeta,
-    writer: CacheWriter,
-    renderer: Any,
-    rank: int,
-    world: int,
-    banner: str = "",
-    backend: TargetBackend | None = None,
-) -> tuple[TargetBackend | None, int]:
-    """The batch loop; returns the backend (`backend`, or one it started) and the tokens computed this run.
+@dataclass
+class _StoreWork:
+    """This rank's store as `run_rank` runs it: the batch loop over the rank's rows, committing as it goes.
 
-    `banner` is written once above the progress bar (the compute dtype line)."""
-    from tqdm import tqdm
+    `backend` is the one started for a new cache, or None (then the loop starts one at the first batch that is not
+    committed yet); `remove` removes the new cache when this (only) rank has no usable sample."""
 
-    from peagle_pipeline.data.formats import iter_rows
+    cfg: ExtractConfig
+    meta: CacheMeta
+    writer: CacheWriter
+    renderer: ChatRenderer
+    summary: ExtractSummary
+    rank_world: tuple[int, int]
+    backend: TargetBackend | None
+    remove: Callable[[], None]
 
-    total = sum(1 for _ in rank_rows(iter_rows(cfg.data, cfg.split), rank, world, cfg.max_samples))
-    rows = rank_rows(iter_rows(cfg.data, cfg.split), rank, world, cfg.max_samples)
-    samples = sort_by_length(render_rows(rows, renderer, cfg.max_length, cfg.overlong), meta.length_window)
-    items = plan_batches(samples, cfg.batch_tokens)
-    t0 = last_line = time.perf_counter()
-    done = 0
-    # no terminal (a pipe, SLURM, nohup): a plain line after a batch, at most every LINE_EVERY_S, instead of a bar
-    # (TQDM_DISABLE=1 turns both off)
-    bar = tqdm(
-        total=total, unit="sample", desc=writer.store, mininterval=1.0, dynamic_ncols=True, disable=None
-    )
-    plain = bar.disable and os.environ.get("TQDM_DISABLE", "").lower() in ("", "0", "false")
+    def loop(self) -> None:
+        cfg, meta, writer = self.cfg, self.meta, self.writer
+        rows = this_rank_rows(cfg.data, cfg.split, *self.rank_world, cfg.max_samples)
+        samples = render_rows(rows.rows, self.renderer, cfg.max_length, cfg.overlong)
+        items = plan_batches(sort_by_length(samples, meta.length_window), cfg.batch_tokens)
+        progress = Progress(rows.total, writer.store, ("sample", "samples"))
 
-    def advance(n: int) -> None:
-        nonlocal done, last_line
-        bar.update(n)
-        done += n
-        now = time.perf_counter()
-        if plain and (now - last_line >= LINE_EVERY_S or done == total):
-            last_line = now
-            rate = ahead.new_tokens / max(now - t0, 1e-9)
-            print(f"{writer.store}: {done}/{total} samples, {rate:.0f} tokens/s", file=sys.stderr, flush=True)
+        def advance(n: int) -> None:  # rows written or rejected; the tokens written count in the rate
+            progress.tokens = ahead.new_tokens
+            progress.advance(n)
 
-    with bar:
-        if banner and not bar.disable:  # with the bar only: a failing command prints one line on stderr
-            bar.write(banner, file=sys.stderr)
         ahead = BatchPipeline(writer, meta, advance)
-        for item in items:
-            if isinstance(item, RowReject):
-                ahead.reject(item)
-                continue
-            if item[-1].ordinal < writer.next_ordinal:  # committed by an earlier run
-                advance(len(item))
-                continue
-            if backend is None:
-                backend = get_backend(cfg.backend, backend_settings(cfg), list(meta.aux_layer_ids))
-            ahead.submit(backend, item)
-            rate = ahead.new_tokens / max(time.perf_counter() - t0, 1e-9)
-            bar.set_postfix(tok_s=f"{rate:.0f}", refresh=False)
-        ahead.drain()
-    return backend, ahead.new_tokens
+        try:
+            progress.banner(self.summary.compute_dtype)
+            for item in items:
+                if isinstance(item, RowReject):
+                    ahead.reject(item)
+                elif item[-1].ordinal < writer.next_ordinal:  # committed by an earlier run
+                    progress.skip(len(item))
+                else:
+                    if self.backend is None:
+                        self.backend = get_backend(
+                            cfg.backend, backend_settings(cfg), list(meta.aux_layer_ids)
+                        )
+                    ahead.submit(self.backend, item)
+                    progress.set_tokens(ahead.new_tokens)
+            ahead.drain()
+        finally:
+            progress.close()
+        self.summary.new_tokens = ahead.new_tokens
+
+    def committed(self) -> str:
+        return f"{self.writer.committed_samples} samples of {self.writer.store}"
+
+    def nothing_usable(self) -> str | None:
+        return _no_samples(self.cfg, self.writer) if self.writer.next_ordinal == 0 else None
+
+    def finish(self) -> None:
+        self.writer.close()
+
+    def abort(self) -> None:
+        self.writer.abort()
+
+    def remove_new(self) -> None:
+        self.remove()
+
+    def close_backend(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
 
 
 def _finish(summary: ExtractSummary, writer: CacheWriter, already: bool) -> ExtractSummary:

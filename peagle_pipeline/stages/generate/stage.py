@@ -1,4 +1,4 @@
-"""On-policy data (SPEC section 4a): regenerate the assistant replies of chat data with the target itself.
+"""On-policy data: regenerate the assistant replies of chat data with the target itself.
 
 This rank's source rows are cut into chunks of `chunk_size`. A chunk is generated in waves (`chunk.py`): wave j
 asks the backend for reply j of every conversation (and sample) still going, in one call, and the conversations
@@ -42,9 +42,9 @@ from peagle_pipeline.data.onpolicy_files import (
 from peagle_pipeline.data.records import rank_rows
 from peagle_pipeline.errors import BadConfig, BadInput
 from peagle_pipeline.hardware import resolve_compute_dtype
-from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import check_output_dir, writer_rank
 from peagle_pipeline.stages.generate.chunk import generate_chunk
+from peagle_pipeline.stages.rank_run import Progress, open_beside, run_rank, this_rank_rows
 
 __all__ = ["run", "GenerateSummary", "resolve_backend", "resolve_stop_ids", "build_meta"]
 
@@ -218,32 +218,25 @@ def run(cfg: GenerateConfig, echo: Callable[[str], None] | None = None) -> Gener
     # failed start (vLLM missing, no CUDA, ...) leaves nothing that would refuse the corrected command.
     backend = _start_new(cfg, root, settings, summary, rank, world) if fresh else None
     meta = build_meta(cfg, backend_name, dtype, world, stops, renderer.now)
-    writer = _open_output(root, meta, rank, world, backend)
+    writer = open_beside(lambda: _open_output(root, meta, rank, world), backend)
     # every rank, and every resume, renders with the date the output was started with
     renderer.now = recorded_template_time(root) or renderer.now
-    try:
-        if writer.complete:
-            summary.already_complete = True
-            return _totals(summary, writer)
-        started, backend = backend, None  # from here _loop owns (and closes) it
-        _loop(cfg, builder, settings, sampling, writer, summary, rank, world, echo, started)
-        if writer.state["rows"] == 0 and world == 1:  # (one of several ranks may legitimately get none)
-            raise _NoRows(_no_rows(cfg, writer))
-        writer.finish()
-    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM (preemption): the committed chunks stay
-        raise stop_error(
-            stop,
-            f": {writer.state['rows']} rows of {writer.rows_path.name} are committed; re-run the same command to resume",
-        ) from None
-    except _NoRows as err:
-        writer.close()
-        if fresh:  # nothing else is in it: leave the output as it was before this call
-            remove_new_output(root, rank, world, existed)
-        raise BadInput(str(err)) from None
-    finally:
+    if writer.complete:
         writer.close()
         if backend is not None:
             backend.close()
+        summary.already_complete = True
+        return _totals(summary, writer)
+    work = _ChunkWork(
+        _Generation(cfg, builder, settings, sampling),
+        writer,
+        summary,
+        (rank, world),
+        backend,
+        echo,
+        lambda: remove_new_output(root, rank, world, existed),
+    )
+    run_rank(work, fresh=fresh, world=world)
     return _totals(summary, writer)
 
 
@@ -288,21 +281,10 @@ def _settings(
     return settings, sampling
 
 
-def _open_output(
-    root: Path, meta: dict[str, Any], rank: int, world: int, backend: GenerationBackend | None
-) -> OnPolicyWriter:
-    """Create or check the output and open this rank's writer; a started `backend` is closed if that fails."""
-    try:
-        prepare_output(root, meta)
-        return OnPolicyWriter(root, rank, world).open()
-    except BaseException:
-        if backend is not None:
-            backend.close()
-        raise
-
-
-class _NoRows(Exception):
-    """This (only) rank kept no row: reported as BadInput once a new output is removed."""
+def _open_output(root: Path, meta: dict[str, Any], rank: int, world: int) -> OnPolicyWriter:
+    """Create or check the output and open this rank's writer."""
+    prepare_output(root, meta)
+    return OnPolicyWriter(root, rank, world).open()
 
 
 def _no_rows(cfg: GenerateConfig, writer: OnPolicyWriter) -> str:
@@ -358,62 +340,84 @@ def _device_type(device: str, backend: str) -> str:
     return device
 
 
-def _loop(
-    cfg: GenerateConfig,
-    builder: DialogueBuilder,
-    settings: GeneratorSettings,
-    sampling: SamplingSettings,
-    writer: OnPolicyWriter,
-    summary: GenerateSummary,
-    rank: int,
-    world: int,
-    echo: Callable[[str], None] | None,
-    backend: GenerationBackend | None = None,
-) -> None:
-    """The chunk loop: skip committed chunks, start the backend on the first chunk to do (unless `backend` is
-    already started), commit each chunk; closes the backend."""
-    from tqdm import tqdm
+@dataclass(frozen=True)
+class _Generation:
+    """How replies are generated: the settings, the prompt builder, the backend's start and its sampling."""
 
-    from peagle_pipeline.data.formats import iter_rows
+    cfg: GenerateConfig
+    builder: DialogueBuilder
+    settings: GeneratorSettings
+    sampling: SamplingSettings
 
-    total = sum(1 for _ in rank_rows(iter_rows(cfg.data, cfg.split), rank, world, cfg.max_samples))
-    rows = rank_rows(iter_rows(cfg.data, cfg.split), rank, world, cfg.max_samples)
-    start = time.perf_counter() - (
-        summary.engine_s if backend is not None else 0.0
-    )  # a start counts as elapsed
-    replies = done = 0
-    bar = tqdm(total=total, unit="conv", desc=writer.rows_path.stem, disable=None, mininterval=1.0)
 
-    def on_wave(n_replies: int, n_tokens: int) -> None:
-        nonlocal replies
-        replies += n_replies
-        summary.new_tokens += n_tokens
-        busy = time.perf_counter() - start - summary.engine_s
-        bar.set_postfix(replies=replies, tok_s=f"{summary.new_tokens / max(busy, 1e-9):.1f}", refresh=True)
+@dataclass
+class _ChunkWork:
+    """This rank's rows file as `run_rank` runs it: the chunk loop, committing each chunk.
 
-    try:
-        for k, chunk in enumerate(_chunks(rows, cfg.chunk_size)):
-            done += len(chunk)
-            if k < writer.chunks_done:
-                bar.update(len(chunk))
-                continue
-            if backend is None:
-                t0 = time.perf_counter()
-                backend = get_generation_backend(summary.backend, settings)
-                summary.engine_s = time.perf_counter() - t0
-            writer.commit(generate_chunk(chunk, builder, backend, sampling, cfg, on_wave))
-            bar.update(len(chunk))
-            if bar.disable and echo is not None:
-                busy = time.perf_counter() - start - summary.engine_s
-                echo(
-                    f"{writer.rows_path.stem}: {done}/{total} conversations, {replies} replies, "
-                    f"{summary.new_tokens / max(busy, 1e-9):.1f} generated tokens/s"
+    `backend` is the one started for a new output, or None (then the loop starts one at the first chunk that is
+    not committed yet); `echo` takes the plain progress lines (no terminal); `remove` removes the new output when
+    this (only) rank kept no row."""
+
+    gen: _Generation
+    writer: OnPolicyWriter
+    summary: GenerateSummary
+    rank_world: tuple[int, int]
+    backend: GenerationBackend | None
+    echo: Callable[[str], None] | None
+    remove: Callable[[], None]
+
+    def loop(self) -> None:
+        cfg, writer, summary = self.gen.cfg, self.writer, self.summary
+        rows = this_rank_rows(cfg.data, cfg.split, *self.rank_world, cfg.max_samples)
+        progress = Progress(rows.total, writer.rows_path.stem, ("conv", "conversations"), self.echo)
+        if self.backend is not None:  # started before the loop: its start counts as elapsed, not in the rate
+            progress.start -= summary.engine_s
+            progress.idle_s = summary.engine_s
+        replies = 0
+
+        def on_wave(n_replies: int, n_tokens: int) -> None:
+            nonlocal replies
+            replies += n_replies
+            summary.new_tokens += n_tokens
+            progress.set_tokens(summary.new_tokens, replies=replies)
+            progress.bar.refresh()
+
+        try:
+            for k, chunk in enumerate(_chunks(rows.rows, cfg.chunk_size)):
+                if k < writer.chunks_done:
+                    progress.skip(len(chunk))
+                    continue
+                if self.backend is None:
+                    t0 = time.perf_counter()
+                    self.backend = get_generation_backend(summary.backend, self.gen.settings)
+                    summary.engine_s = progress.idle_s = time.perf_counter() - t0
+                writer.commit(
+                    generate_chunk(chunk, self.gen.builder, self.backend, self.gen.sampling, cfg, on_wave)
                 )
-    finally:
-        bar.close()
-        summary.elapsed_s = time.perf_counter() - start
-        if backend is not None:
-            backend.close()
+                progress.advance(len(chunk), f"{replies} replies")
+        finally:
+            progress.close()
+            summary.elapsed_s = time.perf_counter() - progress.start
+
+    def committed(self) -> str:
+        return f"{self.writer.state['rows']} rows of {self.writer.rows_path.name}"
+
+    def nothing_usable(self) -> str | None:
+        return _no_rows(self.gen.cfg, self.writer) if self.writer.state["rows"] == 0 else None
+
+    def finish(self) -> None:
+        self.writer.finish()
+        self.writer.close()
+
+    def abort(self) -> None:
+        self.writer.close()
+
+    def remove_new(self) -> None:
+        self.remove()
+
+    def close_backend(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
 
 
 def _totals(summary: GenerateSummary, writer: OnPolicyWriter) -> GenerateSummary:

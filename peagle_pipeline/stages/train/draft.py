@@ -120,14 +120,27 @@ def _draft_vocab_size(size: int, V: int) -> int:
 
 
 def draft_qk_norm(cfg: TrainConfig, target_config: dict[str, Any]) -> bool:
-    """Whether the draft's layers are Qwen3 ones (QK-norm): as the target, except in a run resumed from before
-    drafts had them (its draft.json lacks `qk_norm`, so its checkpoints hold Llama layers), which keeps Llama
-    layers; said on the terminal either way for a QK-norm target."""
+    """Whether the draft's layers are Qwen3 ones (QK-norm): `draft_arch` qwen3 or llama, or for auto the target's
+    family. A resumed run keeps the layers its checkpoints hold (its draft.json's `qk_norm`; train.yaml has already
+    refused a changed `draft_arch`): a run from before drafts had Qwen3 layers has Llama ones. Said on the terminal
+    whenever the style is not simply the target's Llama one."""
     target_qk = has_qk_norm(target_config)
     spec = Path(cfg.output) / DRAFT_SPEC
-    qk_norm = DraftSpec.load(cfg.output).qk_norm if cfg.resume and spec.is_file() else target_qk
+    if cfg.resume and spec.is_file():
+        qk_norm = DraftSpec.load(cfg.output).qk_norm
+    else:
+        qk_norm = target_qk if cfg.draft_arch == "auto" else cfg.draft_arch == "qwen3"
     if target_qk and qk_norm:
         log.info("draft layers: Qwen3 architecture (q_norm/k_norm, as the target), exported as a Qwen3 layer")
+    elif qk_norm:
+        log.info(
+            "draft layers: Qwen3 architecture (q_norm/k_norm, --draft-arch qwen3; the target has none), exported "
+            "as a Qwen3 layer"
+        )
+    elif target_qk and cfg.draft_arch == "llama":
+        log.info(
+            "draft layers: Llama architecture (--draft-arch llama): the target's q_norm/k_norm are not carried over"
+        )
     elif target_qk:
         log.warning(
             "draft layers: Llama architecture (this run started before Qwen3 draft layers): the target's "
@@ -150,7 +163,11 @@ def start_from_target(model: PEagleDraft, cache: Any) -> None:
         return
     index, tensors = stored
     norms = "self_attn.q_norm.weight" in tensors
-    if model.cfg.qk_norm and not norms:
+    target_config = cache.target_config()
+    added = model.cfg.qk_norm and not norms and not has_qk_norm(target_config)
+    if added:  # a Qwen3-style draft of a target without QK-norm: its norms start at 1
+        tensors = {**tensors, **_unit_qk_norms(model)}
+    elif model.cfg.qk_norm and not norms:
         log.warning(
             "cache %s stores target layer %d without its q_norm/k_norm (written before they were stored): the "
             "draft's QK norms start at 1; re-extract it to start them from the target",
@@ -160,11 +177,11 @@ def start_from_target(model: PEagleDraft, cache: Any) -> None:
         tensors = {**tensors, **_unit_qk_norms(model)}
     init_from_target_layer(model, tensors)
     attention_only = "mlp.down_proj.weight" not in tensors
-    target_config = cache.target_config()
     act = mlp_activation(target_config)
     why = "is a mixture of experts" if act == "silu" else f"uses {act}, not silu"
     part = f"'s attention (its MLP {why}: the draft's MLP starts at zero output)"
     with_norms = " with its q_norm/k_norm" if model.cfg.qk_norm and norms else ""
+    with_norms = ", the draft's q_norm/k_norm at 1 (the target has none)" if added else with_norms
     dropped = "; the target's q_norm/k_norm are not carried over" if norms and not model.cfg.qk_norm else ""
     gate = has_gated_attention(target_config)
     log.info(
@@ -198,7 +215,7 @@ def require_last_hidden(target: str, meta: Any, label: str) -> None:
 
 
 def choose_mask_token(cache: Any, embedding_rows: int, override: int | None) -> vocab.MaskTokenChoice:
-    """The mask token of a draft trained on `cache` (SPEC §5.3), logged with the rule that chose it.
+    """The mask token of a draft trained on `cache` (docs/reference/algorithm.md), logged with the rule that chose it.
 
     Uses the cache's tokenizer facts (special tokens, ids its chat template produces; `stages.tokenizer_facts`)
     and the counts of every token in the cached samples, so a special token that occurs in the data is never chosen

@@ -132,7 +132,7 @@ def test_missing_model(tmp_path):
 
 
 def test_two_batches_in_flight_give_forwards_outputs(backend):
-    """issue 37: `submit` queues a batch and returns its collector; two in flight, collected in order, are
+    """`submit` queues a batch and returns its collector; two in flight, collected in order, are
     bit-identical to two plain forwards (padded rows left out by host-built indices, not a boolean mask)."""
     first, second = random_batch([9, 3, 14], seed=5), random_batch([6, 11], seed=6)
     want = backend.forward(first) + backend.forward(second)

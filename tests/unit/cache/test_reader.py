@@ -164,7 +164,7 @@ def test_open_through_fsspec_memory_url(tmp_path):
     shutil.rmtree(tmp_path / "c")
 
 
-# ---- issue 15, item 6: verify checks what the manifest commits; tables and shards beyond it are not damage ----
+# ---- verify checks what the manifest commits; tables and shards beyond it are not damage ----
 def _in_progress(root):
     """A store as a writer leaves it between writing its tables and its manifest (or a copy taken then):
     shards and tables of a later commit, the manifest of an earlier one."""
@@ -213,7 +213,7 @@ def test_verify_still_finds_damage_in_the_committed_part_of_a_store_being_writte
 
 
 def test_inspect_of_a_rejected_sample_gives_the_reject_reason(tmp_path, capsys):
-    """issue 15, item 15: `inspect --sample ID` of a rejected row said only "not in cache"."""
+    """`inspect --sample ID` of a rejected row said only "not in cache"."""
     from peagle_pipeline.cli import main
 
     write_cache(tmp_path / "c")  # row 1000 (fake.jsonl row 7) is rejected as an empty conversation

@@ -1,4 +1,4 @@
-"""The draft model: export keys/shapes (SPEC §6), initialisation from target pieces, mask substitution, RoPE."""
+"""The draft model: export keys/shapes, initialisation from target pieces, mask substitution, RoPE."""
 
 from __future__ import annotations
 
@@ -313,7 +313,7 @@ def test_config_from_target_and_bad_targets():
 
 @pytest.mark.parametrize("yarn", [False, True], ids=["default-rope", "yarn"])
 def test_qwen3_draft_layer_equals_transformers_qwen3_layer(yarn: bool):
-    """Issue 39 item 3: with QK-norm a plain draft layer computes what a transformers Qwen3 decoder layer computes
+    """With QK-norm a plain draft layer computes what a transformers Qwen3 decoder layer computes
     (per-head q/k RMS norms before RoPE), so the Qwen3 layer vLLM builds from the export matches training; with
     YaRN (Qwen3's long-context setting) the rotation and its attention factor too."""
     from transformers import Qwen3Config

@@ -121,7 +121,7 @@ def test_template_errors_and_unlocatable_content_reject_the_row(tmp_path):
     assert renderer.render([Message("user", "hi"), Message("assistant", "OK")]).num_supervised >= 2
 
 
-# ---- issue 15, item 12: OpenAI tool-call turns ---------------------------------------------------------------
+# ---- OpenAI tool-call turns ---------------------------------------------------------------
 # A Qwen2.5-like template that renders tool calls and tool results (simplified).
 TOOLS_TEMPLATE = (
     "{% for m in messages %}"
@@ -167,7 +167,7 @@ def test_tool_calls_under_a_template_without_tool_support_reject_the_row(tmp_pat
         ChatRenderer(tokenizer).render(TOOL_CONV)
 
 
-# ---- issue 39, item 1: Qwen3's real template (an empty <think> block on the newest assistant turn) ---------------
+# ---- Qwen3's real template (an empty <think> block on the newest assistant turn) ---------------
 @pytest.fixture(scope="module")
 def qwen3_tok(tmp_path_factory):
     return build_qwen3_tokenizer(tmp_path_factory.mktemp("qwen3-tok"))
@@ -213,7 +213,7 @@ def test_qwen3_tool_call_as_the_newest_turn_and_plain_multi_turn(qwen3_tok):
     ]
 
 
-# ---- issue 15, item 11: memory bounded by the max length ------------------------------------------------------
+# ---- memory bounded by the max length ------------------------------------------------------
 def _render_or_reason(renderer, conv, max_tokens=None):
     try:
         s = renderer.render(conv) if max_tokens is None else renderer.render(conv, max_tokens=max_tokens)
@@ -296,7 +296,7 @@ def test_a_huge_conversation_is_tokenised_only_as_far_as_max_tokens_needs(tmp_pa
     assert cut.input_ids == whole.input_ids[:257] and cut.loss_mask == whole.loss_mask[:257]
 
 
-# ---- issue 39, item 8 ------------------------------------------------------------------------------------
+# ---- blank replies ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("blank", ["", " ", "\n\n", " \t "])
 def test_a_blank_reply_is_never_supervised_and_a_row_of_only_blank_replies_is_an_empty_reply(tok, blank):
     """One rule with `generate` (which keeps no empty generated reply): a blank reply is unsupervised context; a

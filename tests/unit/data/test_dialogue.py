@@ -212,7 +212,7 @@ def test_a_prompt_without_a_reply_gets_its_reply_slot(tmp_path):
         assert d.messages[-1] == {"role": "assistant", "content": "Sure"} and d.turn == 1
 
 
-# ---- issue 39, item 2: Qwen3's template (empty <think> on the newest turn, earlier replies without thinking) ----
+# ---- Qwen3's template (empty <think> on the newest turn, earlier replies without thinking) ----
 QWEN3_REPLIES = [
     "<think>\nThe user greets me.\n</think>\n\nHello! How are you?",
     "Paris is the capital.",  # a reply without thinking (what a random tiny model writes)

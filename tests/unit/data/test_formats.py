@@ -68,7 +68,7 @@ REJECT_CASES = [
     ('{"messages": [{"role": "user", "content": "only a question"}]}', "no assistant turn"),
     (
         '{"conversations": [{"from": "human", "value": "x"}, {"from": "function", "value": "y"}]}',
-        "unknown role 'function' in turn 1",  # ('tool' is a role since issue 15: OpenAI tool results)
+        "unknown role 'function' in turn 1",  # ('tool' is a role: OpenAI tool results)
     ),
     ('{"text": "plain"}', "wrong schema: no 'conversations'"),
     ("[1, 2]", "wrong schema: row is a JSON list"),
@@ -236,7 +236,7 @@ def test_hf_saved_dataset_and_dataset_dict(tmp_path):
     _save_hf_dataset(dd / "train", [msgs])
     _save_hf_dataset(dd / "test", [pa.table({"conversations": [SHAREGPT["conversations"]]})])
     (dd / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
-    rows = _rows(dd)  # a DatasetDict: its train split only (issue 39 item 10)
+    rows = _rows(dd)  # a DatasetDict: its train split only
     assert [r.source for r in rows] == [str(dd / "train")] * 3
     (row,) = list(iter_rows([dd], split="test"))
     assert row.source == str(dd / "test") and row.messages == EXPECTED_SHAREGPT
@@ -274,7 +274,7 @@ def test_all_paths_checked_before_reading(tmp_path):
     assert [r.source_row for r in rows] == [0, 0]
 
 
-# ---- issue 15, item 12 -----------------------------------------------------------------------------------
+# ---- byte-order marks and odd encodings ------------------------------------------------------------------
 def test_utf8_bom_does_not_cost_the_first_conversation(tmp_path):
     bom = b"\xef\xbb\xbf"
     jsonl = tmp_path / "d.jsonl"
@@ -353,7 +353,7 @@ def test_dataset_fingerprint_of_a_directory_ignores_a_writers_lock_file(tmp_path
     assert dataset_fingerprint([tmp_path]) != before
 
 
-# ---- issue 39, item 11 -----------------------------------------------------------------------------------
+# ---- OpenAI's developer role -----------------------------------------------------------------------------
 def test_openai_developer_role_is_read_as_system(tmp_path):
     """OpenAI's `developer` role (o1 and later) carries what `system` did; its API takes one for the other."""
     record = {
@@ -368,7 +368,7 @@ def test_openai_developer_role_is_read_as_system(tmp_path):
     assert row.messages[0] == Message("system", "Answer in French.")
 
 
-# ---- issue 39, item 10 -----------------------------------------------------------------------------------
+# ---- Hugging Face DatasetDict splits ---------------------------------------------------------------------
 def test_a_dataset_dict_is_read_one_split_at_a_time_and_says_which(tmp_path):
     """All splits in one cache would put the test split in training: `train` by default, another by name, a note
     says which was read, and the fingerprint (what resume compares) is that of the split read."""

@@ -23,7 +23,7 @@ from peagle_pipeline.stages.evaluate.drafts import (
 )
 from peagle_pipeline.stages.evaluate.prompts import PromptSet
 from peagle_pipeline.stages.evaluate.report import format_table, plot_acceptance
-from peagle_pipeline.stages.evaluate.stage import EvalOptions, build_report, finite
+from peagle_pipeline.stages.evaluate.stage import EvalOptions, Measured, build_report, finite
 from peagle_pipeline.stages.export.marker import MARKER_FILE as EXPORT_MARKER
 
 
@@ -79,9 +79,7 @@ def _report(temperature: float = 0.0) -> dict:
         hardware="CPU X, 2 cores",
         sets=sets,
         drafts=[_draft("a", est), _draft("b")],
-        plain=plain,
-        spec=spec,
-        engine_seconds={"plain": 1.0, "a": 2.0, "b": 3.0},
+        measured=Measured(plain=plain, spec=spec, engine_seconds={"plain": 1.0, "a": 2.0, "b": 3.0}),
         wall_seconds=9.0,
     )
 
@@ -244,9 +242,11 @@ def test_acceptance_is_read_from_the_concurrency_asked_for() -> None:
         hardware="CPU X, 2 cores",
         sets=sets,
         drafts=[_draft("a")],
-        plain={("p", 4): EngineRun(out, 1.0, concurrency=4)},
-        spec={("a", "p", 4): EngineRun(out, 0.5, at4, concurrency=4)},
-        engine_seconds={"plain": 1.0, "a": 2.0},
+        measured=Measured(
+            plain={("p", 4): EngineRun(out, 1.0, concurrency=4)},
+            spec={("a", "p", 4): EngineRun(out, 0.5, at4, concurrency=4)},
+            engine_seconds={"plain": 1.0, "a": 2.0},
+        ),
         wall_seconds=3.0,
     )
     (row,) = report["results"]
@@ -264,3 +264,130 @@ def test_dtype_is_auto_by_default_and_checked() -> None:
     assert engine_dtype("fp32", "t") == "fp32" and engine_dtype("bf16", "t") == "bf16"  # given: used as it is
     with pytest.raises(BadInput, match="--dtype must be auto, bf16 or fp32"):
         EvalOptions(drafts=["d"], dtype="fp16")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- drafts of both methods, each at its own K list
+def _export(path: Path, method: str, served: int = 3) -> Path:
+    """A draft export's config.json (no weights: nothing here loads them)."""
+    path.mkdir(parents=True)
+    config = {
+        "speculators_model_type": method,
+        "speculators_config": {"algorithm": method, "proposal_methods": [{"speculative_tokens": served}]},
+        "transformer_layer_config": {"vocab_size": 512},
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_k_lists_parse_and_bad_ones_are_one_line() -> None:
+    from peagle_pipeline.config.evaluate import parse_depths
+
+    assert parse_depths("4") == [4] and parse_depths("5,3") == [3, 5] and parse_depths("3-5") == [3, 4, 5]
+    assert parse_depths("2,4-6,5") == [2, 4, 5, 6]
+    for bad in ("0", "5-3", "a", "3-", "", "3;4"):
+        with pytest.raises(BadInput, match="K list"):
+            parse_depths(bad)
+    assert EvalOptions(drafts=["d"], depths="4-6").depth_list == [4, 5, 6]
+    assert EvalOptions(drafts=["d"], depths=4).depth_list == [4]  # type: ignore[arg-type]
+    assert EvalOptions(drafts=["d"]).depth_list is None
+    with pytest.raises(BadInput, match="--depths: K list '0'"):
+        EvalOptions(drafts=["d"], depths="0")
+
+
+def test_a_draft_argument_may_carry_its_own_k_list(tmp_path: Path) -> None:
+    from peagle_pipeline.stages.evaluate.drafts import split_draft_arg
+
+    assert split_draft_arg("runs/a/export") == ("runs/a/export", None)
+    assert split_draft_arg("runs/a/export@3-5") == ("runs/a/export", [3, 4, 5])
+    assert split_draft_arg("runs/a/export@4,8") == ("runs/a/export", [4, 8])
+    assert split_draft_arg("me@host/export") == ("me@host/export", None)  # not a K list: part of the path
+    odd = tmp_path / "draft@4"
+    odd.mkdir()
+    assert split_draft_arg(str(odd)) == (str(odd), None)  # an existing directory is taken as it is
+    with pytest.raises(BadInput, match="K list '5-3'"):
+        split_draft_arg("runs/a/export@5-3")
+
+
+def test_each_draft_is_measured_at_its_own_ks_and_its_method(tmp_path: Path) -> None:
+    from peagle_pipeline.stages.evaluate.acceptance import speculative_config
+    from peagle_pipeline.stages.evaluate.stage import _resolve_drafts
+
+    peagle, eagle3 = _export(tmp_path / "pe", "peagle", 4), _export(tmp_path / "e3", "eagle3", 3)
+    other = _export(tmp_path / "other", "peagle", 2)
+    opts = EvalOptions(drafts=[f"{peagle}@4-6", f"{eagle3}@3,5", str(other)], depths="7")
+    got = [(d.name, d.label, d.method, d.depths) for d in _resolve_drafts(opts)]
+    assert got == [
+        ("pe@4", "pe", "peagle", 4), ("pe@5", "pe", "peagle", 5), ("pe@6", "pe", "peagle", 6),
+        ("e3@3", "e3", "eagle3", 3), ("e3@5", "e3", "eagle3", 5),
+        ("other", "other", "peagle", 7),  # no K list of its own: --depths'
+    ]  # fmt: skip
+    assert [d.depths for d in _resolve_drafts(EvalOptions(drafts=[str(other)]))] == [2]  # its served K
+    assert speculative_config(peagle, 5) == {
+        "model": str(peagle.resolve()), "method": "eagle3", "parallel_drafting": True, "num_speculative_tokens": 5,
+    }  # fmt: skip
+    assert speculative_config(eagle3, 3) == {
+        "model": str(eagle3.resolve()), "method": "eagle3", "num_speculative_tokens": 3,
+    }  # fmt: skip
+    (tmp_path / "dflash").mkdir()
+    (tmp_path / "dflash" / "config.json").write_text(json.dumps({"speculators_model_type": "dflash"}))
+    with pytest.raises(
+        BadInput,
+        match="is not a draft export \\(speculators_model_type is 'dflash', not one of peagle, eagle3\\)",
+    ):
+        _resolve_drafts(EvalOptions(drafts=[str(tmp_path / "dflash")]))
+
+
+def _sweep_report() -> dict:
+    """Two drafts: a P-EAGLE at K = 2 and 3 and an EAGLE-3 at K = 2, on one prompt set, at concurrency 1."""
+    from dataclasses import replace
+
+    opts = EvalOptions(drafts=["a", "b"], prompts=["p"], max_tokens=4, dtype="fp32")
+    sets = [PromptSet(name="p", source="p.jsonl", prompts=[[1, 2], [3, 4, 5]])]
+    out = [[7, 8, 9, 10], [11, 12]]
+    base = _draft("a")
+    drafts = [
+        replace(base, name="a@2", group="a", depths=2),
+        replace(base, name="a@3", group="a", depths=3),
+        replace(_draft("b"), method="eagle3", group="b", depths=2),
+    ]
+    counters = {
+        "a@2": SpecCounters(drafts=4, draft_tokens=8, accepted=2, per_pos=(2, 0)),
+        "a@3": SpecCounters(drafts=4, draft_tokens=12, accepted=3, per_pos=(2, 1, 0)),
+        "b": SpecCounters(drafts=2, draft_tokens=4, accepted=4, per_pos=(2, 2)),
+    }
+    seconds = {"a@2": 2.0, "a@3": 1.0, "b": 0.5}
+    spec = {(n, "p", 1): EngineRun(out, seconds[n], c) for n, c in counters.items()}
+    return build_report(
+        opts,
+        target="/t",
+        hardware="CPU X, 2 cores",
+        sets=sets,
+        drafts=drafts,
+        measured=Measured(
+            plain={("p", 1): EngineRun(out, 2.0)},
+            spec=spec,
+            engine_seconds={"plain": 1.0, **dict.fromkeys(counters, 1.0)},
+        ),
+        wall_seconds=9.0,
+    )
+
+
+def test_one_table_compares_methods_and_ks(tmp_path: Path) -> None:
+    from peagle_pipeline.stages.evaluate.report import _comparison_lines, plot_comparison
+
+    report = _sweep_report()
+    json.dumps(report, allow_nan=False)
+    rows = {r["draft"]: r for r in report["results"]}
+    assert [(r["label"], r["method"], r["depths"]) for r in rows.values()] == [
+        ("a", "peagle", 2), ("a", "peagle", 3), ("b", "eagle3", 2),
+    ]  # fmt: skip
+    assert rows["a@3"]["acceptance_length"] == pytest.approx(1.75) and rows["b"]["acceptance_length"] == 3.0
+    assert rows["b"]["throughput"][0]["speedup"] == pytest.approx(4.0)  # 6 tokens in 0.5 s against 2.0 s
+    assert [d["parallel_drafting"] for d in report["drafts"]] == [True, True, False]
+    assert _comparison_lines(report, "p") == {"a": [(2, 1.5, 1.0), (3, 1.75, 2.0)], "b": [(2, 3.0, 4.0)]}
+    table = format_table(report)
+    assert "method" in table and "P-EAGLE" in table and "EAGLE-3" in table
+    b_row = next(line for line in table.splitlines() if line.startswith("p ") and " b " in line)
+    assert "EAGLE-3" in b_row and "3.000" in b_row and "3.0 -> 12.0" in b_row and "4.00x" in b_row
+    path = plot_comparison(report, tmp_path / "comparison.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000

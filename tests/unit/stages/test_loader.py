@@ -178,7 +178,7 @@ def test_all_positions_weighs_every_shifted_row() -> None:
 
 
 def test_ahead_to_device_passes_cpu_rows_through_and_closes_the_loader() -> None:
-    """issue 37: the CUDA prefetch wrapper leaves a CPU run's stream as it is (same steps, same tensors) and
+    """The CUDA prefetch wrapper leaves a CPU run's stream as it is (same steps, same tensors) and
     closing it closes the loader's stream (which ends its workers)."""
     split = split_samples(table([9] * 12), 0, seed=0)
     loader = TrainLoader(_Cache(set()), split, _settings(16))

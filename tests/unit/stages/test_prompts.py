@@ -213,7 +213,7 @@ def test_cache_prompts_use_the_runs_recorded_split(tmp_path: Path) -> None:
     assert load_prompt_set(str(cache), None, 100).prompts != via_run.prompts  # defaults draw another split
 
 
-# ---- issue 39, item 8 ------------------------------------------------------------------------------------
+# ---- prompts that are dropped ----------------------------------------------------------------------------
 def test_empty_prompts_and_rows_without_one_are_counted_as_skipped(tok, tmp_path: Path) -> None:
     """Whatever is dropped is counted in `skipped` (the evaluation report shows it): an empty or blank prompt, a
     chat row whose question is blank, a row the reader rejects. A prompt-only chat row is a prompt."""

@@ -1,4 +1,4 @@
-"""Issue 38 item 5: extract settles its "auto" values from one read of cache.json in one pure function, and the
+"""Extract settles its "auto" values from one read of cache.json in one pure function, and the
 saved-vs-current settings comparison of every resume is one function."""
 
 from __future__ import annotations
