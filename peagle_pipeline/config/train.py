@@ -72,13 +72,13 @@ class TrainConfig:
     weight_decay: float = setting(0.0, "AdamW weight decay.")
     grad_clip: float = setting(1.0, "Gradient-norm clip (0 disables).")
     down_sample_ratio: float = setting(
-        COD_DEFAULTS["ratio"], "COD ratio r: depth d keeps about r**d of the anchors."
+        COD_DEFAULTS["ratio"], "COD ratio r: depth d keeps about r**d of the anchors (peagle only)."
     )
     down_sample_ratio_min: float = setting(
-        COD_DEFAULTS["ratio_min"], "COD floor r_min of the kept fraction per depth."
+        COD_DEFAULTS["ratio_min"], "COD floor r_min of the kept fraction per depth (peagle only)."
     )
     max_anchors: int = setting(
-        COD_DEFAULTS["max_anchors"], "At most this many COD seeds per sample (depth >= 1 only)."
+        COD_DEFAULTS["max_anchors"], "At most this many COD seeds per sample (depth >= 1 only; peagle only)."
     )
     sequence_partitions: int = setting(
         1,
@@ -142,8 +142,8 @@ class TrainConfig:
     )
     mask_token_id: int | None = setting(
         None,
-        "Token fed at depth >= 1 slots; default by rule: the tokenizer's mask token, an unused embedding row, "
-        "else the lowest special token never seen in the data (docs/reference/algorithm.md).",
+        "Token fed at depth >= 1 slots (peagle only); default by rule: the tokenizer's mask token, an unused "
+        "embedding row, else the lowest special token never seen in the data (docs/reference/algorithm.md).",
     )
     skip_corrupt: bool = setting(
         False, "Skip samples whose data fails its checksum (reported) instead of stopping."

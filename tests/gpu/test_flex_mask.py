@@ -56,3 +56,30 @@ def test_compiled_block_mask_equals_dense_sdpa(segments):
             continue
         rel = float((p_flex.grad - p_dense.grad).norm() / p_dense.grad.norm().clamp_min(1e-12))
         assert rel < 1e-4, f"{name}: gradient differs by {rel:.1e} (segments={segments})"
+
+
+def test_eagle3_steps_with_block_masks_equal_dense_masks():
+    """EAGLE-3's K steps on CUDA (one flex BlockMask per step, from the same predicate) give the outputs and
+    gradients of the dense masks."""
+    from bench.reference_step import tiny_batch, tiny_draft
+    from peagle_pipeline.core.cod import CODConfig, build_layout
+    from peagle_pipeline.core.eagle3 import Eagle3Draft, step_masks, ttt_inputs
+
+    peagle, vocab, pieces = tiny_draft(seed=3, layers=2)
+    model = Eagle3Draft(peagle.cfg, pieces, vocab, generator=torch.Generator().manual_seed(3)).cuda()
+    docs = [300, 200]
+    tokens, aux, weight, _, _ = tiny_batch(1, docs, 520, 512, 3 * 64, p_valid=0.9)
+    lay = build_layout(docs, weight, CODConfig(depths=4), None, full=True)
+    inputs = ttt_inputs(lay.to("cuda"), tokens.cuda(), aux.cuda())
+    assert not isinstance(inputs["masks"][1], torch.Tensor)  # flex BlockMasks on CUDA
+    dense = {**inputs, "masks": [m.cuda() for m in step_masks(lay, "cpu")]}
+    valid = lay.doc.cuda() >= 0  # padding rows attend nowhere: left out
+    outs, grads = [], []
+    for given in (inputs, dense):
+        model.zero_grad(set_to_none=True)
+        hidden = model(**given)
+        (hidden[valid].float().pow(2).mean()).backward()
+        outs.append(hidden.detach())
+        grads.append(model.fc.weight.grad.detach().clone())
+    assert torch.allclose(outs[0][valid], outs[1][valid], atol=1e-4)
+    assert float((grads[0] - grads[1]).norm() / grads[1].norm()) < 1e-4

@@ -27,6 +27,7 @@ from peagle_pipeline.stages.export.marker import MARKER_FILE, trained_depths
 from peagle_pipeline.stages.export.speculators_format import load_export, serving_depths
 from peagle_pipeline.stages.train import draft, trainer
 from peagle_pipeline.stages.train import stage as train
+from peagle_pipeline.stages.train.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -185,7 +186,12 @@ def test_an_eagle3_run_exports_the_eagle3_format(tiny_cache: Path, tmp_path: Pat
     """`train --method eagle3`: the speculators eagle3 config (the P-EAGLE fields but the mask token), no
     `mask_hidden`, a reload that reproduces the trained steps; resuming it as another method is refused."""
     run = tmp_path / "run"
-    train.run(_cfg(tiny_cache, run, method="eagle3", steps=2, eval_samples=0, draft_vocab_size=VD))
+    train.run(_cfg(tiny_cache, run, method="eagle3", steps=2, eval_every=2, draft_vocab_size=VD))
+    held_out = [r for r in read_metrics(run) if r["kind"] == "eval"][-1]  # the held-out figures, as P-EAGLE's
+    assert held_out["acceptance"] >= 1.0 and len(held_out["agreement"]) == K and held_out["acceptance_walk"]
+    assert (run / "plots" / "acceptance.png").is_file() and json.loads((run / "draft.json").read_text())[
+        "method"
+    ] == "eagle3"
     path = export.export_run(run, tmp_path / "draft", checkpoint="latest")
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["speculators_model_type"] == "eagle3" and cfg["speculators_config"]["algorithm"] == "eagle3"

@@ -211,9 +211,11 @@ def test_exact_target_needs_last_hidden(tiny_cache: Path, tmp_path: Path, capsys
     assert "--last-hidden" in one_error_line(capsys)
 
 
-def test_exact_target_trains(tiny_cache_last_hidden: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_exact_target_trains(tiny_cache_last_hidden: Path, tmp_path: Path, method: str) -> None:
     out = tmp_path / "run"
-    assert train(tiny_cache_last_hidden, out, "--target", "exact", "--steps", "3", "--no-export") == 0
+    argv = ["--target", "exact", "--method", method, "--steps", "3", "--no-export"]
+    assert train(tiny_cache_last_hidden, out, *argv) == 0
     recs = metrics.read_metrics(out)
     assert recs[-1]["kind"] == "eval" and recs[-1]["loss"] > 0 and recs[-1]["acceptance"] >= 1.0
     assert not (out / "export").exists()
