@@ -26,7 +26,7 @@ import torch
 from bench.bench_step import build_setup
 from bench.common import DEMO_DATA, DEMO_MODEL, write_result
 from peagle_pipeline.config import ExtractConfig
-from peagle_pipeline.core.loss import kl_topk
+from peagle_pipeline.core.loss import Counted, kl_topk
 from peagle_pipeline.core.partition import forward_segment, plan_segments
 from peagle_pipeline.data.records import rank_rows
 from peagle_pipeline.hardware import cpu_bf16_flags, describe_compute_dtype, resolve_compute_dtype
@@ -103,7 +103,9 @@ def train_step(
         with torch.autocast(toks.device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
             hidden, owned = forward_segment(model, lay, seg, toks, aux_in)
             t = lay.target[owned]
-            out = kl_topk(hidden, head, ids[t], lp[t], ew[owned], lay.depth[owned], vocab, depths, chunk)
+            out = kl_topk(
+                hidden, head, ids[t], lp[t], Counted(ew[owned], lay.depth[owned], depths), vocab, chunk
+            )
         (out.loss_sum / count).backward()
         total += float(out.loss_sum.detach())
     return total / count

@@ -55,7 +55,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from bench.bench_step import build_setup
-    from peagle_pipeline.core.loss import kl_topk
+    from peagle_pipeline.core.loss import Counted, kl_topk
     from peagle_pipeline.core.partition import forward_segment, plan_segments
 
     torch.set_num_threads(args.threads)
@@ -83,10 +83,8 @@ def child(args: argparse.Namespace) -> None:
             model.lm_head.weight,
             ids[t],
             lp[t],
-            ew[owned],
-            lay.depth[owned],
+            Counted(ew[owned], lay.depth[owned], args.depths),
             vocab,
-            args.depths,
             args.chunk,
         )
         (out.loss_sum / count).backward()

@@ -40,7 +40,7 @@ import torch
 from bench.bench_step import SMOLLM2  # one SmolLM2-sized draft config for both step benchmarks
 from bench.reference_step import tiny_draft
 from peagle_pipeline.core.cod import CODConfig, build_layout
-from peagle_pipeline.core.loss import kl_exact, kl_topk
+from peagle_pipeline.core.loss import Counted, kl_exact, kl_topk
 from peagle_pipeline.core.partition import forward_segment, plan_segments
 
 # A Llama-3.1-8B-sized draft layer and vocabulary (the rope is the plain one: its scaling is irrelevant here).
@@ -145,11 +145,8 @@ def our_step(model, vocab, lay, b, target: str, norm_w, eps, depths: int, chunk:
                 hidden,
                 model.lm_head.weight,
                 b["last_hidden"][t],
-                norm_w,
-                eps,
-                ew[owned],
-                lay.depth[owned],
-                depths,
+                (norm_w, eps),
+                Counted(ew[owned], lay.depth[owned], depths),
                 chunk,
             )
         else:
@@ -158,10 +155,8 @@ def our_step(model, vocab, lay, b, target: str, norm_w, eps, depths: int, chunk:
                 model.lm_head.weight,
                 b["topk_ids"][t],
                 b["topk_logprobs"][t],
-                ew[owned],
-                lay.depth[owned],
+                Counted(ew[owned], lay.depth[owned], depths),
                 vocab,
-                depths,
                 chunk,
             )
         (out.loss_sum / count).backward()

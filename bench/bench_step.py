@@ -17,7 +17,7 @@ import torch
 
 from bench.reference_step import reference_step, tiny_draft
 from peagle_pipeline.core.cod import CODConfig, build_layout
-from peagle_pipeline.core.loss import kl_topk
+from peagle_pipeline.core.loss import Counted, kl_topk
 from peagle_pipeline.core.partition import forward_segment, plan_segments
 
 SMOLLM2 = {
@@ -75,7 +75,13 @@ def optimised_step(
         hidden, owned = forward_segment(model, lay, seg, toks, aux)
         t = lay.target[owned]
         out = kl_topk(
-            hidden, model.lm_head.weight, ids[t], lp[t], ew[owned], lay.depth[owned], vocab, depths, chunk
+            hidden,
+            model.lm_head.weight,
+            ids[t],
+            lp[t],
+            Counted(ew[owned], lay.depth[owned], depths),
+            vocab,
+            chunk,
         )
         (out.loss_sum / count).backward()
         total += out.loss_sum.detach()

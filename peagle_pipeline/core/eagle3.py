@@ -100,13 +100,12 @@ class Eagle3Draft(PEagleDraft):
         past: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Layer i of one step: (its pre-norm output, the keys and values of steps 0..this one)."""
-        pk, pv = (None, None) if past is None else past
         if self.grad_checkpointing and torch.is_grad_enabled():
             out, k, v = checkpoint(
-                self._layer_step, i, stream, embeds, cos, sin, mask, pk, pv, use_reentrant=False
+                self._layer_step, i, stream, embeds, (cos, sin), mask, past, use_reentrant=False
             )
         else:
-            out, k, v = self._layer_step(i, stream, embeds, cos, sin, mask, pk, pv)
+            out, k, v = self._layer_step(i, stream, embeds, (cos, sin), mask, past)
         return out, (k, v)
 
     def _layer_step(
@@ -114,15 +113,17 @@ class Eagle3Draft(PEagleDraft):
         i: int,
         stream: torch.Tensor,
         embeds: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rot: tuple[torch.Tensor, torch.Tensor],
         mask: AttnMask,
-        past_k: torch.Tensor | None,
-        past_v: torch.Tensor | None,
+        past: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i over this step's elements (`rot`: their RoPE cos and sin): its output and the keys and values of
+        the steps so far (`past`, then this one's)."""
         layer = self.layers[i]
+        cos, sin = rot
         k, v = layer.kv(stream, embeds, cos, sin)  # type: ignore[operator]
-        if past_k is not None and past_v is not None:
+        if past is not None:
+            past_k, past_v = past
             k, v = torch.cat([past_k, k.to(past_k.dtype)]), torch.cat([past_v, v.to(past_v.dtype)])
         return layer(stream, embeds, cos, sin, mask, (k, v)), k, v
 

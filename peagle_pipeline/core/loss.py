@@ -9,7 +9,7 @@ so no [N, Vd] tensor ever exists and backward does no recomputation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -17,6 +17,7 @@ from peagle_pipeline.core.cod import CODLayout
 from peagle_pipeline.core.vocab import DraftVocab
 
 __all__ = [
+    "Counted",
     "LossOutput",
     "kl_topk",
     "kl_exact",
@@ -93,6 +94,16 @@ def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class _HowKL(NamedTuple):
+    """How `_ChunkedKL` runs: the target `kind` ("topk" or "exact"), elements per chunk, the matmul dtype, and
+    whether to form the gradient."""
+
+    kind: str
+    chunk: int
+    dtype: torch.dtype
+    want_grad: bool
+
+
 class _ChunkedKL(torch.autograd.Function):
     """loss = sum_i w_i KL(p_i || softmax(h_i W^T)); the gradient is formed chunk by chunk in forward."""
 
@@ -102,12 +113,10 @@ class _ChunkedKL(torch.autograd.Function):
         hidden: torch.Tensor,
         weight: torch.Tensor,
         w: torch.Tensor,
-        kind: str,
         tgt: tuple[Any, ...],
-        chunk: int,
-        dtype: torch.dtype,
-        want_grad: bool,
+        how: _HowKL,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kind, chunk, dtype, want_grad = how
         N, dev = hidden.shape[0], hidden.device
         ctx.hidden_dtype, ctx.weight_dtype = hidden.dtype, weight.dtype
         loss = torch.zeros((), dtype=torch.float32, device=dev)
@@ -154,14 +163,16 @@ class _ChunkedKL(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = None if grad_h is None else (grad_loss * grad_h).to(ctx.hidden_dtype)
         gw = None if grad_w is None else (grad_loss * grad_w).to(ctx.weight_dtype)
-        return gh, gw, None, None, None, None, None, None
+        return gh, gw, None, None, None
 
 
 def _run(
     hidden: torch.Tensor, weight: torch.Tensor, w: torch.Tensor, kind: str, tgt: tuple[Any, ...], chunk: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     want = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _ChunkedKL.apply(hidden, weight, w, kind, tgt, max(1, int(chunk)), _compute_dtype(hidden), want)
+    return _ChunkedKL.apply(
+        hidden, weight, w, tgt, _HowKL(kind, max(1, int(chunk)), _compute_dtype(hidden), want)
+    )
 
 
 def _summarise(
@@ -188,15 +199,24 @@ def _summarise(
     )
 
 
+class Counted(NamedTuple):
+    """Which elements a loss counts, and at which depth: `weight` BoolTensor[N] (the element's loss weight) or
+    FloatTensor[N] of factors on each element's KL (EAGLE-3's per-step weights; an element with a non-zero weight
+    is counted in the agreement and `count`), `depth` LongTensor[N], and `num_depths` K (the size of the per-depth
+    counters)."""
+
+    weight: torch.Tensor
+    depth: torch.Tensor
+    num_depths: int
+
+
 def kl_topk(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_logprobs: torch.Tensor,
-    weight: torch.Tensor,
-    depth: torch.Tensor,
+    counted: Counted,
     vocab: DraftVocab | None,
-    num_depths: int,
     chunk: int = 2048,
 ) -> LossOutput:
     """KL against renormalised stored top-k targets.
@@ -205,13 +225,11 @@ def kl_topk(
         hidden: [N, H] final-normed draft hidden states.
         lm_head_weight: [Vd, H] (frozen or not; its gradient is formed only if it requires grad).
         topk_ids: LongTensor[N, k] target-vocabulary ids of each element's target row; topk_logprobs [N, k].
-        weight: BoolTensor[N] element loss weight, or FloatTensor[N] of factors on each element's KL (EAGLE-3's
-            per-step weights); the elements with a non-zero weight are counted (agreement, `count`).
-        depth: LongTensor[N].
+        counted: the elements' weights and depths, and K.
         vocab: draft vocabulary (None = identity).
-        num_depths: K (size of the per-depth counters).
         chunk: elements per chunk.
     """
+    weight, depth, num_depths = counted
     ids, p, has, top1 = topk_targets(topk_ids, topk_logprobs, vocab)
     valid = weight.to(torch.bool) & has
     loss, argmax, _ = _run(hidden, lm_head_weight, weight.float() * valid, "topk", (ids, p), chunk)
@@ -223,11 +241,8 @@ def kl_exact(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
     target_hidden: torch.Tensor,
-    target_norm_weight: torch.Tensor,
-    target_norm_eps: float,
-    weight: torch.Tensor,
-    depth: torch.Tensor,
-    num_depths: int,
+    target_norm: tuple[torch.Tensor, float],
+    counted: Counted,
     chunk: int = 2048,
 ) -> LossOutput:
     """KL against exact targets: softmax over the draft vocabulary of lm_head_rows(final_norm(h_L)).
@@ -236,9 +251,11 @@ def kl_exact(
         hidden: [N, H] final-normed draft hidden states.
         lm_head_weight: [Vd, H], the target lm_head rows of the draft vocabulary.
         target_hidden: [N, H] pre-norm last target hidden state (layer id L) of each element's target row.
-        target_norm_weight: [H] the target's final norm weight; target_norm_eps its epsilon.
-        weight, depth, num_depths, chunk: as in `kl_topk`.
+        target_norm: the target's final norm: its weight [H] and its epsilon.
+        counted, chunk: as in `kl_topk`.
     """
+    weight, depth, num_depths = counted
+    target_norm_weight, target_norm_eps = target_norm
     valid = weight.to(torch.bool)
     tgt = (target_hidden, target_norm_weight, float(target_norm_eps))
     loss, argmax, target_top = _run(hidden, lm_head_weight, weight.float(), "exact", tgt, chunk)

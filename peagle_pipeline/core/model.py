@@ -17,7 +17,7 @@ elements of `out_index`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -31,7 +31,15 @@ from peagle_pipeline.core.rope import rope_inv_freq
 from peagle_pipeline.core.vocab import DraftVocab
 from peagle_pipeline.errors import BadInput
 
-__all__ = ["PEagleDraft", "KV_CHUNK", "layout_inputs"]
+__all__ = ["PEagleDraft", "Owned", "KV_CHUNK", "layout_inputs"]
+
+
+class Owned(NamedTuple):
+    """The elements of a forward whose outputs are wanted (a sequence segment's own), `elements` LongTensor[Nq],
+    and their attention mask `mask` [Nq, N] over all N elements."""
+
+    elements: torch.Tensor
+    mask: AttnMask | None
 
 
 # Elements per checkpointed piece of layer 0's context keys and values (`PEagleDraft._context_kv`): bounds the
@@ -137,8 +145,7 @@ class PEagleDraft(nn.Module):
         position: torch.Tensor,
         attn_mask: AttnMask,
         aux_index: torch.Tensor | None = None,
-        out_index: torch.Tensor | None = None,
-        out_mask: AttnMask | None = None,
+        owned: Owned | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states of the COD elements.
 
@@ -149,13 +156,14 @@ class PEagleDraft(nn.Module):
                 fc work and memory: fc runs on R rows).
             is_mask: BoolTensor[N], True at depth >= 1.
             position: LongTensor[N], RoPE positions.
-            attn_mask: [N, N] bool or BlockMask (used by every layer; by all but the last when `out_index`).
-            out_index: LongTensor[Nq], elements whose outputs are wanted; the last layer computes only their
-                queries (keys/values still come from all N elements). Needs `out_mask` [Nq, N].
+            attn_mask: [N, N] bool or BlockMask (used by every layer; by all but the last when `owned`).
+            owned: the elements whose outputs are wanted (`Owned.elements` LongTensor[Nq]) and their mask [Nq, N]:
+                the last layer computes only their queries (keys/values still come from all N elements).
 
         Returns:
             [N, H] (or [Nq, H]) after the final norm.
         """
+        out_index, out_mask = owned if owned is not None else (None, None)
         ids = torch.where(is_mask, torch.full_like(input_ids, self.cfg.mask_token_id), input_ids)
         cos, sin = self.rope(position)
         last = len(self.layers) - 1
@@ -215,7 +223,9 @@ class PEagleDraft(nn.Module):
         segment's end: the same size in a row's last segment as in a single pass)."""
         N = ids.shape[0]
         parts = [
-            self._checkpoint(self._kv_rows, ids, aux, is_mask, aux_index, cos, sin, lo, min(N, lo + KV_CHUNK))
+            self._checkpoint(
+                self._kv_rows, ids, aux, is_mask, aux_index, (cos, sin), (lo, min(N, lo + KV_CHUNK))
+            )
             for lo in range(0, N, KV_CHUNK)
         ]
         if len(parts) == 1:
@@ -228,12 +238,12 @@ class PEagleDraft(nn.Module):
         aux: torch.Tensor,
         is_mask: torch.Tensor,
         aux_index: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        lo: int,
-        hi: int,
+        rot: tuple[torch.Tensor, torch.Tensor],
+        span: tuple[int, int],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer 0's keys and values [hi - lo, Hkv, D] of elements lo..hi-1."""
+        """Layer 0's keys and values [hi - lo, Hkv, D] of elements lo..hi-1 (`span`; `rot`: every element's RoPE
+        cos and sin)."""
+        (cos, sin), (lo, hi) = rot, span
         rows = torch.arange(lo, hi, device=ids.device)
         embeds, stream = self._layer0_inputs(ids, aux, is_mask, aux_index, rows)
         return self.layers[0].kv(stream, embeds, cos[lo:hi], sin[lo:hi])  # type: ignore[operator]
@@ -268,12 +278,8 @@ class PEagleDraft(nn.Module):
         out_mask: AttnMask | None = None,
     ) -> torch.Tensor:
         """Forward for a packed row: element inputs gathered from its rows (see `layout_inputs`)."""
-        return self.forward(
-            **layout_inputs(layout, tokens, aux_rows),
-            attn_mask=attn_mask,
-            out_index=out_index,
-            out_mask=out_mask,
-        )
+        owned = None if out_index is None else Owned(out_index, out_mask)
+        return self.forward(**layout_inputs(layout, tokens, aux_rows), attn_mask=attn_mask, owned=owned)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, Vd] draft logits (unchunked; the loss computes them in chunks itself)."""

@@ -99,7 +99,7 @@ def forward_segment(
     Returns:
         (hidden [m, H] of the owned elements, LongTensor[m] their indices into `layout`), for the loss.
     """
-    from peagle_pipeline.core.model import layout_inputs
+    from peagle_pipeline.core.model import Owned, layout_inputs
 
     device = tokens.device
     sub = layout.select(segment.index).to(device)
@@ -107,7 +107,5 @@ def forward_segment(
     layers = len(getattr(model, "module", model).layers)  # type: ignore[arg-type]  # nn.ModuleList
     full = build_mask(sub, device) if layers > 1 else None
     out_mask = build_mask(sub, device, query=out_index)
-    hidden = model(
-        **layout_inputs(sub, tokens, aux_rows), attn_mask=full, out_index=out_index, out_mask=out_mask
-    )
+    hidden = model(**layout_inputs(sub, tokens, aux_rows), attn_mask=full, owned=Owned(out_index, out_mask))
     return hidden, segment.owned_elements.to(device)

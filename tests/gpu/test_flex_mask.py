@@ -11,8 +11,8 @@ import torch
 from bench.bench_dtype import train_step
 from bench.bench_gpu import cuda_setup
 from peagle_pipeline.core import mask as mask_mod
-from peagle_pipeline.core.loss import kl_topk
-from peagle_pipeline.core.model import layout_inputs
+from peagle_pipeline.core.loss import Counted, kl_topk
+from peagle_pipeline.core.model import Owned, layout_inputs
 from peagle_pipeline.core.partition import plan_segments
 
 
@@ -28,13 +28,12 @@ def dense_step(setup: tuple, depths: int) -> float:
     hidden = model(
         **layout_inputs(sub, toks, aux.float()),
         attn_mask=mask_mod.dense_mask(sub),
-        out_index=out_index,
-        out_mask=mask_mod.dense_mask(sub, out_index),
+        owned=Owned(out_index, mask_mod.dense_mask(sub, out_index)),
     )
     owned = seg.owned_elements.to(toks.device)
     t = lay.target[owned]
     out = kl_topk(
-        hidden, model.lm_head.weight, ids[t], lp[t], ew[owned], lay.depth[owned], vocab, depths, 1024
+        hidden, model.lm_head.weight, ids[t], lp[t], Counted(ew[owned], lay.depth[owned], depths), vocab, 1024
     )
     (out.loss_sum / count).backward()
     return float(out.loss_sum.detach()) / count

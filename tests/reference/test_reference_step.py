@@ -8,7 +8,7 @@ import torch
 
 from bench.reference_step import reference_mask, reference_step, tiny_batch, tiny_draft
 from peagle_pipeline.core.cod import CODConfig, build_layout
-from peagle_pipeline.core.loss import kl_topk
+from peagle_pipeline.core.loss import Counted, kl_topk
 from peagle_pipeline.core.mask import dense_mask
 from peagle_pipeline.core.partition import forward_segment, plan_segments
 
@@ -22,7 +22,15 @@ def optimised_step(model, vocab, lay, tokens, aux, weight, ids, lp, segments=1, 
         hidden, owned = forward_segment(model, lay, seg, tokens, aux)
         t = lay.target[owned]
         outs.append(
-            kl_topk(hidden, model.lm_head.weight, ids[t], lp[t], ew[owned], lay.depth[owned], vocab, 4, chunk)
+            kl_topk(
+                hidden,
+                model.lm_head.weight,
+                ids[t],
+                lp[t],
+                Counted(ew[owned], lay.depth[owned], 4),
+                vocab,
+                chunk,
+            )
         )
         count -= int(outs[-1].excluded)
     loss = torch.zeros(())

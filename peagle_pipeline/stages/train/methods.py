@@ -23,7 +23,7 @@ import torch
 from peagle_pipeline.config import TrainConfig
 from peagle_pipeline.core import cod, partition
 from peagle_pipeline.core.eagle3 import Eagle3Draft, ttt_inputs
-from peagle_pipeline.core.model import PEagleDraft
+from peagle_pipeline.core.model import Owned, PEagleDraft
 from peagle_pipeline.errors import BadConfig
 from peagle_pipeline.stages.train.prepared_row import Prepared
 
@@ -87,8 +87,7 @@ class PEagleMethod(DraftMethod):
             sub.position,
             full,
             aux_index=aux_index,
-            out_index=q,
-            out_mask=None if q is None else mask(sub, q),
+            owned=None if q is None else Owned(q, mask(sub, q)),
         )
 
     def idle_hidden(

@@ -212,29 +212,14 @@ class Trainer:
             rows, depth = p.layout.target[owned], p.layout.depth[owned]
             w = self.method.loss_weight(self.cfg, depth, p.valid[owned])
             head = self.model.lm_head.weight
+            counted = loss.Counted(w, depth, self.cfg.depths)
             if self.cfg.target == "exact":
+                last = p.batch.last_hidden[rows]  # type: ignore[index]  # read when target is exact
                 return loss.kl_exact(
-                    hidden,
-                    head,
-                    p.batch.last_hidden[rows],  # type: ignore[index]  # read when target is exact
-                    self.target_norm,
-                    self.target_eps,
-                    w,
-                    depth,
-                    self.cfg.depths,
-                    self.cfg.loss_chunk,
+                    hidden, head, last, (self.target_norm, self.target_eps), counted, self.cfg.loss_chunk
                 )
-            return loss.kl_topk(
-                hidden,
-                head,
-                p.batch.topk_ids[rows],
-                p.batch.topk_logprobs[rows],
-                w,
-                depth,
-                self.vocab,
-                self.cfg.depths,
-                self.cfg.loss_chunk,
-            )
+            ids, lp = p.batch.topk_ids[rows], p.batch.topk_logprobs[rows]
+            return loss.kl_topk(hidden, head, ids, lp, counted, self.vocab, self.cfg.loss_chunk)
 
     def train_step(self, micro: list[PackedBatch]) -> StepStats:
         """Forward/backward every micro-batch and segment, then one guarded optimizer update."""

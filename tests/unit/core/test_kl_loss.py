@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from peagle_pipeline.core.cod import CODConfig, build_layout
-from peagle_pipeline.core.loss import acceptance_estimate, acceptance_walk, kl_exact, kl_topk, leading_correct
+from peagle_pipeline.core.loss import (
+    Counted,
+    acceptance_estimate,
+    acceptance_walk,
+    kl_exact,
+    kl_topk,
+    leading_correct,
+)
 from peagle_pipeline.core.vocab import build_draft_vocab
 
 
@@ -36,7 +43,7 @@ def _dense_topk(hidden, W, ids, lp, weight, vocab):
 @pytest.mark.parametrize("chunk", [1, 5, 37, 1000])
 def test_chunked_topk_equals_dense_loss_and_gradient(chunk):
     vocab, hidden, W, ids, lp, weight, depth = _case()
-    out = kl_topk(hidden, W, ids, lp, weight, depth, vocab, 4, chunk=chunk)
+    out = kl_topk(hidden, W, ids, lp, Counted(weight, depth, 4), vocab, chunk=chunk)
     out.loss_sum.backward()
     g1 = hidden.grad.clone()
     hidden.grad = None
@@ -51,7 +58,7 @@ def test_float_weights_scale_each_elements_kl_and_gradient():
     non-zero weight are counted as with a boolean one."""
     vocab, hidden, W, ids, lp, weight, depth = _case()
     factor = 0.5 ** depth.float()
-    out = kl_topk(hidden, W, ids, lp, weight.float() * factor, depth, vocab, 4, chunk=7)
+    out = kl_topk(hidden, W, ids, lp, Counted(weight.float() * factor, depth, 4), vocab, chunk=7)
     out.loss_sum.backward()
     g1 = hidden.grad.clone()
     hidden.grad = None
@@ -61,14 +68,16 @@ def test_float_weights_scale_each_elements_kl_and_gradient():
     ref.backward()
     assert torch.allclose(out.loss_sum, ref, rtol=1e-5) and int(out.count) == count
     assert torch.allclose(g1, hidden.grad, rtol=1e-4, atol=1e-6)
-    plain = kl_topk(hidden.detach(), W, ids, lp, weight, depth, vocab, 4)
+    plain = kl_topk(hidden.detach(), W, ids, lp, Counted(weight, depth, 4), vocab)
     assert torch.equal(out.correct, plain.correct) and torch.equal(out.total, plain.total)
 
 
 def test_gradient_wrt_logits_is_q_minus_p():
     vocab, _, _, ids, lp, weight, depth = _case(Vd=30, H=30)
     logits = torch.randn(37, 30, generator=torch.Generator().manual_seed(3), requires_grad=True)
-    out = kl_topk(logits, torch.eye(30), ids, lp, weight, depth, vocab, 4, chunk=8)  # W = I: hidden = logits
+    out = kl_topk(
+        logits, torch.eye(30), ids, lp, Counted(weight, depth, 4), vocab, chunk=8
+    )  # W = I: hidden = logits
     out.loss_sum.backward()
     _, _, p, w = _dense_topk(logits.detach(), torch.eye(30), ids, lp, weight, vocab)
     q = torch.softmax(logits.detach(), -1)
@@ -80,7 +89,9 @@ def test_renormalises_kept_ids_and_excludes_rows_without_any():
     ids = torch.tensor([[0, 4, 1], [4, 5, 3]])
     lp = torch.log(torch.tensor([[0.5, 0.3, 0.1], [0.6, 0.2, 0.1]]))
     hidden = torch.zeros(2, 3, requires_grad=True)  # uniform draft q = 1/3
-    out = kl_topk(hidden, torch.eye(3), ids, lp, torch.tensor([True, True]), torch.tensor([0, 1]), vocab, 2)
+    out = kl_topk(
+        hidden, torch.eye(3), ids, lp, Counted(torch.tensor([True, True]), torch.tensor([0, 1]), 2), vocab
+    )
     p = torch.tensor([0.5, 0.1]) / 0.6  # ids 0 and 1 kept, renormalised
     expected = float((p * (p.log() - torch.log(torch.tensor(1 / 3)))).sum())
     assert abs(float(out.loss_sum) - expected) < 1e-5
@@ -97,7 +108,7 @@ def test_exact_mode_equals_full_softmax_kl():
     nw = 1 + 0.1 * torch.randn(H, generator=g)
     weight = torch.rand(N, generator=g) < 0.7
     depth = torch.zeros(N, dtype=torch.long)
-    out = kl_exact(hidden, W, h_last, nw, 1e-5, weight, depth, 1, chunk=4)
+    out = kl_exact(hidden, W, h_last, (nw, 1e-5), Counted(weight, depth, 1), chunk=4)
     out.loss_sum.backward()
     normed = h_last * torch.rsqrt(h_last.pow(2).mean(-1, keepdim=True) + 1e-5) * nw
     logp = torch.log_softmax(normed @ W.T, -1)
@@ -113,7 +124,7 @@ def test_exact_mode_equals_full_softmax_kl():
 
 def test_per_depth_agreement_counts():
     vocab, hidden, W, ids, lp, weight, depth = _case(seed=2)
-    out = kl_topk(hidden, W, ids, lp, weight, depth, vocab, 4)
+    out = kl_topk(hidden, W, ids, lp, Counted(weight, depth, 4), vocab)
     _, _, _, w = _dense_topk(hidden.detach(), W, ids, lp, weight, vocab)
     top1 = ids.gather(1, lp.argmax(-1, keepdim=True))[:, 0]
     right = (vocab.ids[(hidden @ W.T).argmax(-1)] == top1) & w

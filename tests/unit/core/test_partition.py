@@ -7,7 +7,7 @@ import torch
 
 from bench.reference_step import tiny_batch, tiny_draft
 from peagle_pipeline.core.cod import CODConfig, build_layout
-from peagle_pipeline.core.loss import kl_topk
+from peagle_pipeline.core.loss import Counted, kl_topk
 from peagle_pipeline.core.partition import forward_segment, plan_segments, segment_ids
 
 
@@ -27,7 +27,13 @@ def _run(model, vocab, lay, tokens, aux, weight, ids, lp, n):
         hidden, owned = forward_segment(model, lay, seg, tokens, aux)
         t = lay.target[owned]
         out = kl_topk(
-            hidden, model.lm_head.weight, ids[t], lp[t], ew[owned], lay.depth[owned], vocab, 4, chunk=16
+            hidden,
+            model.lm_head.weight,
+            ids[t],
+            lp[t],
+            Counted(ew[owned], lay.depth[owned], 4),
+            vocab,
+            chunk=16,
         )
         out.loss_sum.backward()
         total += out.loss_sum.detach()

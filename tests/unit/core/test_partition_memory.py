@@ -58,7 +58,7 @@ print(json.dumps({"peak": rss("VmHWM") - base, "context": L - own}))
 """
 
 _KL = """
-from peagle_pipeline.core.loss import kl_topk
+from peagle_pipeline.core.loss import Counted, kl_topk
 c, vd, H = 512, 32768, 64
 hidden = torch.randn(c, H, requires_grad=True)
 head = torch.randn(vd, H) * 0.1
@@ -68,7 +68,7 @@ valid = torch.ones(c, dtype=torch.bool)
 depth = torch.zeros(c, dtype=torch.long)
 reset()
 base = rss()
-out = kl_topk(hidden, head, ids, lp, valid, depth, None, 1, chunk=c)
+out = kl_topk(hidden, head, ids, lp, Counted(valid, depth, 1), None, chunk=c)
 print(json.dumps({"peak": rss("VmHWM") - base, "buffer": c * vd * 4}))
 """
 
