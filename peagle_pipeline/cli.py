@@ -214,11 +214,21 @@ def extract(
     tensor_parallel_size: Annotated[int | None, _opt(ExtractConfig, "tensor_parallel_size")] = None,
     gpu_memory_utilization: Annotated[float | None, _opt(ExtractConfig, "gpu_memory_utilization")] = None,
     max_num_batched_tokens: Annotated[int | None, _opt(ExtractConfig, "max_num_batched_tokens")] = None,
+    space_check: Annotated[bool | None, _opt(ExtractConfig, "space_check")] = None,
+    plan: Annotated[
+        bool,
+        typer.Option(
+            "--plan", help="Print the estimated cache size and the free space, then exit (no weights loaded)."
+        ),
+    ] = False,
 ) -> None:
     """Run the target model once over chat data and write (or resume) a cache."""
-    cfg = resolve(ExtractConfig, config, _overrides(locals()))
+    cfg = resolve(ExtractConfig, config, {k: v for k, v in _overrides(locals()).items() if k != "plan"})
     from peagle_pipeline.stages.extract import stage
 
+    if plan:
+        typer.echo(stage.plan(cfg))
+        return
     summary = stage.run(cfg)
     if summary is not None:
         typer.echo(summary.format())

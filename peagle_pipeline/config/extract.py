@@ -79,6 +79,10 @@ class ExtractConfig(TargetStageConfig):
     )
     topk_chunk: int = setting(1024, "Tokens per chunk of the log-softmax/top-k computation (bounds memory).")
     max_num_batched_tokens: int | None = setting(None, "vLLM scheduler token budget per step.")
+    space_check: bool = setting(
+        True,
+        "Before the target loads, refuse to start when the output's file system has less free space than the estimated cache size (less what the output already holds) plus 10 %; an object-store output is not checked. --no-space-check starts anyway.",
+    )
 
     def __post_init__(self) -> None:
         check_finite(self)

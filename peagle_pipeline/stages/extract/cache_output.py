@@ -24,9 +24,10 @@ from peagle_pipeline.stages.extract.settings import forward_dtype, target_device
 if TYPE_CHECKING:
     from peagle_pipeline.core.vocab import TokenizerFacts
 
-__all__ = ["build_meta", "target_source", "prepare_output", "raise_if_unwritable"]
+__all__ = ["LOGICAL_DTYPE", "build_meta", "target_source", "prepare_output", "raise_if_unwritable"]
 
-_LOGICAL: dict[Literal["bf16", "fp32", "fp8", "nf4"], str] = {
+# `--dtype` -> the logical hidden dtype cache.json records
+LOGICAL_DTYPE: dict[Literal["bf16", "fp32", "fp8", "nf4"], str] = {
     "bf16": "bfloat16",
     "fp32": "float32",
     "fp8": layout.FP8,
@@ -71,8 +72,8 @@ def build_meta(
         vocab_size=info.vocab_size,
         aux_layer_ids=list(layer_ids),
         topk=cfg.topk,
-        hidden_dtype=_LOGICAL[cfg.dtype],
-        compute_dtype=_LOGICAL[compute_dtype],
+        hidden_dtype=LOGICAL_DTYPE[cfg.dtype],
+        compute_dtype=LOGICAL_DTYPE[compute_dtype],
         has_last_hidden=cfg.last_hidden,
         max_length=cfg.max_length,
         overlong=cfg.overlong,

@@ -10,6 +10,7 @@ holds the first uncommitted sample, and the writer drops tokens it already has. 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import shutil
@@ -33,6 +34,7 @@ from peagle_pipeline.data.records import rank_rows
 from peagle_pipeline.errors import BadInput
 from peagle_pipeline.preemption import stop_error
 from peagle_pipeline.runtime import check_output_dir, writer_rank
+from peagle_pipeline.stages.extract import plan as extract_plan
 from peagle_pipeline.stages.extract.batch_pipeline import BatchPipeline
 from peagle_pipeline.stages.extract.batch_plan import RowReject, plan_batches, render_rows, sort_by_length
 from peagle_pipeline.stages.extract.cache_output import build_meta, prepare_output, raise_if_unwritable
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
     from peagle_pipeline.core.vocab import TokenizerFacts
     from peagle_pipeline.data.chat import ChatRenderer
 
-__all__ = ["run", "ExtractSummary"]
+__all__ = ["run", "plan", "ExtractSummary"]
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +118,8 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
         raise BadInput(f"topk {cfg.topk} exceeds the target vocabulary ({info.vocab_size})")
     renderer = _checked_renderer(cfg)
     place = _place(cfg.output)
+    room = extract_plan.estimate(cfg, info, layer_ids, renderer)  # refused here: nothing loaded or written yet
+    print(extract_plan.check_space(cfg, room, None if place.remote else place.local), file=sys.stderr, flush=True)
     device = target_device(cfg)
     cfg, run_cfg, why = settle_auto(cfg, read_recorded_meta(place.local), device, _bf16_only(cfg, device))
     run_cfg, length_note = fit_to_positions(run_cfg, text_config(info.config).get("max_position_embeddings"))
@@ -139,6 +143,21 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     _write_store(run_cfg, meta, writer, renderer, rank, world, summary, backend, undo)
     summary.elapsed_s = time.perf_counter() - start
     return _unstage(_finish(summary, writer, already=False), place.remote, writer)
+
+
+def plan(cfg: ExtractConfig) -> str:
+    """`extract --plan`: the estimated cache size and the output's free space, from the tokenizer and config.json
+    alone (no weights loaded, nothing written)."""
+    from peagle_pipeline.model_dir import read_target_info
+
+    info = read_target_info(cfg.model)
+    layer_ids = resolve_layers(cfg, info.num_hidden_layers)
+    room = extract_plan.estimate(cfg, info, layer_ids, _checked_renderer(cfg))
+    return extract_plan.check_space(dataclasses.replace(cfg, space_check=False), room, _plan_local(cfg.output))
+
+
+def _plan_local(output: str) -> str | None:
+    return None if is_remote(output) else output
 
 
 def _bf16_only(cfg: ExtractConfig, device: str) -> str | None:
