@@ -1,7 +1,8 @@
 """Which 4-bit format to store hidden states in: relative L2 error per aux layer of the read-back states, on a real
 extraction, for int4 (absmax), nf4 and e2m1 (fp4) at blocks of 16/32/64 values of the hidden dimension, with block
-scales in bf16, fp8-e4m3 (under an fp32 scale per row) or e8m0 (a power of two, as MXFP4); fp8 per row (today's
-`--dtype fp8`) beside them. Outlier channels are the risk of block scales: the error is also given over the
+scales in bf16, fp8-e4m3 (under an fp32 scale per row) or e8m0 (a power of two, as MXFP4), with or without the
+largest values of each row kept apart in bf16; fp8 per row (`--dtype fp8`) and the format `--dtype nf4` stores
+(core/nf4.py) beside them. Outlier channels are the risk of block scales: the error is also given over the
 channels outside the 8 of largest mean magnitude per layer ("rest"), where a block that holds an outlier zeroes
 its neighbours.
 
@@ -22,7 +23,7 @@ import torch
 from bench.bench_cache import extract_source
 from bench.common import DEMO_DATA, DEMO_MODEL
 from peagle_pipeline.cache.reader import open_cache
-from peagle_pipeline.core import fp8
+from peagle_pipeline.core import fp8, nf4
 
 NF4 = torch.tensor(
     [-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
@@ -51,8 +52,13 @@ def _scales(amax: torch.Tensor, top: float, kind: str) -> torch.Tensor:
     raise ValueError(kind)
 
 
-def quantise(x: torch.Tensor, grid: torch.Tensor, block: int, scale_kind: str) -> torch.Tensor:
-    """x [..., H] -> read-back x through blocks of `block` values on `grid` with scales of `scale_kind`."""
+def quantise(x: torch.Tensor, grid: torch.Tensor, block: int, scale_kind: str, outliers: int = 0) -> torch.Tensor:
+    """x [..., H] -> read-back x through blocks of `block` values on `grid` with scales of `scale_kind`; the
+    `outliers` largest magnitudes of each row kept apart in bf16 (zeroed in the blocks)."""
+    if outliers:
+        idx = x.abs().topk(outliers, dim=-1).indices
+        y = quantise(x.scatter(-1, idx, 0.0), grid, block, scale_kind)
+        return y.scatter(-1, idx, torch.gather(x, -1, idx).bfloat16().float())
     *lead, H = x.shape
     b = x.float().reshape(*lead, H // block, block)
     amax = b.abs().amax(-1, keepdim=True)
@@ -62,10 +68,10 @@ def quantise(x: torch.Tensor, grid: torch.Tensor, block: int, scale_kind: str) -
     return (q * s).reshape(*lead, H).bfloat16().float()
 
 
-def bits_per_value(block: int, scale_kind: str, H: int) -> float:
+def bits_per_value(block: int, scale_kind: str, H: int, outliers: int = 0) -> float:
     scale_bits = {"bf16": 16, "e8m0": 8, "e4m3": 8}[scale_kind]
     row = 32 if scale_kind == "e4m3" else 0
-    return 4 + scale_bits / block + row / H
+    return 4 + scale_bits / block + (row + 32 * outliers) / H  # an outlier: uint16 index + bf16 value
 
 
 def main() -> None:
@@ -101,6 +107,15 @@ def main() -> None:
             for block in (16, 32, 64):
                 y = quantise(x, grid, block, scale_kind)
                 rows.append((f"{name}, {scale_kind} scale / {block}", bits_per_value(block, scale_kind, H), err(y)))
+    for k in (1, 2, 4, 8):
+        for name, grid in (("int4", INT4), ("nf4", NF4), ("e2m1", E2M1)):
+            for block in (32, 64):
+                y = quantise(x, grid, block, "e4m3", outliers=k)
+                bits = bits_per_value(block, "e4m3", H, outliers=k)
+                rows.append((f"{name}, e4m3 scale / {block}, {k} bf16 outliers per row", bits, err(y)))
+    packed = nf4.encode_rows(x)
+    rows.append((f"core/nf4.py (`--dtype nf4`): nf4 / {nf4.BLOCK}, {nf4.OUTLIERS} outliers", 8 * packed.shape[-1] / H,
+                 err(nf4.decode_rows(packed).float())))  # fmt: skip
     print("| format | bits/value | x bf16 | rel L2 per layer | rel L2, rest (outside top-8 channels) |")
     print("|---|---:|---:|---|---|")
     for name, bits, e in rows:
