@@ -75,7 +75,11 @@ def read_rate(cache: Any, ids: list[int], repeats: int, seed: int = 0) -> float:
 
 
 def aux_bytes(root: Path) -> int:
-    return sum(f.stat().st_size for f in (root / layout.STORES_DIR).rglob("*") if f.is_file() and "aux_hidden" in f.parts)
+    return sum(
+        f.stat().st_size
+        for f in (root / layout.STORES_DIR).rglob("*")
+        if f.is_file() and "aux_hidden" in f.parts
+    )
 
 
 def main() -> None:
@@ -85,7 +89,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=24, help="conversations to extract")
     ap.add_argument("--max-length", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3, help="random-order read passes (best is kept)")
-    ap.add_argument("--quick", action="store_true", help="smoke-test sizes (4 conversations, 256 tokens, 1 pass)")
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke-test sizes (4 conversations, 256 tokens, 1 pass)"
+    )
     ap.add_argument("--workdir", default=None, help="keep outputs here (default: a temp dir, removed)")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     args = ap.parse_args()
@@ -128,7 +134,9 @@ def main() -> None:
             "nf4_vs_bf16": per_token["nf4"] / per_token["bf16"],
             "goals": {"nf4_aux_vs_bf16_max": AUX_RATIO_GOAL},
         }
-        print(f"\n{len(ids)} samples, {tokens} tokens, H={src.meta.hidden_size}, aux {src.meta.aux_layer_ids}\n")
+        print(
+            f"\n{len(ids)} samples, {tokens} tokens, H={src.meta.hidden_size}, aux {src.meta.aux_layer_ids}\n"
+        )
         print("| stored aux dtype | bytes/token (all) | aux bytes/token | aux vs bf16 | reads, tokens/s per core "
               f"| cores for {H200_STEP_TOKENS_PER_S:,} tokens/s |")  # fmt: skip
         print("|---|---:|---:|---:|---:|---:|")

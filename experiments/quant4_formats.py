@@ -52,7 +52,9 @@ def _scales(amax: torch.Tensor, top: float, kind: str) -> torch.Tensor:
     raise ValueError(kind)
 
 
-def quantise(x: torch.Tensor, grid: torch.Tensor, block: int, scale_kind: str, outliers: int = 0) -> torch.Tensor:
+def quantise(
+    x: torch.Tensor, grid: torch.Tensor, block: int, scale_kind: str, outliers: int = 0
+) -> torch.Tensor:
     """x [..., H] -> read-back x through blocks of `block` values on `grid` with scales of `scale_kind`; the
     `outliers` largest magnitudes of each row kept apart in bf16 (zeroed in the blocks)."""
     if outliers:
@@ -106,7 +108,9 @@ def main() -> None:
         for scale_kind in ("bf16", "e4m3", "e8m0"):
             for block in (16, 32, 64):
                 y = quantise(x, grid, block, scale_kind)
-                rows.append((f"{name}, {scale_kind} scale / {block}", bits_per_value(block, scale_kind, H), err(y)))
+                rows.append(
+                    (f"{name}, {scale_kind} scale / {block}", bits_per_value(block, scale_kind, H), err(y))
+                )
     for k in (1, 2, 4, 8):
         for name, grid in (("int4", INT4), ("nf4", NF4), ("e2m1", E2M1)):
             for block in (32, 64):

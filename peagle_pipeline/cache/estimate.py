@@ -109,4 +109,3 @@ def pieces_bytes(config: dict[str, Any], init_layer: bool = True) -> int:
         inter = int(config.get("intermediate_size") or 0)
         params += 2 * H * heads * head_dim + 2 * H * kv * head_dim + 3 * H * inter + 2 * H
     return params * size
-

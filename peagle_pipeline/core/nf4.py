@@ -117,13 +117,16 @@ def decode_rows(packed: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> to
         ValueError: not uint8, or a width no hidden size packs into.
     """
     if packed.dtype != torch.uint8 or packed.dim() == 0:
-        raise ValueError(f"nf4 rows must be uint8 [..., packed width], got {packed.dtype} {tuple(packed.shape)}")
+        raise ValueError(
+            f"nf4 rows must be uint8 [..., packed width], got {packed.dtype} {tuple(packed.shape)}"
+        )
     *lead, width = packed.shape
     H = hidden_width(width)
     nb = H // BLOCK
     p = packed.reshape(-1, width)  # [R, width]
     a, b, c, d = H // 2, H // 2 + nb, H // 2 + nb + 4, H // 2 + nb + 4 + 2 * OUTLIERS
-    pairs = torch.index_select(_PAIRS.to(p.device), 0, p[:, :a].reshape(-1).int())  # [R * H/2] int32: two bf16 levels each
+    # [R * H/2] int32 words, two bf16 levels each
+    pairs = torch.index_select(_PAIRS.to(p.device), 0, p[:, :a].reshape(-1).int())
     values = pairs.view(torch.bfloat16).reshape(-1, nb, BLOCK)  # [R, nb, BLOCK] in [-1, 1]
     codes = _copy(p[:, a:b]).view(torch.float8_e4m3fn).float()  # [R, nb]
     row = _copy(p[:, b:c]).view(torch.float32)  # [R, 1]

@@ -48,7 +48,9 @@ def test_the_estimate_is_within_10_percent_of_the_cache_it_predicts(
     actual = _du(tiny_cache)
     assert abs(est.total - actual) / actual < 0.10, (est.describe(), actual)
     # every 3rd row tokenised: the scaled count stays close to the full pass
-    cfg = ExtractConfig(model=str(tiny_model), data=[str(conversations)], output=str(tmp_path / "c"), max_length=256)
+    cfg = ExtractConfig(
+        model=str(tiny_model), data=[str(conversations)], output=str(tmp_path / "c"), max_length=256
+    )
     renderer = ChatRenderer(load_tokenizer(str(tiny_model)), "all", "context")
     sampled = plan.count_tokens(cfg, renderer, sample_rows=14)
     assert sampled.step == 3 and sampled.sampled == 14
@@ -58,7 +60,10 @@ def test_the_estimate_is_within_10_percent_of_the_cache_it_predicts(
 @contextlib.contextmanager
 def _small_tmpfs(where: Path, size: str) -> Iterator[Path]:
     where.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)]).returncode:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)]).returncode
+    ):
         pytest.skip("cannot mount a tmpfs here")
     try:
         yield where
@@ -88,8 +93,8 @@ def test_a_file_system_too_small_is_refused_before_the_model_loads(
         # the override: the run goes on, to the model load (which fails here: the weights are missing)
         proc = run_peagle("extract", "--model", str(model), "--data", str(conversations), "--output", str(out),
                           *FLAGS, "--no-space-check", check=False)  # fmt: skip
-        assert proc.returncode != 9 and "not enough free space" not in proc.stderr, proc.stderr
-        assert "estimated cache size" in proc.stderr.splitlines()[0]
+        assert proc.returncode not in (0, 9) and "not enough free space" not in proc.stderr, proc.stderr
+        assert "safetensors" in proc.stderr or "weights" in proc.stderr, proc.stderr
 
 
 def test_plan_prints_the_estimate_without_weights_and_writes_nothing(
@@ -100,7 +105,9 @@ def test_plan_prints_the_estimate_without_weights_and_writes_nothing(
     args = ["extract", "--plan", "--model", str(model), "--data", str(conversations), *FLAGS]
     assert main([*args, "--output", str(out)]) == 0
     printed = capsys.readouterr().out.strip()
-    est = _estimate(model, conversations, out, dtype="fp32", max_length=256, shard_tokens=2048, chunk_tokens=256)
+    est = _estimate(
+        model, conversations, out, dtype="fp32", max_length=256, shard_tokens=2048, chunk_tokens=256
+    )
     assert printed.startswith(est.describe()) and "free in" in printed and not out.exists()
     assert main([*args, "--output", "s3://bucket/cache"]) == 0
     assert "free space not checked: the output is an object store" in capsys.readouterr().out

@@ -20,6 +20,11 @@ from cli_argv import end_of_killed_runs, extract_argv, run_peagle, run_to_end, s
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
 from peagle_pipeline.cache.verify import verify_cache
+from peagle_pipeline.config import ExtractConfig
+from peagle_pipeline.data.chat import ChatRenderer
+from peagle_pipeline.model_dir import load_tokenizer, read_target_info
+from peagle_pipeline.stages.extract import plan
+from peagle_pipeline.stages.extract.settings import resolve_layers
 from peagle_pipeline.stages.train import metrics
 
 pytestmark = pytest.mark.slow
@@ -57,8 +62,11 @@ def _hidden_bytes(cache: Path) -> int:
     return sum(f.stat().st_size for f in (cache / layout.STORES_DIR).rglob("*") if "aux_hidden" in f.parts)
 
 
-def test_lossy_cache_reads_back_close_to_the_lossless_cache(lossy: tuple[Lossy, Path], tiny_cache: Path) -> None:
-    """tiny_cache holds the same fp32 forward stored as fp32 (lossless)."""
+def test_lossy_cache_reads_back_close_to_the_lossless_cache(
+    lossy: tuple[Lossy, Path], tiny_cache: Path, tiny_model: Path, conversations: Path
+) -> None:
+    """tiny_cache holds the same fp32 forward stored as fp32 (lossless). The size estimate `extract` started with is
+    within 10 % of the cache."""
     kind, cache = lossy
     assert json.loads((cache / layout.CACHE_META).read_text())["hidden_dtype"] == kind.name
     read, exact = open_cache(cache), open_cache(tiny_cache)
@@ -74,6 +82,13 @@ def test_lossy_cache_reads_back_close_to_the_lossless_cache(lossy: tuple[Lossy, 
     assert (num / den) ** 0.5 < kind.cache_err
     ratio = _hidden_bytes(cache) / _hidden_bytes(tiny_cache)
     assert kind.ratio[0] < ratio < kind.ratio[1], ratio
+    cfg = ExtractConfig(model=str(tiny_model), data=[str(conversations)], output=str(cache), dtype=kind.flag,  # type: ignore[arg-type]
+                        max_length=256, shard_tokens=2048, chunk_tokens=256)  # fmt: skip
+    info = read_target_info(tiny_model)
+    renderer = ChatRenderer(load_tokenizer(str(tiny_model)), "all", "context")
+    est = plan.estimate(cfg, info, resolve_layers(cfg, info.num_hidden_layers), renderer)
+    actual = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
+    assert abs(est.total - actual) / actual < 0.10, (est.describe(), actual)
 
 
 def test_verify_inspect_train_and_export_on_a_lossy_cache(lossy: tuple[Lossy, Path], tmp_path: Path) -> None:
@@ -118,7 +133,9 @@ def test_kill9_after_a_commit_then_resume_writes_the_same_shard_files(
     out = tmp_path / "resumed"
     cmd = extract_argv(tiny_model, conversations, out, "--dtype", kind.flag, *FLAGS)
     env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", PEAGLE_TEST_COMMIT_SLEEP="0.3")
-    proc = start_cli(cmd, env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = start_cli(
+        cmd, env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     deadline = time.monotonic() + 180
     try:
         while (m := _manifest(out)) is None or m["commits"] < 1:
@@ -135,6 +152,7 @@ def test_kill9_after_a_commit_then_resume_writes_the_same_shard_files(
     assert man is not None and not man["complete"], "the kill came too late to interrupt anything"
     final = run_to_end(cmd, dict(env, PEAGLE_TEST_COMMIT_SLEEP="0"))
     assert final.returncode == 0, final.stderr[-2000:]
+    assert "estimated cache size" in final.stderr and "already written" in final.stderr, final.stderr[-2000:]
     assert verify_cache(open_cache(out)) == []
     a, b = _store_files(ref), _store_files(out)
     assert sorted(a) == sorted(b) and [k for k in a if a[k] != b[k]] == []

@@ -12,7 +12,7 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from peagle_pipeline.backends.base import default_layer_ids
 from peagle_pipeline.cache import estimate as sizes
@@ -109,7 +109,8 @@ def estimate(cfg: ExtractConfig, info: Any, layer_ids: list[int], renderer: Any)
     config = {**info.config, **text_config(info.config)}
     init = target_init_layer(info.num_hidden_layers) is not None
     stores = cfg.world_size or 1
-    fixed = sizes.fixed_bytes(shape, stores, round(count.samples * count.scale)) + sizes.pieces_bytes(config, init)
+    fixed = sizes.fixed_bytes(shape, stores, round(count.samples * count.scale))
+    fixed += sizes.pieces_bytes(config, init)
     fixed += sum(p.stat().st_size for p in _target_files(cfg.model))
     return Estimate(count, shape, per_token, fixed)
 
@@ -167,7 +168,9 @@ def human(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def config_shape(config: dict[str, Any], dtype: str, topk: int = 32) -> CacheShape:
+def config_shape(
+    config: dict[str, Any], dtype: Literal["bf16", "fp32", "fp8", "nf4"], topk: int = 32
+) -> CacheShape:
     """The cache shape of a target's config.json under the default aux layers ([2, L//2, L-3]) and the other
     defaults; `dtype` as `--dtype` spells it (bf16, fp32, fp8, nf4)."""
     from peagle_pipeline.model_dir import text_config

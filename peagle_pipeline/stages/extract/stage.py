@@ -118,8 +118,9 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
         raise BadInput(f"topk {cfg.topk} exceeds the target vocabulary ({info.vocab_size})")
     renderer = _checked_renderer(cfg)
     place = _place(cfg.output)
-    room = extract_plan.estimate(cfg, info, layer_ids, renderer)  # refused here: nothing loaded or written yet
-    print(extract_plan.check_space(cfg, room, None if place.remote else place.local), file=sys.stderr, flush=True)
+    # the estimated size against the free space: refused here, before anything is loaded or written
+    room = extract_plan.estimate(cfg, info, layer_ids, renderer)
+    start_line = extract_plan.check_space(cfg, room, _plan_local(cfg.output))
     device = target_device(cfg)
     cfg, run_cfg, why = settle_auto(cfg, read_recorded_meta(place.local), device, _bf16_only(cfg, device))
     run_cfg, length_note = fit_to_positions(run_cfg, text_config(info.config).get("max_position_embeddings"))
@@ -136,6 +137,7 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     summary.notes += [n for n in (note, length_note) if n] + split_notes(cfg.data, cfg.split)
     if writer.complete:
         return _already_complete(cfg, summary, writer, backend, place.remote, world)
+    print(start_line, file=sys.stderr, flush=True)  # once every check passed: a refused run prints one line
     summary.compute_dtype = f"{why}; stored hidden states {cfg.dtype}"
     log.info("%s", summary.compute_dtype)
     start = time.perf_counter()
@@ -153,10 +155,13 @@ def plan(cfg: ExtractConfig) -> str:
     info = read_target_info(cfg.model)
     layer_ids = resolve_layers(cfg, info.num_hidden_layers)
     room = extract_plan.estimate(cfg, info, layer_ids, _checked_renderer(cfg))
-    return extract_plan.check_space(dataclasses.replace(cfg, space_check=False), room, _plan_local(cfg.output))
+    return extract_plan.check_space(
+        dataclasses.replace(cfg, space_check=False), room, _plan_local(cfg.output)
+    )
 
 
 def _plan_local(output: str) -> str | None:
+    """The local directory whose file system is checked; None for an object store (not checked)."""
     return None if is_remote(output) else output
 
 

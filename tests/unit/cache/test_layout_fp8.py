@@ -17,7 +17,9 @@ from peagle_pipeline.core import fp8, nf4
     [(layout.FP8, fp8, 64 + 4, 0.05), (layout.NF4, nf4, 32 + 2 + 4 + 16, 0.12)],
 )
 def test_lossy_specs_and_decode(meta, dtype, codec, width, tolerance):
-    m = CacheMeta.from_dict({**meta.to_dict(), "hidden_size": 64, "hidden_dtype": dtype, "has_last_hidden": True})
+    m = CacheMeta.from_dict(
+        {**meta.to_dict(), "hidden_size": 64, "hidden_dtype": dtype, "has_last_hidden": True}
+    )
     specs = layout.array_specs(m)
     assert specs["aux_hidden"] == ("uint8", (3, width)) and specs["last_hidden"] == ("uint8", (width,))
     x = torch.randn(5, 3, 64, generator=torch.Generator().manual_seed(0))
@@ -32,4 +34,6 @@ def test_unknown_hidden_dtype_and_unpackable_size_are_refused(meta):
     with pytest.raises(ValueError, match="unknown hidden dtype"):
         layout.array_specs(CacheMeta.from_dict({**meta.to_dict(), "hidden_dtype": "float4"}))
     with pytest.raises(ValueError, match="multiple of 32"):
-        layout.array_specs(CacheMeta.from_dict({**meta.to_dict(), "hidden_size": 40, "hidden_dtype": layout.NF4}))
+        layout.array_specs(
+            CacheMeta.from_dict({**meta.to_dict(), "hidden_size": 40, "hidden_dtype": layout.NF4})
+        )

@@ -45,7 +45,8 @@ def test_error_bound_and_outliers_kept() -> None:
     assert bool((err <= (gap + 2**-4) * amax * 1.01 + 1e-6).all())
     assert float((y - x).norm() / x.norm()) < 0.08  # relative L2 error: ~7 %
     others = x.scatter(-1, top, 0.0)
-    assert float((y.scatter(-1, top, 0.0) - others).norm() / others.norm()) < 0.10  # outside the outliers: ~9 %
+    # outside the outliers: ~9 %
+    assert float((y.scatter(-1, top, 0.0) - others).norm() / others.norm()) < 0.10
 
 
 def test_rows_are_encoded_alone_and_deterministically() -> None:
@@ -53,10 +54,13 @@ def test_rows_are_encoded_alone_and_deterministically() -> None:
     x = _activations(16).bfloat16()
     packed = nf4.encode_rows(x)
     assert torch.equal(packed, nf4.encode_rows(x.clone()))
-    assert torch.equal(packed[5:9], nf4.encode_rows(x[5:9])) and torch.equal(packed[3, 1], nf4.encode_rows(x[3, 1]))
+    assert torch.equal(packed[5:9], nf4.encode_rows(x[5:9])) and torch.equal(
+        packed[3, 1], nf4.encode_rows(x[3, 1])
+    )
     y = nf4.decode_rows(packed)
     assert y.dtype == torch.bfloat16 and y.shape == x.shape
-    assert torch.equal(nf4.decode_rows(packed[2:3, 1:]), y[2:3, 1:])  # a slice (unaligned start) decodes alike
+    # a slice (unaligned start) decodes alike
+    assert torch.equal(nf4.decode_rows(packed[2:3, 1:]), y[2:3, 1:])
 
 
 def test_sizes() -> None:
