@@ -88,9 +88,10 @@ def bytes_per_token(shape: CacheShape) -> dict[str, float]:
 
 def fixed_bytes(shape: CacheShape, stores: int, samples: int) -> float:
     """Bytes that do not grow with tokens: per store its count tables (two int64 [V]), zarr.json files and the
-    last inner chunk of each array, filled to chunk_tokens rows; per sample its samples.parquet row."""
-    per_chunk = sum(bytes_per_token(shape).values()) * shape.chunk_tokens
-    per_store = 2 * 8 * shape.vocab_size + 8_000 + per_chunk
+    padding of each array's last inner chunk to chunk_tokens rows (half a chunk on average); per sample its
+    samples.parquet row."""
+    half_chunk = sum(bytes_per_token(shape).values()) * shape.chunk_tokens / 2
+    per_store = 2 * 8 * shape.vocab_size + 8_000 + half_chunk
     return stores * per_store + samples * SAMPLE_ROW_BYTES
 
 

@@ -39,8 +39,8 @@ def test_compress_settings_and_the_last_hidden_state() -> None:
 
 def test_fixed_bytes_and_pieces() -> None:
     shape = CacheShape(hidden_dtype="bfloat16", **SMOLLM2)
-    per_chunk = sum(sizes.bytes_per_token(shape).values()) * 128
-    assert sizes.fixed_bytes(shape, 2, 10) == pytest.approx(2 * (16 * 49152 + 8000 + per_chunk) + 10 * 48)
+    half_chunk = sum(sizes.bytes_per_token(shape).values()) * 128 / 2
+    assert sizes.fixed_bytes(shape, 2, 10) == pytest.approx(2 * (16 * 49152 + 8000 + half_chunk) + 10 * 48)
     llama8b = {"hidden_size": 4096, "vocab_size": 128256, "num_attention_heads": 32, "num_key_value_heads": 8,
                "intermediate_size": 14336, "torch_dtype": "bfloat16"}  # fmt: skip
     # embedding + lm_head (1.05 GB each) + norm + one decoder layer: q, o 4096^2; k, v 4096 x 1024; MLP 3 x 4096 x 14336
