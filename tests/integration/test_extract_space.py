@@ -116,3 +116,20 @@ def test_plan_prints_the_estimate_without_weights_and_writes_nothing(
     nf4 = _estimate(model, conversations, out, dtype="nf4")
     aux = [sizes.bytes_per_token(e.shape)["aux_hidden"] for e in (bf16, nf4)]
     assert nf4.tokens == bf16.tokens and 0.42 < aux[1] / aux[0] < 0.43 and nf4.per_token < bf16.per_token
+
+
+def test_a_finished_cache_on_a_full_disk_is_not_refused(
+    tiny_model: Path, conversations: Path, tmp_path: Path
+) -> None:
+    """A resumed cache is checked for what it still lacks, and a finished one not at all: the estimate of a tiny
+    random target's cache runs ~12 % over it, which a full disk must not turn into a refusal of a no-op re-run."""
+    with _small_tmpfs(tmp_path / "mnt", "3m") as mnt:
+        argv = ["extract", "--model", str(tiny_model), "--data", str(conversations), "--output", str(mnt / "cache"),
+                "--dtype", "nf4", *FLAGS[2:]]  # fmt: skip
+        first = run_peagle(*argv, check=False)
+        assert first.returncode == 0 and "estimated cache size" in first.stderr, first.stderr[-2000:]
+        filler = mnt / "filler"
+        filler.write_bytes(b"\0" * max(0, shutil.disk_usage(mnt).free - 50_000))
+        again = run_peagle(*argv, check=False)
+        assert again.returncode == 0 and "already complete" in again.stdout, again.stderr[-2000:]
+        assert "not enough free space" not in again.stderr

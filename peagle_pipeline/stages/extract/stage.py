@@ -118,14 +118,13 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
         raise BadInput(f"topk {cfg.topk} exceeds the target vocabulary ({info.vocab_size})")
     renderer = _checked_renderer(cfg)
     place = _place(cfg.output)
-    # the estimated size against the free space: refused here, before anything is loaded or written
-    room = extract_plan.estimate(cfg, info, layer_ids, renderer)
-    start_line = extract_plan.check_space(cfg, room, _plan_local(cfg.output))
     device = target_device(cfg)
     cfg, run_cfg, why = settle_auto(cfg, read_recorded_meta(place.local), device, _bf16_only(cfg, device))
     run_cfg, length_note = fit_to_positions(run_cfg, text_config(info.config).get("max_position_embeddings"))
     meta = build_meta(cfg, info, layer_ids, world, run_cfg.compute_dtype)  # type: ignore[arg-type]  # settled
     existed, created = Path(place.local).exists(), not (Path(place.local) / layout.CACHE_META).exists()
+    # a new cache: the estimated size against the free space, refused before anything is loaded or written
+    start_line = _check_space(cfg, info, layer_ids, renderer) if created else None
     # A new cache is stamped (cache.json: compute dtype, ...) only once its backend has started, so a failed start
     # (no CUDA, vLLM missing, ...) leaves nothing that would refuse or change the corrected command.
     if cfg.backend == "vllm":  # vLLM's own output: OUTPUT/vllm.log, a temporary file until the output exists
@@ -137,6 +136,10 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     summary.notes += [n for n in (note, length_note) if n] + split_notes(cfg.data, cfg.split)
     if writer.complete:
         return _already_complete(cfg, summary, writer, backend, place.remote, world)
+    if (
+        start_line is None
+    ):  # a resumed cache: checked with its committed bytes counted, before the target loads
+        start_line = _check_space(cfg, info, layer_ids, renderer, writer)
     print(start_line, file=sys.stderr, flush=True)  # once every check passed: a refused run prints one line
     summary.compute_dtype = f"{why}; stored hidden states {cfg.dtype}"
     log.info("%s", summary.compute_dtype)
@@ -145,6 +148,24 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     _write_store(run_cfg, meta, writer, renderer, rank, world, summary, backend, undo)
     summary.elapsed_s = time.perf_counter() - start
     return _unstage(_finish(summary, writer, already=False), place.remote, writer)
+
+
+def _check_space(
+    cfg: ExtractConfig, info: Any, layer_ids: list[int], renderer: Any, writer: CacheWriter | None = None
+) -> str:
+    """The start line: the cache's estimated size and the output's free space (`extract_plan.check_space`); an
+    open `writer` (a resumed store) is released when it refuses.
+
+    Raises:
+        OutOfSpace: the file system cannot hold what is left to write.
+    """
+    room = extract_plan.estimate(cfg, info, layer_ids, renderer)
+    try:
+        return extract_plan.check_space(cfg, room, _plan_local(cfg.output))
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
 
 
 def plan(cfg: ExtractConfig) -> str:
