@@ -2,7 +2,8 @@
 tokenisation pass over the rows, or over an even sample of them), the target's config, the aux layers, the stored
 dtype and top-k; and the refusal to start when the output's file system cannot hold it.
 
-Only the tokenizer and config.json are read (never the weights), so `extract --plan` answers in seconds. The
+Only the tokenizer and config.json are read (never the weights): `extract --plan` reads every row once (to count
+them) and tokenises at most SAMPLE_ROWS of them, about 20 s of CPU for the demo's 17,671 ShareGPT rows. The
 estimate covers the whole cache (every rank's store): a resumed cache needs only what it does not hold yet.
 """
 
