@@ -96,6 +96,12 @@ BENCHES = [
         ["--quick"],
     ),
     Bench(
+        "loader",
+        "bench_loader.py",
+        ["--samples", "24", "--max-length", "1024", "--repeats", "3"],
+        ["--quick"],
+    ),
+    Bench(
         "data_wait",
         "bench_data_wait.py",
         ["--samples", "32", "--max-length", "512", "--steps", "24"],
@@ -400,6 +406,7 @@ def figures(out: Path, demo: Path | None = None) -> list[dict[str, Any]]:
             "lossy opt-in; the quality cost (AL of a draft trained on it) is not measured yet",
         )
     )
+    figs += loader_figures(out)
     r = _load(out, "dtype")
     figs.append(
         _fig(
@@ -420,6 +427,40 @@ def figures(out: Path, demo: Path | None = None) -> list[dict[str, Any]]:
     )
     figs += demo_figures(demo)
     return figs
+
+
+def loader_figures(out: Path) -> list[dict[str, Any]]:
+    """bench_loader's rows: reads per core of each stored dtype (decode included) next to a GPU step's need, and the
+    nf4 aux states' size against bf16's."""
+    r = _load(out, "loader")
+    missing = "not measured (script failed or not run)"
+    rates = r["tokens_per_s_per_core"] if r else {}
+    need = r["need_tokens_per_s"] if r else 0
+    speed = _fig(
+        "Loader reads per CPU core (decode included): bf16 / fp8 / nf4, next to an H200 step's need",
+        "reported (cores needed)",
+        "bench_loader",
+        r and min(rates.values()),
+        " / ".join(f"{k} {v:,.0f} tokens/s ({need / v:.1f} cores)" for k, v in rates.items())
+        + f" for {need:,} tokens/s"
+        if r
+        else missing,
+        None,
+        "one torch thread, files in the page cache; the cores a trainer's loader workers need to keep the step fed",
+    )
+    size = _fig(
+        "nf4 aux storage (`--dtype nf4`): aux bytes per token vs bf16",
+        f"<= {r['goals']['nf4_aux_vs_bf16_max'] if r else 0.30:.2f}x",
+        "bench_loader",
+        r and r["nf4_aux_vs_bf16"],
+        f"{r['nf4_aux_vs_bf16']:.3f}x ({r['aux_bytes_per_token']['nf4']:.0f} vs {r['aux_bytes_per_token']['bf16']:.0f} "
+        f"B/token; whole cache {r['nf4_vs_bf16']:.3f}x)"
+        if r
+        else missing,
+        r and r["nf4_aux_vs_bf16"] <= r["goals"]["nf4_aux_vs_bf16_max"],
+        "lossy opt-in; its AL cost: experiments/lossy_cache_al.py",
+    )
+    return [speed, size]
 
 
 def demo_figures(demo: Path | None = None) -> list[dict[str, Any]]:

@@ -88,11 +88,18 @@ def generate(cfg: GenerateConfig) -> None:
     typer.echo(summary.format())
 
 
-@config_command(app, ExtractConfig)
-def extract(cfg: ExtractConfig) -> None:
+@config_command(
+    app,
+    ExtractConfig,
+    modes={"plan": "Print the estimated cache size and the free space, then exit (no weights loaded)."},
+)
+def extract(cfg: ExtractConfig, plan: bool = False) -> None:
     """Run the target model once over chat data and write (or resume) a cache."""
     from peagle_pipeline.stages.extract import stage
 
+    if plan:
+        typer.echo(stage.plan(cfg))
+        return
     summary = stage.run(cfg)
     if summary is not None:
         typer.echo(summary.format())

@@ -89,27 +89,41 @@ def _parameters(cls: type) -> list[inspect.Parameter]:
     return params
 
 
+def _mode(name: str, help_text: str) -> inspect.Parameter:
+    """`--name`, a switch of the command that is no setting (it changes what the command does, e.g. `--plan`)."""
+    info = typer.Option("--" + name.replace("_", "-"), help=help_text)
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[bool, info]
+    )
+
+
 def config_command(
-    app: typer.Typer, cls: type, name: str | None = None
+    app: typer.Typer, cls: type, name: str | None = None, modes: dict[str, str] | None = None
 ) -> Callable[[Callable[..., Any]], Any]:
     """Register the decorated function as command `name` (default: the function's name, `_` as `-`) with one
-    option per field of `cls`; its docstring is the command's help.
+    option per field of `cls`, and a switch per entry of `modes` (name -> help); its docstring is the command's
+    help.
 
     A command with a pipeline-file section (generate, extract, train) is called with the resolved config
-    (defaults < pipeline file < flags); a flag-only command (evaluate, vllm-check) with the flags given, as
-    keyword arguments, for the stage to build its config (so that a stage can check its runtime first).
+    (defaults < pipeline file < flags) and its switches as keywords; a flag-only command (evaluate, vllm-check)
+    with the flags given, as keyword arguments, for the stage to build its config (so that a stage can check its
+    runtime first).
     """
+    switches = dict(modes or {})
 
     def register(fn: Callable[..., Any]) -> Any:
         @functools.wraps(fn)
         def command(**given: Any) -> Any:
             config = given.pop("config", None)
+            chosen = {k: given.pop(k) for k in switches}
             flags = {k: v for k, v in given.items() if v is not None}
             if cls in SECTIONS:
-                return fn(resolve(cls, config, flags))
-            return fn(**{k: v for k, v in flags.items() if v != []})  # an unrepeated list option: not given
+                return fn(resolve(cls, config, flags), **chosen)
+            return fn(
+                **{k: v for k, v in flags.items() if v != []}, **chosen
+            )  # an unrepeated list: not given
 
-        params = _parameters(cls)
+        params = _parameters(cls) + [_mode(k, h) for k, h in switches.items()]
         del command.__wrapped__  # typer reads the signature below, not the wrapped function's
         command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         command.__annotations__ = {p.name: p.annotation for p in params}

@@ -9,9 +9,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from peagle_pipeline.backends.base import SampleOutputs, TargetInfo
+from peagle_pipeline.backends.base import SampleOutputs
 from peagle_pipeline.cache.layout import CacheMeta
 from peagle_pipeline.cache.writer import SampleData, SampleRecord
+from peagle_pipeline.target_info import TargetInfo
 
 
 class FakeBackend:

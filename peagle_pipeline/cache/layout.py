@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from peagle_pipeline.core import fp8
+from peagle_pipeline.core import fp8, nf4
 from peagle_pipeline.core.settings import setting_differences
 
 __all__ = [
@@ -63,6 +63,7 @@ __all__ = [
     "SHARD_INDEX_ENTRY",
     "HIDDEN_ARRAYS",
     "FP8",
+    "NF4",
     "zstd_level",
     "chunk_codec",
 ]
@@ -131,7 +132,9 @@ class CacheMeta:
     aux_layer_ids: list[int]
     topk: int
     # "bfloat16" or "float32" (lossless), or "float8_e4m3" (lossy opt-in, core/fp8.py: e4m3 + an fp32 scale per
-    # token and layer, read back as bfloat16): how aux_hidden / last_hidden are stored
+    # token and layer), or "nf4" (lossy opt-in, core/nf4.py: 4-bit NF4 codes in blocks of 32 with e4m3 block
+    # scales, 4 bf16 outliers per token and layer), both read back as bfloat16: how aux_hidden / last_hidden are
+    # stored
     hidden_dtype: str
     # "bfloat16" or "float32": the dtype the target forward ran in (resolved, never "auto"). Caches written before
     # this field existed computed in their hidden_dtype, which `from_dict` fills in, so they resume unchanged.
@@ -196,24 +199,29 @@ SHARD_INDEX_ENTRY = 16
 
 
 FP8 = "float8_e4m3"
-# Logical hidden dtype -> stored numpy dtype (Zarr has neither bfloat16 nor float8: both are stored as bits).
-_HIDDEN_STORED = {"bfloat16": "uint16", "float32": "float32", FP8: "uint8"}
+NF4 = "nf4"
+# Logical hidden dtype -> stored numpy dtype (Zarr has neither bfloat16 nor float8: both are stored as bits; nf4
+# rows are packed bytes).
+_HIDDEN_STORED = {"bfloat16": "uint16", "float32": "float32", FP8: "uint8", NF4: "uint8"}
+# The packed row width of each lossy dtype, from the hidden size.
+_PACKED_WIDTH = {FP8: fp8.packed_width, NF4: nf4.packed_width}
 
 
 def array_specs(meta: CacheMeta) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Arrays of a store with their stored dtype and per-token shape (the shape after the token axis).
 
     Example: SmolLM2 (H=576), 3 aux layers, k=32, bf16 -> aux_hidden ("uint16", (3, 576)), topk_ids ("int32", (32,));
-    fp8 -> aux_hidden ("uint8", (3, 580)).
+    fp8 -> aux_hidden ("uint8", (3, 580)); nf4 -> aux_hidden ("uint8", (3, 326)).
 
     Raises:
-        ValueError: a hidden dtype this version does not know (a cache from a newer version).
+        ValueError: a hidden dtype this version does not know (a cache from a newer version), or a hidden size
+            nf4 cannot pack (not a multiple of 32).
     """
     if meta.hidden_dtype not in _HIDDEN_STORED:
         raise ValueError(f"unknown hidden dtype {meta.hidden_dtype!r}")
     hidden, H = _HIDDEN_STORED[meta.hidden_dtype], meta.hidden_size
-    if meta.hidden_dtype == FP8:
-        H = fp8.packed_width(H)  # the fp8 values, then the row's fp32 scale
+    if meta.hidden_dtype in _PACKED_WIDTH:
+        H = _PACKED_WIDTH[meta.hidden_dtype](H)  # bytes per packed row (core/fp8.py, core/nf4.py)
     specs: dict[str, tuple[str, tuple[int, ...]]] = {
         "input_ids": (ARRAYS["input_ids"], ()),
         "loss_mask": (ARRAYS["loss_mask"], ()),
@@ -278,11 +286,14 @@ def lock_name(rank: int, world_size: int) -> str:
 
 def to_storage(tensor: Any, logical_dtype: str) -> np.ndarray:
     """Hidden states (a torch tensor, any device and float dtype) to their stored form on the CPU: bf16 bit
-    patterns as uint16 (Zarr has no bfloat16), float32, or fp8 rows (core/fp8.py). The one conversion the writer's
+    patterns as uint16 (Zarr has no bfloat16), float32, or fp8 rows (core/fp8.py), or nf4 rows (core/nf4.py,
+    packed on the tensor's device: a quarter of the bytes cross to the host). The one conversion the writer's
     inputs go through.
     """
     import torch
 
+    if logical_dtype == NF4:
+        return nf4.encode_rows(tensor.detach()).to("cpu").numpy()  # [..., packed_width(H)] uint8
     t = tensor.detach().to("cpu").contiguous()
     if logical_dtype == "bfloat16":
         return t.to(torch.bfloat16).view(torch.uint16).numpy()
@@ -294,7 +305,8 @@ def to_storage(tensor: Any, logical_dtype: str) -> np.ndarray:
 
 
 def from_storage(array: np.ndarray, logical_dtype: str) -> Any:
-    """Stored hidden states back to a torch tensor: bf16/fp32 without copying (a view); fp8 decoded to bf16."""
+    """Stored hidden states back to a torch tensor: bf16/fp32 without copying (a view); fp8 and nf4 decoded to
+    bf16."""
     import torch
 
     tensor = torch.from_numpy(np.ascontiguousarray(array))
@@ -302,4 +314,6 @@ def from_storage(array: np.ndarray, logical_dtype: str) -> Any:
         return tensor.view(torch.bfloat16)
     if logical_dtype == FP8:
         return fp8.decode_rows(tensor)
+    if logical_dtype == NF4:
+        return nf4.decode_rows(tensor)
     return tensor

@@ -53,9 +53,9 @@ class ExtractConfig(TargetStageConfig):
         None,
         "Sort each window of this many consecutive samples by length before batching, so batches pad little (the storage order follows; 1 = row order). Default: 256 for a new cache; a resumed cache keeps the order it was started with.",
     )
-    dtype: Literal["bf16", "fp32", "fp8"] = setting(
+    dtype: Literal["bf16", "fp32", "fp8", "nf4"] = setting(
         "bf16",
-        "Stored hidden-state dtype (the forward's is compute_dtype). fp8: lossy, about half the bytes of bf16 (e4m3 with an fp32 scale per token and layer, read back as bf16; see docs/reference/cache-format.md).",
+        "Stored hidden-state dtype (the forward's is compute_dtype). fp8: lossy, about half the bytes of bf16 (e4m3 with an fp32 scale per token and layer, read back as bf16). nf4: lossy, about 0.28x the bytes of bf16 (4-bit NF4 in blocks of 32 with fp8 block scales and 4 bf16 outliers per token and layer, read back as bf16; the hidden size must be a multiple of 32). See docs/reference/cache-format.md.",
     )
     compute_dtype: Literal["auto", "bf16", "fp32"] = reword(
         TargetStageConfig,
@@ -81,6 +81,10 @@ class ExtractConfig(TargetStageConfig):
     )
     topk_chunk: int = setting(1024, "Tokens per chunk of the log-softmax/top-k computation (bounds memory).")
     max_num_batched_tokens: int | None = setting(None, "vLLM scheduler token budget per step.")
+    space_check: bool = setting(
+        True,
+        "Before the target loads, refuse to start when the output's file system has less free space than the estimated cache size (less what the output already holds) plus 10 %; an object-store output is not checked. --no-space-check starts anyway.",
+    )
 
     def __post_init__(self) -> None:
         check_finite(self)

@@ -201,3 +201,13 @@ def test_the_dtype_row_says_when_its_time_cap_cut_it_short(
     row = next(f for f in run_all.figures(tmp_path) if f["source"] == "bench_dtype")
     assert row["met"] is True and "auto = fp32 (no bf16 units)" in row["measured"]
     assert ("time-capped: 1 of 3 extraction batches, 0 training steps" in row["measured"]) == capped
+
+
+def test_loader_rows_read_bench_loader(run_all: ModuleType, tmp_path: Path) -> None:
+    result = {"tokens_per_s_per_core": {"bf16": 150000.0, "fp8": 30000.0, "nf4": 100000.0}}
+    result |= {"need_tokens_per_s": 300000, "nf4_aux_vs_bf16": 0.283, "nf4_vs_bf16": 0.33}
+    result |= {"aux_bytes_per_token": {"bf16": 3460.0, "nf4": 979.0}, "goals": {"nf4_aux_vs_bf16_max": 0.30}}
+    (tmp_path / "loader.json").write_text(json.dumps(result))
+    speed, size = run_all.loader_figures(tmp_path)
+    assert speed["value"] == 30000.0 and "nf4 100,000 tokens/s (3.0 cores)" in speed["measured"]
+    assert size["value"] == 0.283 and size["met"] is True and "979 vs 3460" in size["measured"]

@@ -15,6 +15,7 @@ from peagle_pipeline.cache.layout import CacheMeta
 from peagle_pipeline.cache.location import prepare_cache
 from peagle_pipeline.cache.target import TargetSource
 from peagle_pipeline.config import ExtractConfig, to_dict
+from peagle_pipeline.core import nf4
 from peagle_pipeline.core.target_init import target_init_layer
 from peagle_pipeline.errors import BadInput
 from peagle_pipeline.stages.extract.batch_plan import DEFAULT_LENGTH_WINDOW
@@ -23,12 +24,14 @@ from peagle_pipeline.stages.extract.settings import forward_dtype, target_device
 if TYPE_CHECKING:
     from peagle_pipeline.core.vocab import TokenizerFacts
 
-__all__ = ["build_meta", "target_source", "prepare_output", "raise_if_unwritable"]
+__all__ = ["LOGICAL_DTYPE", "build_meta", "target_source", "prepare_output", "raise_if_unwritable"]
 
-_LOGICAL: dict[Literal["bf16", "fp32", "fp8"], str] = {
+# `--dtype` -> the logical hidden dtype cache.json records
+LOGICAL_DTYPE: dict[Literal["bf16", "fp32", "fp8", "nf4"], str] = {
     "bf16": "bfloat16",
     "fp32": "float32",
     "fp8": layout.FP8,
+    "nf4": layout.NF4,
 }
 
 
@@ -42,9 +45,18 @@ def build_meta(
     """The cache metadata for these settings (compared field by field on resume).
 
     `compute_dtype` ("bf16"/"fp32") is the resolved forward dtype; None resolves it for this machine.
+
+    Raises:
+        BadInput: a stored dtype that cannot pack this target's hidden size (nf4 needs a multiple of 32).
     """
     from peagle_pipeline import __version__, model_dir
     from peagle_pipeline.data.formats import dataset_fingerprint
+
+    if cfg.dtype == "nf4" and info.hidden_size % nf4.BLOCK:
+        raise BadInput(
+            f"--dtype nf4 needs a hidden size that is a multiple of {nf4.BLOCK}; this target's is "
+            f"{info.hidden_size}: use --dtype fp8 or bf16"
+        )
 
     if compute_dtype is None:
         compute_dtype = forward_dtype(cfg, target_device(cfg))
@@ -60,8 +72,8 @@ def build_meta(
         vocab_size=info.vocab_size,
         aux_layer_ids=list(layer_ids),
         topk=cfg.topk,
-        hidden_dtype=_LOGICAL[cfg.dtype],
-        compute_dtype=_LOGICAL[compute_dtype],
+        hidden_dtype=LOGICAL_DTYPE[cfg.dtype],
+        compute_dtype=LOGICAL_DTYPE[compute_dtype],
         has_last_hidden=cfg.last_hidden,
         max_length=cfg.max_length,
         overlong=cfg.overlong,

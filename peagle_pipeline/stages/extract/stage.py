@@ -10,13 +10,15 @@ holds the first uncommitted sample, and the writer drops tokens it already has. 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from peagle_pipeline.backends import vllm_log
 from peagle_pipeline.backends.base import TargetBackend
@@ -29,6 +31,7 @@ from peagle_pipeline.cache.writer import CacheWriter
 from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.errors import BadInput
 from peagle_pipeline.runtime import check_output_dir, writer_rank
+from peagle_pipeline.stages.extract import plan as extract_plan
 from peagle_pipeline.stages.extract.batch_pipeline import BatchPipeline
 from peagle_pipeline.stages.extract.batch_plan import RowReject, plan_batches, render_rows, sort_by_length
 from peagle_pipeline.stages.extract.cache_output import build_meta, prepare_output, raise_if_unwritable
@@ -48,7 +51,7 @@ if TYPE_CHECKING:
     from peagle_pipeline.core.vocab import TokenizerFacts
     from peagle_pipeline.data.chat import ChatRenderer
 
-__all__ = ["run", "ExtractSummary"]
+__all__ = ["run", "plan", "ExtractSummary"]
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +119,8 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     run_cfg, length_note = fit_to_positions(run_cfg, text_config(info.config).get("max_position_embeddings"))
     meta = build_meta(cfg, info, layer_ids, world, run_cfg.compute_dtype)  # type: ignore[arg-type]  # settled
     existed, created = Path(place.local).exists(), not (Path(place.local) / layout.CACHE_META).exists()
+    # a new cache: the estimated size against the free space, refused before anything is loaded or written
+    start_line = _check_space(cfg, info, layer_ids, renderer) if created else None
     # A new cache is stamped (cache.json: compute dtype, ...) only once its backend has started, so a failed start
     # (no CUDA, vLLM missing, ...) leaves nothing that would refuse or change the corrected command.
     if cfg.backend == "vllm":  # vLLM's own output: OUTPUT/vllm.log, a temporary file until the output exists
@@ -127,6 +132,11 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     summary.notes += [n for n in (note, length_note) if n] + split_notes(cfg.data, cfg.split)
     if writer.complete:
         return _already_complete(cfg, summary, writer, backend, place.remote, world)
+    if (
+        start_line is None
+    ):  # a resumed cache: checked with its committed bytes counted, before the target loads
+        start_line = _check_space(cfg, info, layer_ids, renderer, writer)
+    print(start_line, file=sys.stderr, flush=True)  # once every check passed: a refused run prints one line
     summary.compute_dtype = f"{why}; stored hidden states {cfg.dtype}"
     log.info("%s", summary.compute_dtype)
     start = time.perf_counter()
@@ -143,6 +153,42 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     run_rank(work, fresh=created, world=world, unwritable=lambda err: raise_if_unwritable(err, cfg.output))
     summary.elapsed_s = time.perf_counter() - start
     return _unstage(_finish(summary, writer, already=False), place.remote, writer)
+
+
+def _check_space(
+    cfg: ExtractConfig, info: Any, layer_ids: list[int], renderer: Any, writer: CacheWriter | None = None
+) -> str:
+    """The start line: the cache's estimated size and the output's free space (`extract_plan.check_space`); an
+    open `writer` (a resumed store) is released when it refuses.
+
+    Raises:
+        OutOfSpace: the file system cannot hold what is left to write.
+    """
+    room = extract_plan.estimate(cfg, info, layer_ids, renderer)
+    try:
+        return extract_plan.check_space(cfg, room, _plan_local(cfg.output))
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+
+
+def plan(cfg: ExtractConfig) -> str:
+    """`extract --plan`: the estimated cache size and the output's free space, from the tokenizer and config.json
+    alone (no weights loaded, nothing written)."""
+    from peagle_pipeline.model_dir import read_target_info
+
+    info = read_target_info(cfg.model)
+    layer_ids = resolve_layers(cfg, info.num_hidden_layers)
+    room = extract_plan.estimate(cfg, info, layer_ids, _checked_renderer(cfg))
+    return extract_plan.check_space(
+        dataclasses.replace(cfg, space_check=False), room, _plan_local(cfg.output)
+    )
+
+
+def _plan_local(output: str) -> str | None:
+    """The local directory whose file system is checked; None for an object store (not checked)."""
+    return None if is_remote(output) else output
 
 
 def _bf16_only(cfg: ExtractConfig, device: str) -> str | None:
