@@ -214,6 +214,7 @@ def extract(
     tensor_parallel_size: Annotated[int | None, _opt(ExtractConfig, "tensor_parallel_size")] = None,
     gpu_memory_utilization: Annotated[float | None, _opt(ExtractConfig, "gpu_memory_utilization")] = None,
     max_num_batched_tokens: Annotated[int | None, _opt(ExtractConfig, "max_num_batched_tokens")] = None,
+    allow_other_target: Annotated[bool | None, _opt(ExtractConfig, "allow_other_target")] = None,
 ) -> None:
     """Run the target model once over chat data and write (or resume) a cache."""
     cfg = resolve(ExtractConfig, config, _overrides(locals()))

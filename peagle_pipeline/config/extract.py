@@ -79,6 +79,11 @@ class ExtractConfig(TargetStageConfig):
     )
     topk_chunk: int = setting(1024, "Tokens per chunk of the log-softmax/top-k computation (bounds memory).")
     max_num_batched_tokens: int | None = setting(None, "vLLM scheduler token budget per step.")
+    allow_other_target: bool = setting(
+        False,
+        "Extract a generate output made by another target (its recorded config.json or tokenizer differ from "
+        "model's): a warning instead of a refusal.",
+    )
 
     def __post_init__(self) -> None:
         check_finite(self)
