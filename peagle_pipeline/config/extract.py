@@ -58,7 +58,7 @@ class ExtractConfig(TargetStageConfig):
     compute_dtype: Literal["auto", "bf16", "fp32"] = reword(
         TargetStageConfig,
         "compute_dtype",
-        "Target forward dtype. auto: fp32 when dtype is fp32, else bf16 on CUDA and on CPUs where bf16 matmuls are measured faster (bf16 units and >= 1.1x fp32), fp32 on other CPUs; a resumed cache keeps the dtype it was started with.",
+        "Target forward dtype. auto: fp32 when dtype is fp32, else bf16 on CUDA and on CPUs whose bf16 units run it faster (AMX, or AVX512-BF16 on AMD), fp32 on other CPUs; a resumed cache keeps the dtype it was started with.",
     )
     assistant_turns: Literal["all", "last"] = setting(
         "all",
