@@ -299,11 +299,10 @@ def inspect(
 def verify(cache: Annotated[str, typer.Argument(metavar="CACHE", help="Cache directory.")]) -> None:
     """Read every store back and report any inconsistency by store and sample (exit 4 if any; 3 if incomplete;
     12 if an object store does not answer)."""
-    from peagle_pipeline.cache.reader import open_cache
-    from peagle_pipeline.cache.verify import verify_cache
+    from peagle_pipeline.cache.verify import verify_path
     from peagle_pipeline.errors import CorruptCache, IncompatibleCache
 
-    problems = verify_cache(open_cache(cache, check=False))
+    problems = verify_path(cache)
     for line in problems:
         typer.echo(line)
     damage = [p for p in problems if getattr(p, "kind", "damage") == "damage"]
