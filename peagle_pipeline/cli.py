@@ -405,8 +405,11 @@ def vllm_check(
     stage.run(echo=typer.echo, **given)
 
 
-_STOPPED = ": committed work is kept; re-run the same command to resume"
-_INTERRUPTED = "interrupted" + _STOPPED
+# A stop the stage did not report itself came before its work began (imports, loading the model, starting a
+# backend): from their first commit on, the stages' own handlers report stops, with what they committed.
+_STOPPED = (
+    " before this command committed any work (what earlier runs committed is kept); re-run the same command"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -420,8 +423,8 @@ def main(argv: list[str] | None = None) -> int:
         # exiting, and lets PeagleError and click's usage errors through to the handlers below.
         returned = app(args=argv, prog_name="peagle-pipeline", standalone_mode=False)
         code = returned if isinstance(returned, int) else 0
-        if code == Interrupted.exit_code:
-            code = _report(Interrupted(_INTERRUPTED))
+        if code == Interrupted.exit_code:  # typer's code for a stop (SIGINT or SIGTERM) it caught
+            code = _report(preemption.stop_error(preemption.last_stop_signal(), _STOPPED))
     except PeagleError as err:
         if debug:
             raise

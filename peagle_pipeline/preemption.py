@@ -23,6 +23,7 @@ __all__ = [
     "Stopped",
     "install",
     "signal_of",
+    "last_stop_signal",
     "stop_error",
     "deferred",
     "StopRequest",
@@ -38,6 +39,17 @@ class Stopped(KeyboardInterrupt):
     def __init__(self, signum: int = signal.SIGINT) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+        global _last_stop
+        _last_stop = signum
+
+
+_last_stop = 0  # the signal of the last `Stopped` raised in this process (0: none)
+
+
+def last_stop_signal() -> int:
+    """The signal of the last stop raised in this process as `Stopped`, else SIGINT (Python's own Ctrl-C): for a
+    caller that sees only the exit code a library made of the stop (typer returns 130 for any of them)."""
+    return _last_stop or signal.SIGINT
 
 
 def _raise_stopped(signum: int, frame: object) -> None:

@@ -114,8 +114,9 @@ def finished(tiny_cache: Path, tmp_path_factory) -> Path:
 def test_disk_full_during_training_is_exit_9_and_resumes(tiny_cache: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     argv = ["train", "--cache", str(tiny_cache), "--output", str(out), *FLAGS]
+    # the same command alone would be refused (the folder holds a run): the advice names --resume
     _one_error(
-        _run(argv, limit=FSIZE), 9, "no space left while writing", "checkpoints", "re-run the same command"
+        _run(argv, limit=FSIZE), 9, "no space left while writing", "checkpoints", "re-run it with --resume"
     )
     assert not [p for p in out.rglob("*") if ".tmp" in p.name]
     again = _run([*argv, "--resume"])
@@ -127,8 +128,9 @@ def test_no_space_left_during_training_is_exit_9(tiny_cache: Path, tmp_path: Pat
     with _small_tmpfs(tmp_path / "mnt", "400k") as mnt:
         out = mnt / "run"
         proc = _run(["train", "--cache", str(tiny_cache), "--output", str(out), *FLAGS])
-        _one_error(proc, 9, "no space left while writing")
+        line = _one_error(proc, 9, "no space left while writing")
         assert not [p for p in out.rglob("*") if ".tmp" in p.name]
+        assert ("--resume" in line) == (out / "run.json").exists(), line
 
 
 def test_no_space_left_during_training_with_a_loader_worker_ends_the_process(

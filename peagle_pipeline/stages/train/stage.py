@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from peagle_pipeline.config import TrainConfig
-from peagle_pipeline.errors import BadInput, ResumeMismatch
+from peagle_pipeline.errors import BadInput, OutOfSpace, ResumeMismatch, from_os_error
 from peagle_pipeline.hardware import describe_compute_dtype, usable_cpus
 from peagle_pipeline.preemption import StopRequest, stop_error
 from peagle_pipeline.runtime import RankLock, configure_logging
 from peagle_pipeline.stages.export.marker import run_identity
 from peagle_pipeline.stages.export.stage import check_export_target, export_run
+from peagle_pipeline.stages.run_layout import RUN_JSON
 from peagle_pipeline.stages.train import metrics as metrics_mod
 from peagle_pipeline.stages.train.distributed import Dist
 from peagle_pipeline.stages.train.draft import describe_mask_token, describe_vocab_coverage
@@ -44,13 +45,9 @@ STOP_NOTICE = "stopping after this step and saving a checkpoint (a second Ctrl-C
 def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
     """Train (or resume) a run; returns the final held-out metrics. `micro_steps` = packed rows per rank per step.
 
-    Order: lock the run folder, check it, build every component (cache, draft, data plan: all the checks), and
-    only then write train.yaml/run.json/draft.json, so a start that fails leaves nothing that blocks a retry.
-    Ctrl-C or SIGTERM stops at the next step boundary with a checkpoint (`Interrupted` exit 130, `Terminated`
-    exit 143).
-
-    Raises:
-        PeagleError subclasses for every user mistake (see `prepare_output`, `build_draft`, the cache reader).
+    Order: lock the run folder, check it, build every component (all the checks), only then write the run files,
+    so a failed start blocks no retry. Ctrl-C or SIGTERM stops at the next step boundary with a checkpoint (exit
+    130, 143). Raises a PeagleError for every user mistake (`prepare_output`, `build_draft`, the cache reader).
     """
     dist = Dist.setup(cfg.device)
     configure_logging(logging.INFO if dist.main else logging.WARNING)
@@ -86,6 +83,11 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
         sink.close()
         dist.barrier()
         return final
+    except (
+        OutOfSpace,
+        OSError,
+    ) as err:  # disk full: "re-run the same command" is refused once a run is there
+        raise _with_resume(err, out) from None
     except KeyboardInterrupt as stop:  # a stop before the loop, or a second one inside it: no saving
         raise stop_error(
             stop,
@@ -100,6 +102,20 @@ def run(cfg: TrainConfig, micro_steps: int = 1) -> dict[str, Any]:
                 _forget_start(out, lock, created, lock_created)
             lock.release()
         dist.teardown()
+
+
+def _with_resume(err: OutOfSpace | OSError, out: Path) -> OutOfSpace:
+    """A disk-full error whose advice names `--resume` when the run folder records a run (run.json): re-running
+    the same command without it is refused there. Any other OS error is raised as it is."""
+    mapped = from_os_error(err) if isinstance(err, OSError) else err
+    if not isinstance(mapped, OutOfSpace):
+        raise err
+    err, same = mapped, "re-run the same command to resume"
+    if (out / RUN_JSON).exists() and same in str(err):
+        return OutOfSpace(
+            str(err).replace(same, "re-run it with --resume to continue from the last complete checkpoint")
+        )
+    return err
 
 
 def _lock_run(cfg: TrainConfig) -> tuple[RankLock, bool, bool]:
