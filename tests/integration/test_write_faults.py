@@ -191,3 +191,29 @@ def test_read_only_outputs_are_one_line_errors(finished: Path, tiny_cache: Path,
         _one_error(_run(["export", str(finished), "--output", str(ro / "exp")]), 2, str(ro))
     with _read_only(run) as ro_run:
         _one_error(_run(["plot", str(ro_run)]), 2, str(ro_run / "plots"))
+
+
+# ------------------------------------------------------------------------------------------- unreadable files
+def test_a_weight_file_this_user_may_not_read_is_permission_denied(
+    tiny_model: Path, conversations, tmp_path
+) -> None:
+    """model.safetensors of mode 0600 owned by another user (as save_pretrained writes it, in a shared folder):
+    "permission denied", not safetensors' "No such file or directory". Root reads any file, so the run drops the
+    capabilities that let it (a real kernel refusal, as another user gets)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to stand for another user")
+    model = shutil.copytree(tiny_model, tmp_path / "model")
+    weights = model / "model.safetensors"
+    os.chown(weights, 4321, 4321)
+    weights.chmod(0o600)
+    caps = "-dac_override,-dac_read_search"
+    argv = ["extract", "--model", str(model), "--data", str(conversations), "--output", str(tmp_path / "c")]
+    proc = subprocess.run(
+        ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", "--", *PEAGLE, *argv],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    line = _one_error(proc, 2, "permission denied", str(weights))
+    assert "No such file" not in line and not (tmp_path / "c").exists()
