@@ -217,3 +217,17 @@ def test_a_weight_file_this_user_may_not_read_is_permission_denied(
     )
     line = _one_error(proc, 2, "permission denied", str(weights))
     assert "No such file" not in line and not (tmp_path / "c").exists()
+
+
+def test_no_space_left_while_copying_the_targets_files_names_the_cache(
+    tiny_model: Path, conversations, tmp_path
+):
+    """The copy of the target's files into CACHE/target fails: the line names where it could not write (the cache),
+    not the model file it was reading; the new cache is removed."""
+    with _small_tmpfs(tmp_path / "mnt", "64k") as mnt:
+        out = mnt / "cache"
+        argv = ["extract", "--model", str(tiny_model), "--data", str(conversations), "--output", str(out)]
+        line = _one_error(
+            _run([*argv, "--compute-dtype", "fp32"]), 9, "no space left while writing", str(out)
+        )
+        assert str(tiny_model) not in line and not out.exists(), line
