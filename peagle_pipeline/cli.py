@@ -33,7 +33,17 @@ from peagle_pipeline.config import (
     is_required,
     resolve,
 )
-from peagle_pipeline.errors import Interrupted, PeagleError, from_os_error
+from peagle_pipeline.errors import (
+    BadInput,
+    Busy,
+    IncompatibleCache,
+    Interrupted,
+    OutputExists,
+    PeagleError,
+    RankLost,
+    ResumeMismatch,
+    from_os_error,
+)
 from peagle_pipeline.process_exit import skip_final_collection
 from peagle_pipeline.runtime import drop_shipped_config_notices
 
@@ -461,9 +471,27 @@ def _report(err: PeagleError) -> int:
     mid-upload), asyncio's complaints about the tasks it abandoned (Zarr's and aiohttp's I/O: "Task exception was
     never retrieved" with a traceback per request) would follow at exit: silence them, the line above says what
     happened. PEAGLE_DEBUG=1 raises instead of reporting, so they still show there."""
-    print(f"error: {err}", file=sys.stderr)
+    line = _torchrun_voice(err)
+    if line is not None:
+        print(line, file=sys.stderr)
     logging.getLogger("asyncio").disabled = True
     return err.exit_code
+
+
+# Errors every rank of a torchrun job meets alike (the same settings, files and signals): rank 0 alone reports them.
+_SHARED = (BadInput, ResumeMismatch, OutputExists, IncompatibleCache, Busy, Interrupted, RankLost)
+
+
+def _torchrun_voice(err: PeagleError) -> str | None:
+    """The error line of this process (None: say nothing). Under torchrun (WORLD_SIZE > 1) rank 0 speaks for the
+    run, and says that torchrun itself exits 1 whatever the code; another rank speaks only of its own failure,
+    naming its rank."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1") or 1), int(os.environ.get("RANK", "0") or 0)
+    if world <= 1 or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return f"error: {err}"
+    if rank != 0:
+        return None if isinstance(err, _SHARED) else f"error: rank {rank}: {err}"
+    return f"error: {err} (exit {err.exit_code}; torchrun itself exits 1 and lists each rank's exit code)"
 
 
 if __name__ == "__main__":

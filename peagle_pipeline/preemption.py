@@ -138,7 +138,8 @@ class StopRequest:
         if self.signum:
             raise Stopped(signum)
         self.signum = signum
-        os.write(2, f"\n{signal.Signals(signum).name}: {self.notice}\n".encode())
+        if self.notice:  # (empty: another process speaks for this one)
+            os.write(2, f"\n{signal.Signals(signum).name}: {self.notice}\n".encode())
 
     def __enter__(self) -> StopRequest:
         if _main_thread():
