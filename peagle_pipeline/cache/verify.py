@@ -30,7 +30,7 @@ from peagle_pipeline.errors import StoreUnreachable
 if TYPE_CHECKING:
     from peagle_pipeline.cache.reader import Cache
 
-__all__ = ["verify_cache", "verify_path", "Finding"]
+__all__ = ["verify_cache", "verify_target", "verify_path", "Finding"]
 
 T = TypeVar("T")
 
@@ -60,12 +60,12 @@ def verify_path(path: str) -> list[str]:
         cache = open_cache(path, check=False)
     except CorruptCache as err:  # a damaged table or manifest: the store cannot even be listed
         return [Finding(str(err).removesuffix(VERIFY_ADVICE))]
-    return verify_cache(cache)
+    return verify_target(cache) + verify_cache(cache)
 
 
 def verify_cache(cache: Cache) -> list[str]:
-    """Problems found in `cache` (see module docstring)."""
-    problems: list[str] = _verify_target(cache)
+    """Problems found in the stores of `cache` (see module docstring; its target/: `verify_target`)."""
+    problems: list[str] = []
     seen: dict[int, str] = {}
     for name, manifest in cache.manifests.items():
         if manifest is None:
@@ -310,7 +310,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of
 _HEADER_MAX = 100 << 20  # a safetensors header larger than this is damage, not a header
 
 
-def _verify_target(cache: Cache) -> list[str]:
+def verify_target(cache: Cache) -> list[str]:
     """target/: config.json (JSON), a tokenizer file, and pieces.safetensors whole (its header names the pieces,
     its tensors fit in the file). A missing file is named as missing."""
     from peagle_pipeline.cache.reader import missing_target_file
