@@ -27,7 +27,17 @@ from peagle_pipeline.config import (
     TrainConfig,
     VllmCheckConfig,
 )
-from peagle_pipeline.errors import Interrupted, PeagleError, from_os_error
+from peagle_pipeline.errors import (
+    BadInput,
+    Busy,
+    IncompatibleCache,
+    Interrupted,
+    OutputExists,
+    PeagleError,
+    RankLost,
+    ResumeMismatch,
+    from_os_error,
+)
 from peagle_pipeline.process_exit import skip_final_collection
 from peagle_pipeline.runtime import drop_shipped_config_notices
 
@@ -130,11 +140,10 @@ def inspect(
 def verify(cache: Annotated[str, typer.Argument(metavar="CACHE", help="Cache directory.")]) -> None:
     """Read every store back and report any inconsistency by store and sample (exit 4 if any; 3 if incomplete;
     12 if an object store does not answer)."""
-    from peagle_pipeline.cache.reader import open_cache
-    from peagle_pipeline.cache.verify import verify_cache
+    from peagle_pipeline.cache.verify import verify_path
     from peagle_pipeline.errors import CorruptCache, IncompatibleCache
 
-    problems = verify_cache(open_cache(cache, check=False))
+    problems = verify_path(cache)
     for line in problems:
         typer.echo(line)
     damage = [p for p in problems if getattr(p, "kind", "damage") == "damage"]
@@ -206,8 +215,11 @@ def vllm_check(**given: Any) -> None:
     stage.run(echo=typer.echo, **given)
 
 
-_STOPPED = ": committed work is kept; re-run the same command to resume"
-_INTERRUPTED = "interrupted" + _STOPPED
+# A stop the stage did not report itself came before its work began (imports, loading the model, starting a
+# backend): from their first commit on, the stages' own handlers report stops, with what they committed.
+_STOPPED = (
+    " before this command committed any work (what earlier runs committed is kept); re-run the same command"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         # exiting, and lets PeagleError and click's usage errors through to the handlers below.
         returned = app(args=argv, prog_name="peagle-pipeline", standalone_mode=False)
         code = returned if isinstance(returned, int) else 0
-        if code == Interrupted.exit_code:
-            code = _report(Interrupted(_INTERRUPTED))
+        if code == Interrupted.exit_code:  # typer's code for a stop (SIGINT or SIGTERM) it caught
+            code = _report(preemption.stop_error(preemption.last_stop_signal(), _STOPPED))
     except PeagleError as err:
         if debug:
             raise
@@ -259,9 +271,27 @@ def _report(err: PeagleError) -> int:
     mid-upload), asyncio's complaints about the tasks it abandoned (Zarr's and aiohttp's I/O: "Task exception was
     never retrieved" with a traceback per request) would follow at exit: silence them, the line above says what
     happened. PEAGLE_DEBUG=1 raises instead of reporting, so they still show there."""
-    print(f"error: {err}", file=sys.stderr)
+    line = _torchrun_voice(err)
+    if line is not None:
+        print(line, file=sys.stderr)
     logging.getLogger("asyncio").disabled = True
     return err.exit_code
+
+
+# Errors every rank of a torchrun job meets alike (the same settings, files and signals): rank 0 alone reports them.
+_SHARED = (BadInput, ResumeMismatch, OutputExists, IncompatibleCache, Busy, Interrupted, RankLost)
+
+
+def _torchrun_voice(err: PeagleError) -> str | None:
+    """The error line of this process (None: say nothing). Under torchrun (WORLD_SIZE > 1) rank 0 speaks for the
+    run, and says that torchrun itself exits 1 whatever the code; another rank speaks only of its own failure,
+    naming its rank."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1") or 1), int(os.environ.get("RANK", "0") or 0)
+    if world <= 1 or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return f"error: {err}"
+    if rank != 0:
+        return None if isinstance(err, _SHARED) else f"error: rank {rank}: {err}"
+    return f"error: {err} (exit {err.exit_code}; torchrun itself exits 1 and lists each rank's exit code)"
 
 
 if __name__ == "__main__":

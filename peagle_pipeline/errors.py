@@ -107,6 +107,13 @@ class StoreUnreachable(PeagleError):
     exit_code = 12
 
 
+class RankLost(PeagleError):
+    """Another rank of a distributed run died (killed, out of memory, its machine lost): this rank cannot go on;
+    the run resumes from its last complete checkpoint."""
+
+    exit_code = 13
+
+
 class Interrupted(PeagleError):
     """Ctrl-C: committed work is kept; re-run the same command to resume."""
 

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 from typing import Literal
 
 from peagle_pipeline.errors import BadConfig
 
 __all__ = [
     "CPU_BF16_ENV",
-    "BF16_MIN_SPEEDUP",
     "usable_cpus",
     "cpu_has_bf16_units",
     "cpu_bf16_flags",
-    "cpu_bf16_speedup",
+    "cpu_vendor",
+    "bf16_is_fast",
     "cpu_prefers_bf16",
     "resolve_compute_dtype",
     "describe_compute_dtype",
@@ -31,10 +30,12 @@ CPU_BF16_ENV = "PEAGLE_CPU_BF16"
 # /proc/cpuinfo flags of the x86 units that run bf16 matmuls at full speed. Without them, bf16
 # matmuls are emulated: 16.8 vs 48.1 GFLOP/s in fp32 per thread on a Xeon with AVX512 but no bf16 units.
 _BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-# Having the units is not enough: on a 2-core Xeon with AVX512-BF16 and no AMX, torch's bf16 matmul ran 0.52x its
-# fp32 one (167 vs 321 GFLOP/s) and extraction and the training step 0.64x; on an AMD EPYC with AVX512-BF16 they
-# ran 2.6x and 2.0x. So `auto` measures: bf16 only where its matmul is at least this much faster than fp32's.
-BF16_MIN_SPEEDUP = 1.1
+# Having the units is not enough, and `auto` must not depend on a timing (a 0.2 s one chose fp32 once in five runs of
+# one command on an idle host, so one command wrote differently computed caches). What the CPU declares decides:
+# AMX runs bf16 matmuls at full speed; AVX512-BF16 alone did on an AMD EPYC (bf16 matmul 2.4-3.1x fp32, extraction
+# and the training step 2.0-2.6x) but not on a 2-core Intel Xeon without AMX (0.52x, extraction and the training
+# step 0.64x). So AVX512-BF16 without AMX counts on AMD CPUs only.
+_AVX512_BF16_FAST_VENDORS = ("AuthenticAMD",)
 
 
 def usable_cpus() -> int:
@@ -46,6 +47,24 @@ def usable_cpus() -> int:
 
 # ------------------------------------------------------------------------------------------- compute dtype
 @functools.cache
+def _cpuinfo() -> tuple[frozenset[str], str]:
+    """The flags and vendor id /proc/cpuinfo declares for the first CPU (empty on other systems)."""
+    flags: frozenset[str] = frozenset()
+    vendor = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("vendor_id") and not vendor:
+                    vendor = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = frozenset(line.split(":", 1)[1].split())
+                    break
+    except OSError:  # not Linux: only torch's probes
+        pass
+    return flags, vendor
+
+
+@functools.cache
 def cpu_bf16_flags() -> tuple[str, ...]:
     """The bf16 units of this CPU that torch can use: a subset of ("amx_bf16", "avx512_bf16").
 
@@ -55,15 +74,7 @@ def cpu_bf16_flags() -> tuple[str, ...]:
     """
     import torch
 
-    found: set[str] = set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    found |= set(line.split(":", 1)[1].split()) & set(_BF16_FLAGS)
-                    break
-    except OSError:  # not Linux: only torch's probes below
-        pass
+    found = set(_cpuinfo()[0] & set(_BF16_FLAGS))
     probes = {"avx512_bf16": "_is_avx512_bf16_supported"}  # private but stable since torch 2.3; optional
     for flag, name in probes.items():
         probe = getattr(torch.cpu, name, None)
@@ -78,43 +89,27 @@ def cpu_bf16_flags() -> tuple[str, ...]:
     return tuple(f for f in _BF16_FLAGS if f in found)
 
 
-@functools.cache
-def cpu_bf16_speedup() -> float:
-    """bf16 over fp32 matmul throughput of torch on this CPU at its current thread count, e.g. 2.6 or 0.52.
+def cpu_vendor() -> str:
+    """The CPU vendor id /proc/cpuinfo declares ("AuthenticAMD", "GenuineIntel"; "" where it is not read)."""
+    return _cpuinfo()[1]
 
-    Measured once per process (about 0.1 s): a (512, 576) x (576, 1536) product, the shape of a small model's
-    projections, timed in both dtypes in alternating rounds; the best time of each counts. Where bf16 is emulated
-    (about 1 % of fp32's speed, one such product taking a second) it stops after the first round that shows bf16
-    more than 4x slower: no later round turns that around.
-    """
-    import torch
 
-    gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(512, 576, generator=gen), torch.randn(576, 1536, generator=gen)
-    pairs = {"fp32": (a, b), "bf16": (a.bfloat16(), b.bfloat16())}
-    best = dict.fromkeys(pairs, float("inf"))
-    for _ in range(4):
-        for name, (x, y) in pairs.items():
-            torch.mm(x, y)  # a warm-up call in every round: the first round also allocates
-            start = time.perf_counter()
-            for _ in range(3):
-                torch.mm(x, y)
-            best[name] = min(best[name], time.perf_counter() - start)
-        if best["bf16"] > 4 * best["fp32"]:
-            break
-    return best["fp32"] / max(best["bf16"], 1e-9)
+def bf16_is_fast(flags: tuple[str, ...], vendor: str) -> bool:
+    """Whether a CPU with bf16 units `flags` from `vendor` runs bf16 matmuls faster than fp32 ones: with AMX, or
+    with AVX512-BF16 on a vendor whose AVX512-BF16 alone was measured faster (see `_AVX512_BF16_FAST_VENDORS`)."""
+    return "amx_bf16" in flags or ("avx512_bf16" in flags and vendor in _AVX512_BF16_FAST_VENDORS)
 
 
 def cpu_prefers_bf16() -> bool:
-    """True when `auto` should compute in bf16 on this CPU: it has bf16 units and its bf16 matmul beats fp32's
-    by BF16_MIN_SPEEDUP (`cpu_bf16_speedup`); `PEAGLE_CPU_BF16=0|1` overrides both.
+    """True when `auto` should compute in bf16 on this CPU: from what it declares (`bf16_is_fast`), never from a
+    timing, so that one command on one host always computes alike; `PEAGLE_CPU_BF16=0|1` overrides.
 
     Raises:
         BadConfig: PEAGLE_CPU_BF16 set to something other than 0 or 1.
     """
     if os.environ.get(CPU_BF16_ENV, "").strip():
         return cpu_has_bf16_units()
-    return bool(cpu_bf16_flags()) and cpu_bf16_speedup() >= BF16_MIN_SPEEDUP
+    return bf16_is_fast(cpu_bf16_flags(), cpu_vendor())
 
 
 def cpu_has_bf16_units() -> bool:
@@ -134,9 +129,9 @@ def cpu_has_bf16_units() -> bool:
 def resolve_compute_dtype(requested: str, device: str) -> Literal["bf16", "fp32"]:
     """The dtype a forward/backward computes in: `requested` unless it is `auto`.
 
-    auto: bf16 on CUDA (fp32 on a GPU older than Ampere, which has no bf16 units); on a CPU, bf16 where torch's
-    bf16 matmul is measured faster than its fp32 one (`cpu_prefers_bf16`), else fp32; fp32 on any other device
-    type. The same rule serves vLLM's CPU backend: on the Xeon where torch's bf16 matmul ran 0.52x fp32, vLLM's
+    auto: bf16 on CUDA (fp32 on a GPU older than Ampere, which has no bf16 units); on a CPU, bf16 where what it
+    declares (its bf16 units and vendor, `cpu_prefers_bf16`) runs bf16 matmuls faster than fp32 ones, else fp32;
+    fp32 on any other device type. The same rule serves vLLM's CPU backend: on the Xeon where torch's bf16 matmul ran 0.52x fp32, vLLM's
     greedy decoding ran 0.74x (183 vs 246 tokens/s). This is the compute dtype only; what a stage stores is its
     own setting.
 
@@ -177,11 +172,11 @@ def describe_compute_dtype(requested: str, device: str, chosen: str) -> str:
             why = "auto: this CPU has no bf16 units (AMX / AVX512-BF16), so fp32 is faster"
         else:
             units = ", ".join(cpu_bf16_flags())
-            speed = f"bf16 matmul {cpu_bf16_speedup():.2f}x fp32 here"
             why = (
-                f"auto: this CPU has bf16 units ({units}), {speed}"
+                f"auto: this CPU has bf16 units ({units}), which run bf16 matmuls faster than fp32"
                 if chosen == "bf16"
-                else (f"auto: this CPU has bf16 units ({units}) but {speed}, so fp32 is faster")
+                else f"auto: this CPU has bf16 units ({units}) but no AMX, on {cpu_vendor() or 'an unknown vendor'}"
+                " (AVX512-BF16 alone ran bf16 matmuls 0.52x fp32 on an Intel Xeon), so fp32"
             )
     else:
         why = "auto"

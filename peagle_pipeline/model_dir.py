@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle_pipeline.cache.layout import LAYER_PIECE_PREFIX, PIECES_FILE
-from peagle_pipeline.errors import BadInput
+from peagle_pipeline.errors import BadInput, from_os_error
 from peagle_pipeline.target_info import TargetInfo, check_layer_ids, check_topk
 
 __all__ = [
@@ -113,12 +113,14 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_target_info(model_path: str | os.PathLike[str]) -> TargetInfo:
-    """Identity and sizes of the target from config.json (weights are not read).
+    """Identity and sizes of the target from config.json (weights are not read, only checked to be readable).
 
     Raises:
-        BadInput: missing directory/config, or a config without layer count, hidden size or vocab size.
+        BadInput: missing directory/config, a config without layer count, hidden size or vocab size, or a weight
+            file this process may not read (named as such: safetensors and transformers call it missing).
     """
     config = read_config(model_path)
+    _check_weights_readable(_model_dir(model_path))
     text = text_config(config)
     sizes: dict[str, int] = {}
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
@@ -128,6 +130,15 @@ def read_target_info(model_path: str | os.PathLike[str]) -> TargetInfo:
         sizes[key] = value
     archs = config.get("architectures") or text.get("architectures") or []
     return TargetInfo(name_or_path=str(model_path), architectures=list(archs), config=config, **sizes)
+
+
+def _check_weights_readable(model_dir: Path) -> None:
+    """Open every safetensors file of `model_dir`: mode 0600 of another user is "permission denied" here."""
+    for f in sorted(model_dir.glob("*.safetensors*")):
+        try:
+            open(f, "rb").close()  # noqa: SIM115 - opened only to see whether it can be
+        except OSError as err:
+            raise from_os_error(err) or BadInput(f"cannot open {f}: {err.strerror or err}") from None
 
 
 # ------------------------------------------------------------------------------------------------ hashes

@@ -23,6 +23,7 @@ __all__ = [
     "Stopped",
     "install",
     "signal_of",
+    "last_stop_signal",
     "stop_error",
     "deferred",
     "StopRequest",
@@ -38,6 +39,17 @@ class Stopped(KeyboardInterrupt):
     def __init__(self, signum: int = signal.SIGINT) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+        global _last_stop
+        _last_stop = signum
+
+
+_last_stop = 0  # the signal of the last `Stopped` raised in this process (0: none)
+
+
+def last_stop_signal() -> int:
+    """The signal of the last stop raised in this process as `Stopped`, else SIGINT (Python's own Ctrl-C): for a
+    caller that sees only the exit code a library made of the stop (typer returns 130 for any of them)."""
+    return _last_stop or signal.SIGINT
 
 
 def _raise_stopped(signum: int, frame: object) -> None:
@@ -126,7 +138,8 @@ class StopRequest:
         if self.signum:
             raise Stopped(signum)
         self.signum = signum
-        os.write(2, f"\n{signal.Signals(signum).name}: {self.notice}\n".encode())
+        if self.notice:  # (empty: another process speaks for this one)
+            os.write(2, f"\n{signal.Signals(signum).name}: {self.notice}\n".encode())
 
     def __enter__(self) -> StopRequest:
         if _main_thread():

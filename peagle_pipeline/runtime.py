@@ -270,6 +270,10 @@ class RankLock:
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
 
+    def fileno(self) -> int:
+        """The held lock file's descriptor (-1 when not held)."""
+        return -1 if self._fd is None else self._fd
+
     def release(self) -> None:
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)

@@ -92,7 +92,9 @@ traceback). Exit codes: 1 generic, 2 bad input or settings, 3 incompatible or in
 extraction rank or training run,
 8 repeated non-finite loss, 9 disk full, 10 a target runtime returned other tokens or shapes than sent, 11 speculative
 greedy output differs from plain greedy output (`vllm-check`), 12 the object store holding a cache did not answer a
-read (the cache is not damaged; run again, `train --resume`), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
+read (the cache is not damaged; run again, `train --resume`), 13 another rank of a torchrun run died (`train
+--resume` continues from the last checkpoint; torchrun itself exits 1, see
+[multi-node](../guides/multi-node.md#training-ddp-and-fsdp)), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
 
 | command | what it does |
 |---|---|

@@ -17,7 +17,7 @@ from typing import Any
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.layout import CacheMeta
 from peagle_pipeline.cache.target import TargetSource, save_target_pieces
-from peagle_pipeline.errors import IncompatibleCache, ResumeMismatch
+from peagle_pipeline.errors import IncompatibleCache, OutOfSpace, ResumeMismatch, from_os_error
 from peagle_pipeline.runtime import atomic_write_text, claim_output_dir, create_exclusive, fsync_dir
 
 __all__ = [
@@ -79,9 +79,16 @@ def _save_target(root: Path, target: TargetSource) -> None:
         save_target_pieces(tmp, target)
         os.rename(tmp, target_dir)  # atomic; fails if another rank got there first
         fsync_dir(root)
-    except OSError:
-        if not target_dir.exists():
-            raise
+    except (OSError, OutOfSpace) as err:
+        if target_dir.exists():
+            return
+        if isinstance(err, OutOfSpace) or isinstance(from_os_error(err), OutOfSpace):
+            # name the cache's folder, not the model file being copied (shutil's error names the source)
+            raise OutOfSpace(
+                f"no space left while writing {target_dir} (the target's files): free some space and re-run "
+                "the same command"
+            ) from None
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from peagle_pipeline.core.vocab import TokenizerFacts
 
-__all__ = ["SampleArrays", "Cache", "open_cache", "prompt_length"]
+__all__ = ["VERIFY_ADVICE", "missing_target_file", "SampleArrays", "Cache", "open_cache", "prompt_length"]
 
 # Token rows read at once by `Cache.prompt_keys` (input_ids and loss_mask: 5 bytes a token, so about 80 MB).
 _KEY_WINDOW_TOKENS = 1 << 24
@@ -96,7 +96,7 @@ class Cache:
                 raise
             except (OSError, ValueError, KeyError, TypeError, IndexError) as err:  # pyarrow's errors included
                 raise CorruptCache(
-                    f"store {name} of {root.url} is damaged ({type(err).__name__}); run `peagle-pipeline verify`"
+                    f"store {name} of {root.url} is damaged ({type(err).__name__}){VERIFY_ADVICE}"
                 ) from None
         cols = list(layout.SAMPLE_COLUMNS)
         self.samples: pd.DataFrame = (
@@ -127,7 +127,14 @@ class Cache:
         return self._root.local / layout.TARGET_DIR
 
     def target_config(self) -> dict[str, Any]:
-        return json.loads(self._root.read_bytes(f"{layout.TARGET_DIR}/config.json"))
+        """The target's config.json as copied into target/ (CorruptCache when missing or not JSON)."""
+        rel = f"{layout.TARGET_DIR}/config.json"
+        try:
+            return json.loads(self._root.read_bytes(rel))
+        except FileNotFoundError:
+            raise CorruptCache(missing_target_file(self.path, rel)) from None
+        except ValueError:
+            raise CorruptCache(f"{self.path}/{rel} is damaged (not JSON){VERIFY_ADVICE}") from None
 
     def target_pieces(self) -> dict[str, torch.Tensor]:
         """The target's embed_tokens.weight [V, H], lm_head.weight [V, H], norm.weight [H] (keys layout.PIECE_KEYS),
@@ -160,7 +167,10 @@ class Cache:
         and LM head are gigabytes for a large vocabulary: the layer alone is not read with them)."""
         from safetensors import safe_open
 
-        with safe_open(str(self.target_dir / layout.PIECES_FILE), framework="pt") as f:
+        path = self.target_dir / layout.PIECES_FILE
+        if not path.is_file():  # (safetensors' own error names no errno: it would end as a traceback)
+            raise CorruptCache(missing_target_file(self.path, f"{layout.TARGET_DIR}/{layout.PIECES_FILE}"))
+        with safe_open(str(path), framework="pt") as f:
             return {key: f.get_tensor(key) for key in f.keys() if wanted(key)}
 
     def token_counts(self) -> np.ndarray:
@@ -404,15 +414,26 @@ class Cache:
         return "\n".join(lines)
 
 
+VERIFY_ADVICE = "; run `peagle-pipeline verify` on it for every problem it has"
+"""The end of a reader's error about damage it found: verify reports all of it (never said by verify itself)."""
+
+
+def missing_target_file(cache: str, rel: str) -> str:
+    """The one line for a file of target/ that is missing: what it is, and how extract writes it again (target/ is
+    written whenever it is absent, from --model)."""
+    return (
+        f"{cache}: {rel} is missing (the target's files training needs); remove {cache}/{layout.TARGET_DIR} and "
+        "re-run the extract command that wrote the cache: it writes target/ again from the model"
+    )
+
+
 def _check_table(store: str, manifest: dict[str, Any], table: str, blob: bytes) -> None:
     """A complete store's tables never change after its last commit: a hash mismatch is damage.
 
     (An incomplete store's table may legitimately run ahead of its manifest while a writer commits.)
     """
     if manifest.get("complete") and layout.file_hash(blob) != manifest.get("tables", {}).get(table):
-        raise CorruptCache(
-            f"store {store}: {table} does not match its manifest checksum; run `peagle-pipeline verify`"
-        )
+        raise CorruptCache(f"store {store}: {table} does not match its manifest checksum{VERIFY_ADVICE}")
 
 
 def _read_json(root: StoreRoot, rel: str) -> dict[str, Any] | None:

@@ -7,6 +7,7 @@ so this module never opens a model.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -88,7 +89,15 @@ def save_target_pieces(out_dir: str | os.PathLike[str], target: TargetSource) ->
             import torch
 
             pieces = {**pieces, layout.LAYER_INDEX_KEY: torch.tensor([target.init_layer], dtype=torch.int64)}
-        save_file(pieces, tmp, metadata={"source": target.source})  # one key: the bytes never vary
+        try:
+            save_file(pieces, tmp, metadata={"source": target.source})  # one key: the bytes never vary
+        except Exception as err:  # safetensors' own error type, even for a full disk: make that an OSError
+            code = next(
+                (c for c in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) if f"os error {c})" in str(err)), 0
+            )
+            if code:
+                raise OSError(code, os.strerror(code), tmp) from None
+            raise
         make_readable(tmp)
         fsync_file(tmp)
         os.replace(tmp, out / layout.PIECES_FILE)

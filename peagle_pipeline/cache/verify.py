@@ -1,4 +1,5 @@
-"""Full read-back check of a cache: checksums, shapes, offsets, tables, token counts. Read-only.
+"""Full read-back check of a cache: checksums, shapes, offsets, tables, token counts, and target/ (the target's
+config, tokenizer files and pieces.safetensors, which training reads). Read-only.
 
 Every problem becomes one line naming the store and the samples it touches; an empty list means the cache is
 sound. Arrays are read through Zarr itself (the reference decoder), independently of the reader's fast path.
@@ -14,6 +15,8 @@ connection broke once is simply read again.
 from __future__ import annotations
 
 import io
+import json
+import struct
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -21,12 +24,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from peagle_pipeline.cache import layout
+from peagle_pipeline.cache.store_arrays import shard_key
 from peagle_pipeline.errors import StoreUnreachable
 
 if TYPE_CHECKING:
     from peagle_pipeline.cache.reader import Cache
 
-__all__ = ["verify_cache", "Finding"]
+__all__ = ["verify_cache", "verify_target", "verify_path", "Finding"]
 
 T = TypeVar("T")
 
@@ -43,8 +47,24 @@ class Finding(str):
         return finding
 
 
+def verify_path(path: str) -> list[str]:
+    """Problems found in the cache at `path`: `verify_cache`'s, or the damage that keeps it from being opened.
+
+    Raises:
+        IncompatibleCache: not a cache, or of another format. StoreUnreachable.
+    """
+    from peagle_pipeline.cache.reader import VERIFY_ADVICE, open_cache
+    from peagle_pipeline.errors import CorruptCache
+
+    try:
+        cache = open_cache(path, check=False)
+    except CorruptCache as err:  # a damaged table or manifest: the store cannot even be listed
+        return [Finding(str(err).removesuffix(VERIFY_ADVICE))]
+    return verify_target(cache) + verify_cache(cache)
+
+
 def verify_cache(cache: Cache) -> list[str]:
-    """Problems found in `cache` (see module docstring)."""
+    """Problems found in the stores of `cache` (see module docstring; its target/: `verify_target`)."""
     problems: list[str] = []
     seen: dict[int, str] = {}
     for name, manifest in cache.manifests.items():
@@ -205,6 +225,10 @@ def _read_shard(
     """The rows of one committed shard of `arr`, checked against the manifest checksum (problems go to `out`);
     zeros when the shard cannot be decoded."""
     start, stop = int(shard["start"]), int(shard["stop"])
+    key = shard_key(array, int(shard["index"]), inner)
+    if not _read(cache, partial(cache._root.exists, f"{layout.STORES_DIR}/{name}/{key}")):
+        out.append(f"{name}: shard file {key} is missing; affects {_samples_in(samples, start, stop)}")
+        return np.zeros((stop - start, *inner), dtype=dtype)
     try:
         values = np.asarray(_read(cache, lambda: arr[start:stop]))
     except StoreUnreachable:
@@ -279,3 +303,65 @@ def _check_counts(
     elif not np.array_equal(stored, counts):
         return [f"{name}: {table} disagrees with the {what}tokens of its samples"]
     return []
+
+
+# ------------------------------------------------------------------------------------------------- target/
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them makes a tokenizer
+_HEADER_MAX = 100 << 20  # a safetensors header larger than this is damage, not a header
+
+
+def verify_target(cache: Cache) -> list[str]:
+    """target/: config.json (JSON), a tokenizer file, and pieces.safetensors whole (its header names the pieces,
+    its tensors fit in the file). A missing file is named as missing."""
+    from peagle_pipeline.cache.reader import missing_target_file
+
+    root, rel = cache._root, layout.TARGET_DIR
+    config = f"{rel}/config.json"
+    if not _read(cache, partial(root.exists, config)):
+        return [missing_target_file(cache.path, config)]
+    out: list[str] = []
+    try:
+        if not isinstance(json.loads(_read(cache, partial(root.read_bytes, config))), dict):
+            raise ValueError(config)
+    except StoreUnreachable:
+        raise
+    except Exception:
+        out.append(f"{config} is damaged (not a JSON object); training reads it")
+    if not any(_read(cache, partial(root.exists, f"{rel}/{name}")) for name in _TOKENIZER_FILES):
+        out.append(missing_target_file(cache.path, f"{rel}/{' or '.join(_TOKENIZER_FILES)}"))
+    pieces = f"{rel}/{layout.PIECES_FILE}"
+    if not _read(cache, partial(root.exists, pieces)):
+        return [*out, missing_target_file(cache.path, pieces)]
+    problem = _pieces_problem(cache, pieces)
+    return out + ([f"{pieces} is damaged ({problem}); training reads it"] if problem else [])
+
+
+def _pieces_problem(cache: Cache, rel: str) -> str | None:
+    """What is wrong with pieces.safetensors (read: its header and size only), or None."""
+    try:
+        size = _read(cache, partial(cache._root.size, rel))
+        (n,) = struct.unpack("<Q", _read(cache, partial(_read_head, cache, rel, 8))) if size >= 8 else (-1,)
+        if not 0 < n <= min(size - 8, _HEADER_MAX):
+            return "truncated header"
+        header = json.loads(_read(cache, partial(_read_head, cache, rel, 8 + n))[8:])
+    except StoreUnreachable:
+        raise
+    except Exception as err:
+        return f"unreadable header ({type(err).__name__})"
+    missing = [k for k in layout.PIECE_KEYS if k not in header]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        return f"truncated: {size} bytes of {8 + n + end}"
+    return None
+
+
+def _read_head(cache: Cache, rel: str, n: int) -> bytes:
+    """The first `n` bytes of file `rel` of the cache."""
+    root = cache._root
+    if root.local is not None:
+        with open(root.local / rel, "rb") as f:
+            return f.read(n)
+    with root.fs.open(f"{root.base}/{rel}", "rb") as f:
+        return bytes(f.read(n))

@@ -77,7 +77,7 @@ class EvaluateConfig:
     output: str | None = setting(None, "Directory for report.json and acceptance.png (default: print only).")
     dtype: Literal["auto", "bf16", "fp32"] = setting(
         "auto",
-        "Model dtype in vLLM; auto = bf16 on a GPU or a CPU where bf16 matmuls are measured faster, else fp32.",
+        "Model dtype in vLLM; auto = bf16 on a GPU or a CPU whose bf16 units run it faster (AMX, or AVX512-BF16 on AMD), else fp32.",
     )
     seed: int = setting(0, "Sampling seed of prompt i is seed + i (T > 0).")
     chat_template_kwargs: dict[str, Any] = template_kwargs_setting()

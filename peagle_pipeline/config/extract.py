@@ -60,7 +60,7 @@ class ExtractConfig(TargetStageConfig):
     compute_dtype: Literal["auto", "bf16", "fp32"] = reword(
         TargetStageConfig,
         "compute_dtype",
-        "Target forward dtype. auto: fp32 when dtype is fp32, else bf16 on CUDA and on CPUs where bf16 matmuls are measured faster (bf16 units and >= 1.1x fp32), fp32 on other CPUs; a resumed cache keeps the dtype it was started with.",
+        "Target forward dtype. auto: fp32 when dtype is fp32, else bf16 on CUDA and on CPUs whose bf16 units run it faster (AMX, or AVX512-BF16 on AMD), fp32 on other CPUs; a resumed cache keeps the dtype it was started with.",
     )
     assistant_turns: Literal["all", "last"] = setting(
         "all",
@@ -84,6 +84,11 @@ class ExtractConfig(TargetStageConfig):
     space_check: bool = setting(
         True,
         "Before the target loads, refuse to start when the output's file system has less free space than the estimated cache size (less what the output already holds) plus 10 %; an object-store output is not checked. --no-space-check starts anyway.",
+    )
+    allow_other_target: bool = setting(
+        False,
+        "Extract a generate output made by another target (its recorded config.json or tokenizer differ from "
+        "model's): a warning instead of a refusal.",
     )
 
     def __post_init__(self) -> None:

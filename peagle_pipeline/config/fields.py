@@ -52,7 +52,8 @@ def template_kwargs_setting() -> Any:
         {},
         "Extra chat-template variables, as vLLM's chat_template_kwargs: a JSON object on the command line "
         '(\'{"enable_thinking": false}\' for Qwen3 without reasoning, \'{"reasoning_effort": "low"}\' for '
-        "gpt-oss), a mapping in a pipeline file. Use what the served requests will use.",
+        "gpt-oss), a mapping in a pipeline file. Use what the served requests will use; a name the template never "
+        "reads is refused.",
         metavar="JSON",
     )
 

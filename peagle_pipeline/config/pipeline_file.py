@@ -4,6 +4,7 @@ field types."""
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import difflib
 import types
@@ -30,7 +31,9 @@ def load_section(yaml_path: str | Path, section: str) -> dict[str, Any]:
 
     path = Path(yaml_path)
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        doc = yaml.load(path.read_text(encoding="utf-8"), Loader=_unique_keys_loader()) or {}
+    except _DuplicateKey as err:
+        raise BadConfig(f"pipeline file {path}: {err}") from None
     except FileNotFoundError:
         raise BadConfig(f"pipeline file not found: {path}") from None
     except IsADirectoryError:
@@ -52,6 +55,32 @@ def load_section(yaml_path: str | Path, section: str) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadConfig(f"pipeline file {path}: section '{section}' must be a mapping")
     return body
+
+
+class _DuplicateKey(Exception):
+    """A mapping of a pipeline file names one key twice (YAML would silently keep the last value)."""
+
+
+def _unique_keys_loader() -> Any:
+    """yaml's SafeLoader, refusing a key given twice in one mapping (line numbers from 1)."""
+    import yaml
+
+    class UniqueKeys(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if not isinstance(key, collections.abc.Hashable):  # refused by the mapping itself below
+                    continue
+                if key in seen:
+                    raise _DuplicateKey(
+                        f"key {key!r} is given twice (lines {seen[key]} and {line}); keep one"
+                    )
+                seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeys
 
 
 def resolve(cls: type[C], yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> C:

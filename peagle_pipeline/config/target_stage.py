@@ -43,7 +43,7 @@ class TargetStageConfig:
     device: str = setting("auto", "Device for the hf backend: auto, cpu, cuda, cuda:N.")
     compute_dtype: Literal["auto", "bf16", "fp32"] = setting(
         "auto",
-        "Model dtype: auto = bf16 on CUDA or a CPU where bf16 matmuls are measured faster (bf16 units and >= 1.1x fp32), else fp32.",
+        "Model dtype: auto = bf16 on CUDA or a CPU whose bf16 units run it faster (AMX, or AVX512-BF16 on AMD), else fp32.",
     )
     chat_template_kwargs: dict[str, Any] = template_kwargs_setting()
     tensor_parallel_size: int = tensor_parallel_setting()

@@ -119,7 +119,7 @@ class TrainConfig:
     keep_checkpoints: int = setting(2, "Step checkpoints kept on disk (the best one is kept apart).")
     precision: Literal["auto", "bf16", "fp32"] = setting(
         "auto",
-        "Compute precision: bf16 autocast or full fp32 (master weights stay fp32); auto = bf16 on CUDA and on CPUs where bf16 matmuls are measured faster (bf16 units and >= 1.1x fp32), fp32 on other CPUs.",
+        "Compute precision: bf16 autocast or full fp32 (master weights stay fp32); auto = bf16 on CUDA and on CPUs whose bf16 units run it faster (AMX, or AVX512-BF16 on AMD), fp32 on other CPUs.",
     )
     device: str = setting("auto", "auto, cpu, cuda, cuda:N (under torchrun, cuda:LOCAL_RANK).")
     fsdp: bool = setting(

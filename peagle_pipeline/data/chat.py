@@ -23,6 +23,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from peagle_pipeline.data.records import Message
+from peagle_pipeline.data.template_variables import check_template_kwargs
 from peagle_pipeline.errors import BadInput
 
 __all__ = ["ChatRenderer", "RenderedSample", "RejectRow", "template_token_ids", "EMPTY_REPLY"]
@@ -87,7 +88,7 @@ class ChatRenderer:
             time the renderer is made when None.
 
     Raises:
-        BadInput: the tokenizer has no chat template or cannot report character offsets.
+        BadInput: no chat template, no character offsets, or a `template_kwargs` name the template never reads.
     """
 
     def __init__(
@@ -114,6 +115,7 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.assistant_turns = assistant_turns
         self.leading_assistant = leading_assistant
+        check_template_kwargs(tokenizer, template_kwargs or {})
         self.template_kwargs = dict(template_kwargs or {})
         self.now = now or datetime.now()
         special = set(tokenizer.all_special_ids)

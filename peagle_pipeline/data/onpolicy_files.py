@@ -43,6 +43,7 @@ __all__ = [
     "encode_line",
     "prepare_output",
     "recorded_template_time",
+    "recorded_target",
     "remove_new_output",
     "ChunkOutput",
     "OnPolicyWriter",
@@ -117,6 +118,16 @@ def recorded_template_time(root: Path) -> datetime | None:
         return datetime.fromisoformat(stamp)
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def recorded_target(root: Path) -> dict[str, str]:
+    """The target a generate output was made with (generate.json's `target`: the sha256 of its config.json,
+    tokenizer files and chat template); {} for an output without a readable record."""
+    try:
+        target = json.loads((root / META_FILE).read_text(encoding="utf-8")).get("target")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {k: v for k, v in target.items() if isinstance(v, str)} if isinstance(target, dict) else {}
 
 
 def remove_new_output(root: Path, rank: int, world_size: int, existed: bool) -> None:

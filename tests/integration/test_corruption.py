@@ -231,3 +231,62 @@ def test_nan_steps_are_skipped_and_reported_then_stop_with_exit_8(pristine: Path
         f"\nnumerical faults: {skipped} NaN step(s) skipped and reported of {len(records)}; all-NaN cache "
         "stopped after 3 bad steps with exit 8"
     )
+
+
+def test_verify_checks_target_and_names_missing_files_as_missing(
+    pristine: Path, tmp_path: Path, capsys
+) -> None:
+    """Deleted files are missing, not failing checksums; target/ is part of the cache; training on a cache without
+    target/pieces.safetensors says so in one line; verify's own advice never points at verify."""
+
+    def verify(work: Path) -> tuple[int, str]:
+        capsys.readouterr()
+        code = cli.main(["verify", str(work)])
+        return code, "\n".join(capsys.readouterr())
+
+    pieces = tmp_path / "pieces"
+    shutil.copytree(pristine, pieces)
+    (pieces / layout.TARGET_DIR / layout.PIECES_FILE).unlink()
+    code, text = verify(pieces)
+    assert code == 4 and f"{pieces}: target/{layout.PIECES_FILE} is missing" in text
+    capsys.readouterr()
+    argv = [
+        "train",
+        "--cache",
+        str(pieces),
+        "--output",
+        str(tmp_path / "run"),
+        "--steps",
+        "1",
+        "--precision",
+        "fp32",
+    ]
+    argv += ["--no-export", "--num-workers", "0", "--eval-samples", "0", "--draft-vocab-size", "300"]
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert (
+        code == 4 and err.count("\n") == 1 and err.startswith(f"error: {pieces}: target/{layout.PIECES_FILE}")
+    )
+    assert "is missing" in err
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(pristine, truncated)
+    path = truncated / layout.TARGET_DIR / layout.PIECES_FILE
+    path.write_bytes(path.read_bytes()[:4096])
+    code, text = verify(truncated)
+    assert code == 4 and f"target/{layout.PIECES_FILE} is damaged (truncated: 4096 bytes" in text
+
+    shard = tmp_path / "shard"
+    shutil.copytree(pristine, shard)
+    store = shard / layout.STORES_DIR / STORE
+    gone = _shard_files(store, "aux_hidden")[0]
+    gone.unlink()
+    code, text = verify(shard)
+    assert code == 4 and f"shard file {gone.relative_to(store)} is missing; affects samples" in text
+    assert "checksum" not in text.split("is missing")[0]
+
+    table = tmp_path / "table"
+    shutil.copytree(pristine, table)
+    (table / layout.STORES_DIR / STORE / layout.SAMPLES_TABLE).write_bytes(b"not parquet")
+    code, text = verify(table)
+    assert code == 4 and layout.SAMPLES_TABLE in text and "verify" not in text.replace(f"in {table}", "")

@@ -457,3 +457,37 @@ def test_card_names_the_hub_model_its_license_and_on_policy_data(tmp_path: Path)
     chats.write_text("{}\n")
     assert on_policy([str(replies)]) is True and on_policy([str(chats)]) is False
     assert on_policy([str(tmp_path / "moved-away.jsonl")]) is None  # not where the cache recorded it: unknown
+
+
+def test_two_exports_into_one_new_folder_at_once_the_second_is_refused(run_dir: Path, tmp_path: Path) -> None:
+    """Two exports of different runs into one new folder at the same moment: one writes it, the other is refused
+    in one line (busy, or another run's export once the first is in), never silently replaced."""
+    import os
+
+    from cli_argv import PEAGLE
+
+    other = tmp_path / "other-run"
+    shutil.copytree(run_dir, other)
+    facts = json.loads((other / "run.json").read_text())
+    facts["starts"][0]["time"] += 1.0
+    (other / "run.json").write_text(json.dumps(facts))
+    out = tmp_path / "draft"
+    env = {**os.environ, export.SLEEP_ENV: "3", "OMP_NUM_THREADS": "1"}
+    env.pop("PEAGLE_DEBUG", None)
+    procs = {
+        run: subprocess.Popen(
+            [*PEAGLE, "export", str(run), "--output", str(out), "--checkpoint", "latest"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for run in (run_dir, other)
+    }
+    ends = {run: (p.wait(timeout=300), p.stderr.read()) for run, p in procs.items()}
+    winners = [run for run, (code, _) in ends.items() if code == 0]
+    assert len(winners) == 1, ends
+    (loser,) = set(ends) - set(winners)
+    code, err = ends[loser]
+    assert code in (6, 7) and err.count("\n") == 1 and "Traceback" not in err, ends
+    assert json.loads((out / MARKER_FILE).read_text())["run"] == str(winners[0].resolve())

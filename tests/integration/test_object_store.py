@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -506,3 +507,32 @@ def test_training_stops_in_one_line_when_the_store_goes_away_and_resumes(
     final = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert max(r["step"] for r in final if r.get("kind") == "train") == OUTAGE_STEPS
     assert all(r.get("skipped_corrupt", 0) == 0 for r in final)
+
+
+def test_the_guides_local_s3_server_runs_as_written(tmp_path) -> None:
+    """docs/guides/object-stores.md's way to a local S3 server, run as written (on a free port): `moto_server` from
+    this environment, the AWS variables it sets, the bucket it makes; then the bucket is there."""
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "object-stores.md").read_text()
+    block = guide.split("## Trying it on a local S3 server", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    lines = [line.split("  #", 1)[0].replace("5000", str(port)) for line in block.splitlines()]
+    assert lines[0].startswith("moto_server -p ")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    server = subprocess.Popen(lines[0].split(), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        script = "\n".join(
+            [
+                "set -e",
+                f"for i in $(seq 100); do (echo >/dev/tcp/127.0.0.1/{port}) 2>/dev/null && break; sleep 0.1; done",
+                *lines[1:],
+                "python -c \"import s3fs; print(s3fs.S3FileSystem().ls(''))\"",
+            ]
+        )
+        proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "bucket" in proc.stdout, proc.stderr
+    finally:
+        server.kill()
+        server.wait()

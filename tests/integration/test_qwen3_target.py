@@ -243,3 +243,22 @@ def test_a_qwen3_moe_target_starts_the_draft_from_its_attention(tiny_qwen3_moe: 
     assert (
         layer["model_type"] == "qwen3" and layer["intermediate_size"] == 128
     )  # the dense size, not an expert's
+
+
+def test_a_template_variable_qwen3_never_reads_is_refused_by_every_command(
+    qwen3_run: Path, tiny_qwen3: Path, tmp_path: Path, capsys
+) -> None:
+    """A misspelt `enable_thinking` would render the thinking-mode prompts as if no variable were given."""
+    data = str(write_conversations(tmp_path / "conv.jsonl", 2))
+    target = ["--model", str(tiny_qwen3), "--data", data]
+    bad = ["--chat-template-kwargs", '{"enable_thinkng": false}']
+    for argv in (
+        ["generate", *target, "--output", str(tmp_path / "gen"), "--backend", "hf", "--max-new-tokens", "4"],
+        ["extract", *target, "--output", str(tmp_path / "cache"), "--compute-dtype", "fp32"],
+        ["evaluate", str(qwen3_run / "export"), "--target", str(tiny_qwen3)],
+    ):
+        code = main([*argv, *bad])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1, (argv[0], err)
+        assert "enable_thinkng is never read" in err and "it reads: " in err and "enable_thinking" in err
+    assert not (tmp_path / "gen").exists() and not (tmp_path / "cache").exists()

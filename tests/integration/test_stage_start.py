@@ -128,3 +128,35 @@ def test_generate_that_keeps_no_row_is_an_error_and_leaves_nothing(tiny_stop_mod
     ):
         generate_stage.run(cfg)
     assert given.is_dir() and list(given.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["extract", "train"])
+def test_sigterm_during_start_up_is_143_and_says_nothing_was_committed(
+    command, tiny_model, conversations, tiny_cache, tmp_path, monkeypatch, capsys
+):
+    """A real SIGTERM to this process while the command starts (loading the target's facts; setting up the
+    process group): exit 143, "terminated", and no claim of kept work where none was done."""
+    import os
+    import signal
+
+    from peagle_pipeline import model_dir
+    from peagle_pipeline.cli import main
+    from peagle_pipeline.stages.train import distributed
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM was not delivered")
+
+    out = tmp_path / "out"
+    if command == "extract":
+        monkeypatch.setattr(model_dir, "read_target_info", terminated)
+        argv = ["extract", "--model", str(tiny_model), "--data", str(conversations), "--output", str(out)]
+    else:
+        monkeypatch.setattr(distributed.Dist, "setup", staticmethod(terminated))
+        argv = ["train", "--cache", str(tiny_cache), "--output", str(out)]
+    capsys.readouterr()
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 143 and err.count("\n") == 1, err
+    assert err.startswith("error: terminated (SIGTERM) before this command committed any work")
+    assert not out.exists()

@@ -109,3 +109,65 @@ def test_two_ranks_equal_one_process_with_grad_accum_2(tiny_cache: Path, tmp_pat
     assert ea["acceptance"] == pytest.approx(eb["acceptance"], rel=1e-5)
     # rank 1 wrote nothing of its own: one metrics file, one set of checkpoints
     assert len(list(ddp.glob("**/metrics.jsonl"))) == 1
+
+
+def _torchrun(cache: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "peagle_pipeline.cli", "train", "--cache", str(cache), "--output", str(out), *_cli_flags(), *extra,
+    ]  # fmt: skip
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of torchrun's worker of `rank` (a child of the launcher whose environment says RANK=rank)."""
+    try:
+        children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    except OSError:
+        return None
+    for pid in map(int, children):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return pid
+    return None
+
+
+def test_a_rank_killed_is_one_line_from_rank_0_and_a_refusal_is_said_once(
+    tiny_cache: Path, tmp_path: Path
+) -> None:
+    """torchrun, 2 ranks: kill -9 of rank 1 mid-run. Rank 0 says, in one line and without a traceback, which rank
+    died, the last complete checkpoint and the resume command, and promises no checkpoint it cannot write; then
+    the same command without --resume is refused once (rank 0's line), with the exit code torchrun replaces."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", PEAGLE_TEST_STEP_SLEEP="0.4")
+    env.pop("PEAGLE_DEBUG", None)
+    argv = _torchrun(tiny_cache, out, "--steps", "400", "--save-every", "2")
+    launcher = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not list((out / "checkpoints").glob("step-*/meta.json")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    victim = _rank_pid(launcher.pid, 1)
+    assert victim is not None, "rank 1 not found"
+    os.kill(victim, signal.SIGKILL)
+    _, err = launcher.communicate(timeout=240)
+    ours = [line for line in err.splitlines() if line.startswith(("error:", "[rank"))]
+    assert launcher.returncode != 0 and len(ours) == 1, err[-3000:]
+    steps = sorted(int(p.parent.name.split("-")[1]) for p in (out / "checkpoints").glob("step-*/meta.json"))
+    assert ours[0].startswith(f"error: rank 1 of the 2 ranks of {out} died"), ours
+    assert f"the last complete checkpoint is step {steps[-1]}" in ours[0] and "--resume" in ours[0]
+    assert "(exit 13; torchrun itself exits 1" in ours[0]
+    assert "saving a checkpoint\n" not in err  # (only "... if every rank is still running")
+
+    env.pop("PEAGLE_TEST_STEP_SLEEP")
+    again = subprocess.run(_torchrun(tiny_cache, out), env=env, capture_output=True, text=True, timeout=300)
+    ours = [line for line in again.stderr.splitlines() if line.startswith(("error:", "[rank"))]
+    assert again.returncode == 1 and len(ours) == 1, again.stderr[-3000:]
+    assert (
+        "already holds a training run: add --resume" in ours[0]
+        and "(exit 6; torchrun itself exits 1" in ours[0]
+    )

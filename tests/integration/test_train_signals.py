@@ -178,5 +178,6 @@ def test_ctrl_c_in_verify_is_exit_130(tmp_path: Path) -> None:
     os.close(writer)
     assert proc.returncode == 130, (stdout, stderr)
     assert [line for line in stderr.splitlines() if line.strip()] == [
-        "error: interrupted: committed work is kept; re-run the same command to resume"
+        "error: interrupted before this command committed any work (what earlier runs committed is kept); "
+        "re-run the same command"
     ]

@@ -114,8 +114,9 @@ def finished(tiny_cache: Path, tmp_path_factory) -> Path:
 def test_disk_full_during_training_is_exit_9_and_resumes(tiny_cache: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     argv = ["train", "--cache", str(tiny_cache), "--output", str(out), *FLAGS]
+    # the same command alone would be refused (the folder holds a run): the advice names --resume
     _one_error(
-        _run(argv, limit=FSIZE), 9, "no space left while writing", "checkpoints", "re-run the same command"
+        _run(argv, limit=FSIZE), 9, "no space left while writing", "checkpoints", "re-run it with --resume"
     )
     assert not [p for p in out.rglob("*") if ".tmp" in p.name]
     again = _run([*argv, "--resume"])
@@ -127,8 +128,9 @@ def test_no_space_left_during_training_is_exit_9(tiny_cache: Path, tmp_path: Pat
     with _small_tmpfs(tmp_path / "mnt", "400k") as mnt:
         out = mnt / "run"
         proc = _run(["train", "--cache", str(tiny_cache), "--output", str(out), *FLAGS])
-        _one_error(proc, 9, "no space left while writing")
+        line = _one_error(proc, 9, "no space left while writing")
         assert not [p for p in out.rglob("*") if ".tmp" in p.name]
+        assert ("--resume" in line) == (out / "run.json").exists(), line
 
 
 def test_no_space_left_during_training_with_a_loader_worker_ends_the_process(
@@ -189,3 +191,43 @@ def test_read_only_outputs_are_one_line_errors(finished: Path, tiny_cache: Path,
         _one_error(_run(["export", str(finished), "--output", str(ro / "exp")]), 2, str(ro))
     with _read_only(run) as ro_run:
         _one_error(_run(["plot", str(ro_run)]), 2, str(ro_run / "plots"))
+
+
+# ------------------------------------------------------------------------------------------- unreadable files
+def test_a_weight_file_this_user_may_not_read_is_permission_denied(
+    tiny_model: Path, conversations, tmp_path
+) -> None:
+    """model.safetensors of mode 0600 owned by another user (as save_pretrained writes it, in a shared folder):
+    "permission denied", not safetensors' "No such file or directory". Root reads any file, so the run drops the
+    capabilities that let it (a real kernel refusal, as another user gets)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to stand for another user")
+    model = shutil.copytree(tiny_model, tmp_path / "model")
+    weights = model / "model.safetensors"
+    os.chown(weights, 4321, 4321)
+    weights.chmod(0o600)
+    caps = "-dac_override,-dac_read_search"
+    argv = ["extract", "--model", str(model), "--data", str(conversations), "--output", str(tmp_path / "c")]
+    proc = subprocess.run(
+        ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", "--", *PEAGLE, *argv],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    line = _one_error(proc, 2, "permission denied", str(weights))
+    assert "No such file" not in line and not (tmp_path / "c").exists()
+
+
+def test_no_space_left_while_copying_the_targets_files_names_the_cache(
+    tiny_model: Path, conversations, tmp_path
+):
+    """The copy of the target's files into CACHE/target fails: the line names where it could not write (the cache),
+    not the model file it was reading; the new cache is removed."""
+    with _small_tmpfs(tmp_path / "mnt", "64k") as mnt:
+        out = mnt / "cache"
+        argv = ["extract", "--model", str(tiny_model), "--data", str(conversations), "--output", str(out)]
+        line = _one_error(
+            _run([*argv, "--compute-dtype", "fp32"]), 9, "no space left while writing", str(out)
+        )
+        assert str(tiny_model) not in line and not out.exists(), line

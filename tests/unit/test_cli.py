@@ -184,3 +184,27 @@ def test_the_docs_greedy_example_with_two_samples_is_one_line_exit_2(capsys, tmp
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: samples_per_prompt 2 with temperature 0")
     assert not out.exists()
+
+
+def test_under_torchrun_rank_0_speaks_for_the_run(monkeypatch, capsys):
+    """A failure every rank meets alike is said once, by rank 0, with the code torchrun replaces; another rank
+    speaks only of its own failure, naming its rank."""
+    from peagle_pipeline.cli import _report
+    from peagle_pipeline.errors import CorruptCache, ResumeMismatch
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("RANK", "1")
+    assert _report(ResumeMismatch("other settings")) == 5 and capsys.readouterr().err == ""
+    assert _report(CorruptCache("sample 3 is damaged")) == 4
+    assert capsys.readouterr().err == "error: rank 1: sample 3 is damaged\n"
+    monkeypatch.setenv("RANK", "0")
+    assert _report(ResumeMismatch("other settings")) == 5
+    assert capsys.readouterr().err == (
+        "error: other settings (exit 5; torchrun itself exits 1 and lists each rank's exit code)\n"
+    )
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert (
+        _report(ResumeMismatch("other settings")) == 5
+        and capsys.readouterr().err == "error: other settings\n"
+    )

@@ -93,6 +93,22 @@ def test_bad_pipeline_files(tmp_path):
         resolve(ExtractConfig, tmp_path / "missing.yaml", BASE_EXTRACT)
 
 
+def test_a_key_given_twice_in_a_pipeline_file_is_refused_in_one_line(tmp_path, capsys):
+    """YAML itself keeps the last of two equal keys: the first value would be silently ignored."""
+    from peagle_pipeline.cli import main
+
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("extract:\n  topk: 8\n  max_length: 64\n  topk: 16\n")
+    with pytest.raises(BadConfig, match=r"key 'topk' is given twice \(lines 2 and 4\)"):
+        resolve(ExtractConfig, twice, BASE_EXTRACT)
+    sections = tmp_path / "sections.yaml"
+    sections.write_text("train:\n  steps: 3\nextract:\n  topk: 8\ntrain:\n  steps: 5\n")
+    capsys.readouterr()
+    assert main(["train", "-c", str(sections), "--cache", "c", "--output", "o"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: pipeline file {sections}: key 'train' is given twice (lines 1 and 5); keep one\n"
+
+
 def test_every_field_is_documented_and_round_trips():
     for cls in (GenerateConfig, ExtractConfig, TrainConfig):
         for name, help_text, _ in describe_fields(cls):

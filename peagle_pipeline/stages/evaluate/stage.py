@@ -376,6 +376,7 @@ def _write_outputs(report: dict[str, Any], output: Path, say: Callable[[str], No
 
 def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any]:
     from peagle_pipeline.backends.vllm import EngineSettings, require_vllm
+    from peagle_pipeline.data.template_variables import check_template_kwargs
     from peagle_pipeline.model_dir import load_tokenizer, read_target_info, text_config
     from peagle_pipeline.stages.evaluate.card_table import refresh_cards
     from peagle_pipeline.stages.evaluate.report import format_table
@@ -391,10 +392,11 @@ def _run(opts: EvalOptions, echo: Callable[[str], None] | None) -> dict[str, Any
         raise BadInput("the draft does not name its target (verifier): give --target")
     info = read_target_info(target)
     _check_drafts(drafts, target, info.vocab_size, opts, say)
+    tokenizer = load_tokenizer(target)
+    check_template_kwargs(tokenizer, opts.chat_template_kwargs)  # before vLLM is needed or an engine starts
     require_vllm()
     dtype = engine_dtype(opts.dtype, target)
     opts = replace(opts, dtype=dtype)
-    tokenizer = load_tokenizer(target)
     sets = [
         load_prompt_set(spec, tokenizer, opts.num_prompts, template_kwargs=opts.chat_template_kwargs)
         for spec in opts.prompts

@@ -11,23 +11,27 @@ trainer at the start of a run. Never trains; of the cache it reads only the reco
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from peagle_pipeline.errors import BadInput, OutputExists
+from peagle_pipeline.errors import BadInput, Busy, OutputExists
 from peagle_pipeline.runtime import (
+    RankLock,
     exchange_paths,
     fsync_dir,
     fsync_file,
     make_readable,
+    pause_for_crash_test,
     raise_if_no_space,
 )
 from peagle_pipeline.stages.draft_spec import DraftSpec, export_method
@@ -47,6 +51,8 @@ __all__ = ["EXPORT_FILES", "check_export_target", "write_export", "export_run"]
 
 # the card only from a run, and only a card an export wrote (`card.is_generated`) counts as part of an export
 EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, MARKER_FILE, CARD_FILE})
+SLEEP_ENV = "PEAGLE_TEST_EXPORT_SLEEP"
+"""Test hook: seconds to sleep while holding the export lock, before the swap (widens the window two exports share)."""
 
 
 def check_export_target(
@@ -121,12 +127,49 @@ def write_export(
         BadInput: `speculative_tokens` above the trained depths.
         OutputExists: see `check_export_target`.
         OutOfSpace: the disk filled up (the previous export, if any, is untouched).
+        Busy: another export into `output` is running.
     """
     out = Path(output)
     config = export_config(spec, speculative_tokens)  # BadInput before anything is written
     check_export_target(out, source, force=force, own=own)
     weights = export_weights(spec, state)  # NumericalFault before anything is written
     out.parent.mkdir(parents=True, exist_ok=True)
+    with _one_export_at_a_time(out):
+        check_export_target(out, source, force=force, own=own)  # again, now that no other export can swap
+        pause_for_crash_test(SLEEP_ENV)
+        return _swap_in(out, spec, weights, config, source)
+
+
+@contextlib.contextmanager
+def _one_export_at_a_time(out: Path) -> Iterator[None]:
+    """Hold `.NAME.lock` beside `out` (flock): a second export, checked before the first swapped its folder in,
+    would replace it unseen. The file is removed while still held; one that locked it meanwhile finds its inode
+    gone from the path and is refused too.
+
+    Raises:
+        Busy: another export into `out` is running.
+    """
+    path = out.with_name(f".{out.name}.lock")
+    lock = RankLock(path, f"export {out}", "wait for it, or choose another --output").acquire()
+    try:
+        try:
+            current = os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino
+        except FileNotFoundError:
+            current = False
+        if not current:
+            raise Busy(
+                f"export {out} is being written by another process; wait for it, or choose another --output"
+            )
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        lock.release()
+
+
+def _swap_in(
+    out: Path, spec: DraftSpec, weights: dict[str, torch.Tensor], config: dict[str, Any], source: Any
+) -> Path:
+    """Write the export into a temporary sibling folder and swap it in for `out` (see `write_export`)."""
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     swapped = False  # once True, `tmp` holds the previous export, not our fresh folder
     try:

@@ -35,6 +35,7 @@ from peagle_pipeline.stages.extract import plan as extract_plan
 from peagle_pipeline.stages.extract.batch_pipeline import BatchPipeline
 from peagle_pipeline.stages.extract.batch_plan import RowReject, plan_batches, render_rows, sort_by_length
 from peagle_pipeline.stages.extract.cache_output import build_meta, prepare_output, raise_if_unwritable
+from peagle_pipeline.stages.extract.generated_data import check_generated_data
 from peagle_pipeline.stages.extract.settings import (
     backend_settings,
     collapsed_layers_note,
@@ -210,6 +211,8 @@ def _checked_renderer(cfg: ExtractConfig) -> ChatRenderer:
     from peagle_pipeline.model_dir import load_tokenizer
 
     iter_rows(cfg.data, cfg.split)  # checks every path's existence and kind; reads nothing
+    for warning in check_generated_data(cfg.data, cfg.model, cfg.allow_other_target):
+        print(warning, file=sys.stderr, flush=True)
     tokenizer = load_tokenizer(cfg.model)
     return ChatRenderer(tokenizer, cfg.assistant_turns, cfg.leading_assistant, cfg.chat_template_kwargs)
 

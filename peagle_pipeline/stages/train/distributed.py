@@ -80,3 +80,12 @@ def resolve_device(device: str, local_rank: int, world: int, cuda_available: boo
     if dev.index is None:
         dev = torch.device("cuda", local_rank if world > 1 or auto else 0)
     return dev
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether `err`, raised by a collective, means another rank's process is gone (gloo: the connection closed;
+    NCCL: the communicator aborted), not a fault of this rank."""
+    text = str(err)
+    return type(err).__name__ == "DistBackendError" or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "remote worker crash")
+    )

@@ -13,14 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from peagle_pipeline.config import TrainConfig, to_dict
-from peagle_pipeline.errors import BadInput, ResumeMismatch
+from peagle_pipeline.errors import BadInput, OutOfSpace, RankLost, ResumeMismatch, from_os_error
 from peagle_pipeline.hardware import describe_compute_dtype, usable_cpus
 from peagle_pipeline.preemption import StopRequest, stop_error
 from peagle_pipeline.runtime import RankLock, configure_logging
 from peagle_pipeline.stages.export.marker import run_identity
 from peagle_pipeline.stages.export.stage import check_export_target, export_run
+from peagle_pipeline.stages.run_layout import RUN_JSON
 from peagle_pipeline.stages.train import metrics as metrics_mod
-from peagle_pipeline.stages.train.distributed import Dist
+from peagle_pipeline.stages.train.distributed import Dist, lost_peer
 from peagle_pipeline.stages.train.draft import describe_mask_token, describe_vocab_coverage
 from peagle_pipeline.stages.train.metrics import format_figure
 from peagle_pipeline.stages.train.optim import effective_warmup, lr_at
@@ -43,16 +44,23 @@ log = logging.getLogger(__name__)
 STOP_NOTICE = "stopping after this step and saving a checkpoint (a second Ctrl-C or SIGTERM stops at once)"
 
 
+def _stop_notice(dist: Dist) -> str:
+    """What a stop signal prints at once: rank 0 speaks for the run (the other ranks' notice is empty); under
+    torchrun the checkpoint is promised only if every rank is still there (a signal from torchrun often means one
+    died)."""
+    if not dist.main:
+        return ""
+    if dist.world == 1:
+        return STOP_NOTICE
+    return STOP_NOTICE.replace("saving a checkpoint", "saving a checkpoint if every rank is still running")
+
+
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Train (or resume) a run; returns the final held-out metrics.
 
-    Order: lock the run folder, check it, build every component (cache, draft, data plan: all the checks), and
-    only then write train.yaml/run.json/draft.json, so a start that fails leaves nothing that blocks a retry.
-    Ctrl-C or SIGTERM stops at the next step boundary with a checkpoint (`Interrupted` exit 130, `Terminated`
-    exit 143).
-
-    Raises:
-        PeagleError subclasses for every user mistake (see `prepare_output`, `build_draft`, the cache reader).
+    Order: lock the run folder, check it, build every component (all the checks), only then write the run files,
+    so a failed start blocks no retry. Ctrl-C or SIGTERM stops at the next step boundary with a checkpoint (exit
+    130, 143). Raises a PeagleError for every user mistake (`prepare_output`, `build_draft`, the cache reader).
     """
     dist = Dist.setup(cfg.device)
     configure_logging(logging.INFO if dist.main else logging.WARNING)
@@ -79,13 +87,17 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         if dist.main:
             sink = trainer.sink = _open_sink(cfg, trainer)
             _write_start_notes(cfg, trainer, dist, sink)
-        with StopRequest(STOP_NOTICE) as stop:  # Ctrl-C/SIGTERM from here on: finish the step, save, stop
+        with StopRequest(
+            _stop_notice(dist)
+        ) as stop:  # Ctrl-C/SIGTERM from here on: finish the step, save, stop
             final = trainer.fit(should_stop=lambda: stop.signum)
         if dist.main:
             _finish(cfg, final, sink)
         sink.close()
         dist.barrier()
         return final
+    except (OutOfSpace, OSError, RuntimeError) as err:  # disk full; under torchrun, a rank that died
+        raise _explained(err, cfg, dist) from None
     except KeyboardInterrupt as stop:  # a stop before the loop, or a second one inside it: no saving
         raise stop_error(
             stop,
@@ -100,6 +112,43 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 _forget_start(out, lock, created, lock_created)
             lock.release()
         dist.teardown()
+
+
+def _explained(err: Exception, cfg: TrainConfig, dist: Dist) -> Exception:
+    """The one-line error for a full disk (naming --resume where it is needed) or for a collective that failed
+    because another rank died; anything else is raised as it is."""
+    if isinstance(err, RuntimeError):
+        if dist.world == 1 or not lost_peer(err):
+            raise err
+        return _rank_lost(cfg, dist)
+    return _with_resume(err, Path(cfg.output))  # type: ignore[arg-type]  # OutOfSpace or OSError
+
+
+def _rank_lost(cfg: TrainConfig, dist: Dist) -> RankLost:
+    """The one line for a run that lost a rank: which one, the last complete checkpoint, the resume command."""
+    from peagle_pipeline.stages.train.checkpoint import CheckpointManager
+
+    steps = CheckpointManager(cfg.output, keep=1).complete_steps()
+    who = f"rank {1 - dist.rank}" if dist.world == 2 else "another rank"
+    kept = f"the last complete checkpoint is step {steps[-1]}" if steps else "no checkpoint was saved yet"
+    return RankLost(
+        f"{who} of the {dist.world} ranks of {cfg.output} died (its process ended; torchrun names it): {kept}; "
+        "re-run the same torchrun command with --resume to continue" + ("" if steps else " from the start")
+    )
+
+
+def _with_resume(err: OutOfSpace | OSError, out: Path) -> OutOfSpace:
+    """A disk-full error whose advice names `--resume` when the run folder records a run (run.json): re-running
+    the same command without it is refused there. Any other OS error is raised as it is."""
+    mapped = from_os_error(err) if isinstance(err, OSError) else err
+    if not isinstance(mapped, OutOfSpace):
+        raise err
+    err, same = mapped, "re-run the same command to resume"
+    if (out / RUN_JSON).exists() and same in str(err):
+        return OutOfSpace(
+            str(err).replace(same, "re-run it with --resume to continue from the last complete checkpoint")
+        )
+    return err
 
 
 def _lock_run(cfg: TrainConfig) -> tuple[RankLock, bool, bool]:

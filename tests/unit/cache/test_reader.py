@@ -177,6 +177,22 @@ def _in_progress(root):
     return json.loads(early)
 
 
+def _add_target(root):
+    """A target/ as extract writes it: config.json, a tokenizer file, pieces.safetensors with the three pieces."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from peagle_pipeline.cache import layout
+
+    target = root / layout.TARGET_DIR
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (target / "tokenizer.json").write_text("{}")
+    save_file({k: torch.zeros(2, 2) for k in layout.PIECE_KEYS}, str(target / layout.PIECES_FILE))
+
+
 def test_verify_of_a_cache_being_written_reports_only_that_it_is_incomplete(tmp_path, capsys):
     from peagle_pipeline.cli import main
 
@@ -187,6 +203,7 @@ def test_verify_of_a_cache_being_written_reports_only_that_it_is_incomplete(tmp_
     assert verify_cache(cache) == [
         f"{STORE}: incomplete ({early['committed_samples']} samples committed); re-run extract to finish it"
     ]
+    _add_target(tmp_path / "c")  # (extract writes target/ before any store; this cache has only a writer's)
     assert main(["verify", str(tmp_path / "c")]) == 3  # incomplete (IncompatibleCache), not corrupt (4)
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [

@@ -381,3 +381,20 @@ def test_the_template_gets_the_renderers_clock_not_the_wall_clock(tmp_path):
     assert "Current date: 2001-02-03\n" in pinned.render_text(conv, generation_prompt=False)
     made = ChatRenderer(harmony)
     assert f"Current date: {made.now:%Y-%m-%d}\n" in made.render_text(conv[:1], generation_prompt=True)
+
+
+def test_template_variables_the_template_never_reads_are_refused(tmp_path):
+    """A misspelt variable, or one a template has no use for, would render as if none were given."""
+    qwen3 = build_qwen3_tokenizer(tmp_path / "qwen3")
+    with pytest.raises(BadInput) as info:
+        ChatRenderer(qwen3, template_kwargs={"enable_thinkng": False})
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("chat_template_kwargs: enable_thinkng is never read")
+    assert "it reads: " in message and "enable_thinking" in message.split("it reads: ")[1]
+    assert ChatRenderer(qwen3, template_kwargs={"enable_thinking": False}).template_kwargs == {
+        "enable_thinking": False
+    }
+    chatml = build_tokenizer(tmp_path / "chatml", "chatml")  # as SmolLM2's: no thinking mode
+    with pytest.raises(BadInput, match="enable_thinking is never read .*it reads no variable of its own"):
+        ChatRenderer(chatml, template_kwargs={"enable_thinking": False})
+    assert ChatRenderer(chatml).template_kwargs == {}
