@@ -19,7 +19,7 @@ import json
 import struct
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -202,7 +202,9 @@ def _check_arrays(
             continue
         parts = []
         for shard in manifest["shards"]:
-            parts.append(_read_shard(cache, arr, array, shard, name, samples, dtype, inner, out))
+            parts.append(
+                _read_shard(_Store(cache, name, samples, out), _Array(arr, array, dtype, inner), shard)
+            )
             covered = max(covered, int(shard["stop"]))
         if array in ("input_ids", "loss_mask", "topk_ids"):
             data[array] = np.concatenate(parts) if parts else np.zeros((0, *inner), dtype=dtype)
@@ -211,19 +213,29 @@ def _check_arrays(
     return out, data
 
 
-def _read_shard(
-    cache: Cache,
-    arr: Any,
-    array: str,
-    shard: dict[str, Any],
-    name: str,
-    samples: Any,
-    dtype: str,
-    inner: tuple[int, ...],
-    out: list[str],
-) -> np.ndarray:
-    """The rows of one committed shard of `arr`, checked against the manifest checksum (problems go to `out`);
-    zeros when the shard cannot be decoded."""
+class _Store(NamedTuple):
+    """The store being checked: its cache, its name, its samples table, and the list its problems go to."""
+
+    cache: Cache
+    name: str
+    samples: Any
+    out: list[str]
+
+
+class _Array(NamedTuple):
+    """One array of the store, opened: the Zarr array, its name, dtype and per-token shape."""
+
+    arr: Any
+    name: str
+    dtype: str
+    inner: tuple[int, ...]
+
+
+def _read_shard(store: _Store, opened: _Array, shard: dict[str, Any]) -> np.ndarray:
+    """The rows of one committed shard of an array, checked against the manifest checksum (problems go to
+    `store.out`); zeros when the shard cannot be decoded."""
+    cache, name, samples, out = store
+    arr, array, dtype, inner = opened
     start, stop = int(shard["start"]), int(shard["stop"])
     key = shard_key(array, int(shard["index"]), inner)
     if not _read(cache, partial(cache._root.exists, f"{layout.STORES_DIR}/{name}/{key}")):
