@@ -37,8 +37,13 @@ from dataclasses import dataclass
 PEAGLE_PREFIX = [sys.executable, "-m", "peagle_pipeline.cli"]
 """tests/cli_argv.PEAGLE: an argv that starts with it (cli_argv.extract_argv, train_argv) is run without it."""
 
-RUNTIME_VARIABLES = ("PEAGLE_", "AWS_", "PATH", "OMP_NUM_THREADS", "TQDM_DISABLE", "PYTEST_", "PWD", "OLDPWD")
-"""Variables a command reads while it runs (or that change nothing in process): `env` may set or drop these."""
+RUNTIME_VARIABLES = (
+    *("PEAGLE_", "AWS_", "OMP_NUM_THREADS", "TQDM_DISABLE", "PATH", "PWD", "OLDPWD", "PYTEST_"),
+    *("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"),
+)
+"""Variables a command reads while it runs, or that change nothing in process: `env` may set or drop these.
+(tqdm reads TQDM_* at import, but every bar of the package is `disable=None`, off without a terminal, and the
+capture is none: as off as TQDM_DISABLE=1 makes it; extract reads TQDM_DISABLE itself when it runs.)"""
 
 TORCH_DEFAULT_SEED = 67280421310721
 """The seed of torch's global generator in a fresh process (torch.initial_seed() before any manual_seed)."""
@@ -96,9 +101,13 @@ def run_cli(
 
 
 def peagle(*args: str, env: dict[str, str] | None = None, check: bool = True) -> Result:
-    """`peagle-pipeline ARGS` in this process (`run_cli`); check: raise AssertionError with the stderr tail on a
-    non-zero exit. The in-process counterpart of cli_argv.run_peagle."""
-    result = run_cli(list(args), env)
+    """`peagle-pipeline ARGS` in this process (`run_cli`) on one thread (OMP_NUM_THREADS=1 unless env sets it),
+    PEAGLE_DEBUG unset; check: raise AssertionError with the stderr tail on a non-zero exit. The in-process
+    counterpart of cli_argv.run_peagle."""
+    run_env = dict(os.environ if env is None else env)
+    run_env.setdefault("OMP_NUM_THREADS", "1")
+    run_env.pop("PEAGLE_DEBUG", None)
+    result = run_cli(list(args), run_env)
     if check and result.code != 0:
         raise AssertionError(
             f"peagle-pipeline {' '.join(args)} exited {result.code}:\n{result.stderr[-3000:]}"

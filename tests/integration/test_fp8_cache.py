@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_argv import run_peagle
+from cli_run import peagle
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
@@ -24,7 +24,7 @@ FLAGS = ["--max-length", "256", "--shard-tokens", "2048", "--chunk-tokens", "256
 @pytest.fixture(scope="module")
 def fp8_cache(tiny_model: Path, conversations: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fp8") / "cache"
-    run_peagle("extract", "--model", str(tiny_model), "--data", str(conversations), "--output", str(out),
+    peagle("extract", "--model", str(tiny_model), "--data", str(conversations), "--output", str(out),
                "--dtype", "fp8", *FLAGS)  # fmt: skip
     return out
 
@@ -53,10 +53,10 @@ def test_fp8_cache_reads_back_close_to_the_lossless_cache(fp8_cache: Path, tiny_
 
 
 def test_verify_inspect_and_train_on_an_fp8_cache(fp8_cache: Path, tmp_path: Path) -> None:
-    assert run_peagle("verify", str(fp8_cache)).returncode == 0
-    assert "float8_e4m3" in run_peagle("inspect", str(fp8_cache)).stdout
+    assert peagle("verify", str(fp8_cache)).returncode == 0
+    assert "float8_e4m3" in peagle("inspect", str(fp8_cache)).stdout
     out = tmp_path / "run"
-    run_peagle("train", "--cache", str(fp8_cache), "--output", str(out), "--steps", "4", "--depths", "3",
+    peagle("train", "--cache", str(fp8_cache), "--output", str(out), "--steps", "4", "--depths", "3",
                "--tokens-per-step", "256", "--eval-every", "2", "--eval-samples", "4", "--precision", "fp32",
                "--draft-vocab-size", "300", "--num-workers", "0", "--no-export")  # fmt: skip
     losses = [r["loss"] for r in metrics.read_metrics(out) if r["kind"] == "train"]
@@ -67,15 +67,15 @@ def test_verify_inspect_and_train_on_an_fp8_cache(fp8_cache: Path, tmp_path: Pat
 def test_resuming_with_another_dtype_and_bad_values_are_refused(fp8_cache: Path, tiny_model: Path,
                                                                 conversations: Path, tmp_path: Path) -> None:  # fmt: skip
     base = ["extract", "--model", str(tiny_model), "--data", str(conversations)]
-    other = run_peagle(*base, "--output", str(fp8_cache), "--dtype", "bf16", *FLAGS, check=False)
+    other = peagle(*base, "--output", str(fp8_cache), "--dtype", "bf16", *FLAGS, check=False)
     lines = other.stderr.strip().splitlines()
     assert other.returncode == 5 and len(lines) == 1 and "hidden_dtype" in lines[0], other.stderr
-    bad = run_peagle(*base, "--output", str(tmp_path / "c"), "--dtype", "fp9", check=False)
+    bad = peagle(*base, "--output", str(tmp_path / "c"), "--dtype", "fp9", check=False)
     assert (
         bad.returncode == 2 and bad.stderr.strip() == "error: dtype must be one of bf16, fp32, fp8; got 'fp9'"
     )
     (tmp_path / "p.yaml").write_text("extract:\n  dtype: e4m3\n")
-    bad = run_peagle(*base, "-c", str(tmp_path / "p.yaml"), "--output", str(tmp_path / "c"), check=False)
+    bad = peagle(*base, "-c", str(tmp_path / "p.yaml"), "--output", str(tmp_path / "c"), check=False)
     assert (
         bad.returncode == 2
         and bad.stderr.strip() == "error: dtype must be one of bf16, fp32, fp8; got 'e4m3'"
