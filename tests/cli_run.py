@@ -34,7 +34,9 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-PEAGLE_PREFIX = [sys.executable, "-m", "peagle_pipeline.cli"]
+from cli_argv import PEAGLE
+
+PEAGLE_PREFIX = PEAGLE
 """tests/cli_argv.PEAGLE: an argv that starts with it (cli_argv.extract_argv, train_argv) is run without it."""
 
 RUNTIME_VARIABLES = (
