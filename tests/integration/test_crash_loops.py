@@ -169,7 +169,7 @@ def test_an_extraction_resumed_after_kill9_writes_the_same_shard_files(
             turns = [{"role": "user", "content": ask}, {"role": "assistant", "content": " ".join(words[:5])}]
             f.write(json.dumps({"messages": turns}) + "\n")
     ref, out = tmp_path / "ref", tmp_path / "resumed"
-    done = run_cli(_extract_cmd(tiny_model, data, ref), _env(), timeout=None)
+    done = run_cli(_extract_cmd(tiny_model, data, ref), _env())
     assert done.returncode == 0, done.stderr[-2000:]
     empty = [p for p in (ref / layout.STORES_DIR).rglob("loss_mask/c/*") if p.is_file()]
     assert empty, "no loss_mask shard written"
@@ -181,7 +181,7 @@ def test_an_extraction_resumed_after_kill9_writes_the_same_shard_files(
     assert _kill_when(_extract_cmd(tiny_model, data, out), _env(PEAGLE_TEST_COMMIT_SLEEP="0.3"), committed, 0)
     man = _manifest(out)
     assert man is not None and not man["complete"]
-    final = run_cli(_extract_cmd(tiny_model, data, out), _env(), timeout=None)
+    final = run_cli(_extract_cmd(tiny_model, data, out), _env())
     assert final.returncode == 0, final.stderr[-2000:]
     assert_same_cache(ref, out)
     a, b = _store_files(ref), _store_files(out)
