@@ -3,7 +3,7 @@
 A new output is stamped (generate.json, cache.json: backend, compute dtype) only once its backend has started: a
 failed start (vLLM not installed, `--device cuda` without CUDA) is one line and leaves nothing, so the command the
 error suggests runs as a new one. A single-rank `generate` that keeps no row (an empty file, every prompt over the
-limit) is an error, as `extract`'s is, and leaves nothing. Real CLI subprocesses on a tiny real model.
+limit) is an error, as `extract`'s is, and leaves nothing. The real CLI, in process, on a tiny real model.
 """
 
 from __future__ import annotations
