@@ -12,6 +12,8 @@ Each call behaves as a fresh `peagle-pipeline` process would, and leaves this pr
   does; OMP_NUM_THREADS there sets torch's thread count for the call. Only variables read while a command runs take
   effect (PEAGLE_*, AWS_*, TQDM_DISABLE, ...); one that a library reads at import is refused (`ImportTimeVariable`):
   a test that needs one starts a process;
+- imports as the console script sees them: tests/ off sys.path, no filesystem (fsspec, s3fs) cached by an earlier
+  run;
 - restored after the call: os.environ, the current directory (`cwd` sets it for the call), the SIGINT and SIGTERM
   handlers (`preemption.install()`), logging levels, handlers and filters of the loggers that existed, the warnings
   filters, torch's thread count, grad mode, default dtype and global RNG (set to a fresh process's at the start),
@@ -33,6 +35,7 @@ import traceback
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from cli_argv import PEAGLE
 
@@ -91,7 +94,7 @@ def run_cli(
     if env is None:
         run_env.pop("PEAGLE_DEBUG", None)
     _check_runtime_only(run_env)
-    with _capture() as (out, err), _isolated(run_env, cwd):
+    with _capture() as (out, err), _isolated(run_env, cwd), _as_installed():
         try:
             code = cli.main(args)
         except SystemExit as stop:  # as a process would exit on it
@@ -220,6 +223,8 @@ def _isolated(run_env: dict[str, str], cwd: str | os.PathLike[str] | None) -> It
     saved_env = dict(os.environ)
     saved_cwd = os.getcwd()
     saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for name in _COMMAND_LOGGERS:  # created now, so that the state put back is theirs before the run
+        logging.getLogger(name)
     saved_loggers = _logger_state()
     saved_random = random.getstate()
     numpy = sys.modules.get("numpy")
@@ -248,6 +253,52 @@ def _isolated(run_env: dict[str, str], cwd: str | os.PathLike[str] | None) -> It
         if numpy is not None:
             numpy.random.set_state(saved_numpy)
         _restore_torch(torch, saved_torch)
+
+
+_COMMAND_LOGGERS = ("peagle_pipeline", "asyncio")
+"""Loggers a command configures (`runtime.configure_logging`, `cli._report`), whatever existed before the run."""
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+@contextlib.contextmanager
+def _as_installed() -> Iterator[None]:
+    """Imports as the console script sees them: without tests/ on sys.path (its `vllm` folder would pass for vLLM)
+    and without the cached filesystems (fsspec's, s3fs's) of earlier runs, which hold the endpoint they were made
+    with."""
+    saved_path = list(sys.path)
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != TESTS_DIR]
+    shadows = {name: sys.modules.pop(name) for name in _from_tests()}
+    _clear_filesystem_caches()
+    try:
+        yield
+    finally:
+        for name in _from_tests():
+            del sys.modules[name]
+        sys.modules.update(shadows)
+        sys.path[:] = saved_path
+        _clear_filesystem_caches()
+
+
+def _from_tests() -> list[str]:
+    """Namespace packages imported from a folder of tests/ (`tests/vllm` as `vllm`)."""
+    found = []
+    for name, module in list(sys.modules.items()):
+        attrs = getattr(module, "__dict__", {})  # (not getattr: a lazy module imports on a missing attribute)
+        where = attrs.get("__path__")
+        if attrs.get("__file__") is None and where is not None:
+            if any(Path(p).resolve().is_relative_to(TESTS_DIR) for p in list(where)):
+                found.append(name)
+    return found
+
+
+def _clear_filesystem_caches() -> None:
+    fsspec = sys.modules.get("fsspec")
+    if fsspec is None:
+        return
+    classes = {*fsspec.registry.values(), *(m.S3FileSystem for m in [sys.modules.get("s3fs")] if m)}
+    for cls in classes:
+        cls.clear_instance_cache()
 
 
 def _fresh_warnings() -> None:
