@@ -17,13 +17,15 @@ Each call behaves as a fresh `peagle-pipeline` process would, and leaves this pr
 - restored after the call: os.environ, the current directory (`cwd` sets it for the call), the SIGINT and SIGTERM
   handlers (`preemption.install()`), logging levels, handlers and filters of the loggers that existed, the warnings
   filters, torch's thread count, grad mode, default dtype and global RNG (set to a fresh process's at the start),
-  Python's and NumPy's global RNGs;
+  Python's and NumPy's global RNGs; the objects this process held before the run are frozen during it (`gc.freeze`),
+  so its garbage collections skip them as a fresh process's would;
 - an exception the CLI lets through (a bug) is reported as a process would report it: its traceback on stderr, code 1.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import logging
 import os
@@ -237,11 +239,13 @@ def _isolated(run_env: dict[str, str], cwd: str | os.PathLike[str] | None) -> It
     if cwd is not None:
         os.chdir(cwd)
     _fresh_torch(torch, run_env)
+    gc.freeze()  # the run's collections skip what this process held before it, as a fresh process has none of it
     try:
         with warnings.catch_warnings():
             _fresh_warnings()
             yield
     finally:
+        gc.unfreeze()
         os.environ.clear()
         os.environ.update(saved_env)
         os.chdir(saved_cwd)
