@@ -1,11 +1,14 @@
-"""Helpers for tests that run the real CLI as a subprocess (run to completion, Popen + kill -9, torchrun).
+"""Helpers for tests about a process: the real CLI started as one (Popen + kill -9, signals, torchrun), and argv.
 
-Runs to completion go through `run_to_end` (`fast_cli`): a child of a fork server that has done the CLI's imports once
-(tests/zygote.py), about 6 s saved a run. So do runs a test watches while they run, or kills with kill -9 when the
-run has no process of its own below it (`start_cli`: the killed client takes its run with it, and
-`end_of_killed_runs` waits until it has gone). Runs a test signals by process group (DataLoader workers must get
-the signal too), stops with SIGSTOP or limits between fork and exec start a fresh interpreter (`PEAGLE` itself), as
-does every run on a machine with an NVIDIA GPU. PEAGLE_TEST_FORK_SERVER=0 starts every run fresh.
+A CLI test that is not about a process runs the CLI in the test process instead (tests/cli_run.py: `run_cli`,
+`peagle`); tests/README.md says which is which.
+
+Runs a test watches while they run, or kills with kill -9 when the run has no process of its own below it
+(`start_cli`), are children of a fork server that has done the CLI's imports once (tests/zygote.py): the killed
+client takes its run with it, and `end_of_killed_runs` waits until it has gone. Runs a test signals by process group
+(DataLoader workers must get the signal too), stops with SIGSTOP or limits between fork and exec start a fresh
+interpreter (`PEAGLE` itself), as does every run on a machine with an NVIDIA GPU. PEAGLE_TEST_FORK_SERVER=0 starts
+every run fresh. `run_to_end` and `run_peagle` run a command to its end as a process the same way.
 """
 
 from __future__ import annotations

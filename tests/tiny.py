@@ -3,7 +3,7 @@ random Llama (head_dim 32, so vLLM's CPU attention accepts it), saved as an ordi
 random Qwen3 (QK-norm) with Qwen3's own chat template (tests/fixtures/chat_templates/qwen3.jinja); the Qwen3-family
 hybrids (Qwen3-Next, Qwen3.5), a Gemma 4, a gpt-oss, a Phi-3 with LongRoPE and a Llama 4.
 
-Built from scratch in a second; no hub, no mocks. Used by conftest fixtures and by subprocess tests.
+Built from scratch in a second; no hub, no mocks. Used by conftest fixtures and by the tests directly.
 """
 
 from __future__ import annotations

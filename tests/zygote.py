@@ -1,19 +1,21 @@
-"""A fork server for the tests' CLI runs: import what `peagle-pipeline` imports once, then fork a child per run.
+"""A fork server for the CLI runs the process tests start: import what `peagle-pipeline` imports once, then fork a
+child per run.
 
-A tiny `extract` spends most of its seconds importing torch, transformers and a model class (about 6 of its 7.7 s
-on a 2-core AVX2 host), and the first tier starts the CLI hundreds of times. Here one server process per environment
-imports those modules, then for each run forks a child that takes the caller's stdin/stdout/stderr, environment,
-working directory and umask, and runs `peagle_pipeline.cli.main()` as the `peagle-pipeline` console script does,
-then exits as the interpreter would (non-daemon threads joined, atexit handlers run, output flushed) less the
-teardown of the thousands of modules it holds. The child is a real process running the real CLI; only the imports
-are shared.
+A tiny `extract` spends most of its seconds importing torch, transformers and a model class (about 6 of its 7.7 s on
+a 2-core AVX2 host), and a kill -9 loop starts the CLI again after every kill. Here one server process per
+environment imports those modules, then for each run forks a child that takes the caller's stdin/stdout/stderr,
+environment, working directory and umask, and runs `peagle_pipeline.cli.main()` as the `peagle-pipeline` console
+script does, then exits as the interpreter would (non-daemon threads joined, atexit handlers run, output flushed)
+less the teardown of the thousands of modules it holds. The child is a real process running the real CLI; only the
+imports are shared.
 
     server: python tests/zygote.py serve SOCKET      (prints "ready" once the imports are done)
     client: python tests/zygote.py run SOCKET ARGS   (exits with the child's code; -N if a signal N ended it)
 
-The client is what the test starts (`cli_argv.run_to_end`): SIGINT and SIGTERM sent to it are passed on to the
-child, and when the client dies (a test's timeout kills it) the server kills the child. Tests that kill the CLI with
-`kill -9`, signal its process group or set limits between fork and exec start a fresh interpreter instead.
+The client is what the test starts (`cli_argv.start_cli`): SIGINT and SIGTERM sent to it are passed on to the
+child, and when the client dies (the test kills it with kill -9, or a timeout does) the server kills the child.
+Tests that signal a run's process group with DataLoader workers in it, pause it with SIGSTOP or set limits between
+fork and exec start a fresh interpreter instead.
 
 Output the imports themselves print (a third-party warning at import) is kept and written to each child's stderr
 first, so a test that asserts a clean terminal still sees it.

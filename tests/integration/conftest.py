@@ -1,5 +1,5 @@
-"""Integration fixtures: real caches built once per session with the real `peagle-pipeline extract` CLI on the
-tiny model, from JSONL conversations generated here; and a helper to run the CLI as a subprocess.
+"""Integration fixtures: real caches built once per session with the real `peagle-pipeline extract` CLI (run in
+process, tests/cli_run.py) on the tiny model, from JSONL conversations generated here.
 """
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cli_argv import run_peagle
+from cli_run import peagle
 from tiny import write_conversations
 
-cli = run_peagle  # `peagle-pipeline ARGS` to completion (tests/cli_argv.py)
+cli = peagle  # `peagle-pipeline ARGS` to completion, in process (tests/cli_run.py)
 
 
 def _extract(tiny_model: Path, out: Path, data: Path, *extra: str) -> Path:

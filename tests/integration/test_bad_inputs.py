@@ -1,4 +1,5 @@
-"""Every case of the bad-input corpus (`tests/fixtures/bad_inputs/NN-name/`) through the real CLI in a subprocess.
+"""Every case of the bad-input corpus (`tests/fixtures/bad_inputs/NN-name/`) through the real CLI: in process
+(tests/cli_run.py), or as a process for the cases about one (Ctrl-C, a file-size limit, dropped capabilities).
 
 Each case folder holds its input files and an `expected.json`:
     command            argv after `peagle-pipeline`, with placeholders {model} {case} {out} {cache} {base_cache}
@@ -38,7 +39,8 @@ from pathlib import Path
 
 import pytest
 from cache_compare import assert_same_cache
-from cli_argv import PEAGLE, run_peagle, run_to_end, start_cli
+from cli_argv import PEAGLE, start_cli
+from cli_run import peagle, run_cli
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
@@ -240,7 +242,7 @@ def base_run(tiny_cache: Path, tmp_path_factory) -> Path:
     """A finished two-step training run on `tiny_cache` (checkpoints included) for the resume case."""
     out = tmp_path_factory.mktemp("bad-inputs-run") / "run"
     env = dict(os.environ, TQDM_DISABLE="1")
-    run_peagle("train", "--cache", str(tiny_cache), "--output", str(out), *RUN_FLAGS, env=env)
+    peagle("train", "--cache", str(tiny_cache), "--output", str(out), *RUN_FLAGS, env=env)
     assert (out / "checkpoints").is_dir()
     return out
 
@@ -360,8 +362,8 @@ def test_bad_input(
     elif mode == "rlimit_fsize":  # the limit is set between fork and exec: a fresh interpreter
         preexec = _limit_file_size(int(exp["fsize_limit"]))
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, preexec_fn=preexec)
-    else:
-        proc = run_to_end(argv, env)
+    else:  # a run to its end: in process
+        proc = run_cli(argv, env)
 
     report = f"{case}: exit {proc.returncode}\nstdout: {proc.stdout[-2000:]}\nstderr: {proc.stderr[-3000:]}"
     assert proc.returncode == exp["exit_code"], report
@@ -392,7 +394,7 @@ def test_bad_input(
             assert len(partial.samples) > 0 and verify_cache(partial) == [
                 f"{STORE}: incomplete ({len(partial.samples)} samples committed); re-run extract to finish it"
             ]
-        again = run_to_end(argv, env)
+        again = run_cli(argv, env)
         assert again.returncode == 0, again.stderr[-3000:]
         assert_same_cache(tiny_cache, out)
         assert verify_cache(open_cache(out)) == []

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_argv import extract_argv, run_to_end, start_cli
+from cli_argv import extract_argv, start_cli
+from cli_run import run_cli
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
@@ -131,7 +132,7 @@ def test_four_ranks_one_reader_one_intruder(
         _wait_for_lock(out / layout.STORES_DIR / layout.lock_name(2, WORLD), ranks[2])
         os.kill(ranks[2].pid, signal.SIGSTOP)
         try:
-            intruder = run_to_end(
+            intruder = run_cli(  # refused at once: in process
                 extract_argv(
                     tiny_model, conversations, out, *SETTINGS, "--rank", "2", "--world-size", str(WORLD)
                 ),

@@ -2,8 +2,8 @@
 each flip (exit 4) and name the store (and the samples, for array shards). Training must refuse a corrupted
 sample with one clear line, or skip and report it with --skip-corrupt.
 
-The CLI runs in-process through `cli.main(argv)` (the real entry point and error boundary) for the many verify
-calls, and in subprocesses for training.
+The CLI runs in process: through `cli.main(argv)` (the real entry point and error boundary) for the many verify
+calls, and through tests/cli_run.py for training.
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ import json
 import os
 import random
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-from cli_argv import run_peagle
+from cli_run import Result, peagle
 
 from peagle_pipeline import cli
 from peagle_pipeline.cache import layout
@@ -114,7 +113,7 @@ def test_verify_detects_every_single_byte_flip(pristine: Path, tmp_path: Path, c
     assert len(targets) >= 20
 
 
-def _train(cache: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def _train(cache: Path, out: Path, *extra: str) -> Result:
     env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
     env.pop("PEAGLE_DEBUG", None)
     flags = [
@@ -138,9 +137,7 @@ def _train(cache: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[s
         "--log-every",
         "1",
     ]
-    return run_peagle(
-        "train", "--cache", str(cache), "--output", str(out), *flags, *extra, env=env, check=False
-    )
+    return peagle("train", "--cache", str(cache), "--output", str(out), *flags, *extra, env=env, check=False)
 
 
 def test_training_refuses_or_skips_a_corrupted_sample(pristine: Path, tmp_path: Path) -> None:

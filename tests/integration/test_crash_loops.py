@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 from cache_compare import assert_same_cache
-from cli_argv import end_of_killed_runs, extract_argv, run_to_end, small_train_flags, start_cli, train_argv
+from cli_argv import end_of_killed_runs, extract_argv, small_train_flags, start_cli, train_argv
+from cli_run import run_cli
 from safetensors.torch import load_file
 
 from peagle_pipeline.cache import layout
@@ -112,7 +113,7 @@ def _written_past_commit(out: Path) -> bool:
 
 def test_extraction_survives_kill9_loop(tiny_model: Path, conversations: Path, tmp_path: Path) -> None:
     ref, out = tmp_path / "ref", tmp_path / "crashy"
-    done = run_to_end(_extract_cmd(tiny_model, conversations, ref), _env())
+    done = run_cli(_extract_cmd(tiny_model, conversations, ref), _env())
     assert done.returncode == 0, done.stderr[-2000:]
     rng = random.Random(SEED)
     kills, mid_commit, t0 = 0, 0, time.monotonic()
@@ -134,7 +135,7 @@ def test_extraction_survives_kill9_loop(tiny_model: Path, conversations: Path, t
             break
         kills += 1
         mid_commit += _written_past_commit(out)
-    final = run_to_end(_extract_cmd(tiny_model, conversations, out), _env())
+    final = run_cli(_extract_cmd(tiny_model, conversations, out), _env())
     assert final.returncode == 0, final.stderr[-2000:]
     assert_same_cache(ref, out)
     assert verify_cache(open_cache(out)) == []
@@ -168,7 +169,7 @@ def test_an_extraction_resumed_after_kill9_writes_the_same_shard_files(
             turns = [{"role": "user", "content": ask}, {"role": "assistant", "content": " ".join(words[:5])}]
             f.write(json.dumps({"messages": turns}) + "\n")
     ref, out = tmp_path / "ref", tmp_path / "resumed"
-    done = run_to_end(_extract_cmd(tiny_model, data, ref), _env(), timeout=None)
+    done = run_cli(_extract_cmd(tiny_model, data, ref), _env())
     assert done.returncode == 0, done.stderr[-2000:]
     empty = [p for p in (ref / layout.STORES_DIR).rglob("loss_mask/c/*") if p.is_file()]
     assert empty, "no loss_mask shard written"
@@ -180,7 +181,7 @@ def test_an_extraction_resumed_after_kill9_writes_the_same_shard_files(
     assert _kill_when(_extract_cmd(tiny_model, data, out), _env(PEAGLE_TEST_COMMIT_SLEEP="0.3"), committed, 0)
     man = _manifest(out)
     assert man is not None and not man["complete"]
-    final = run_to_end(_extract_cmd(tiny_model, data, out), _env(), timeout=None)
+    final = run_cli(_extract_cmd(tiny_model, data, out), _env())
     assert final.returncode == 0, final.stderr[-2000:]
     assert_same_cache(ref, out)
     a, b = _store_files(ref), _store_files(out)
@@ -206,7 +207,7 @@ def _tmp_dirs(out: Path) -> list[str]:
 
 def test_training_survives_kill9_loop(tiny_cache: Path, tmp_path: Path) -> None:
     ref, out = tmp_path / "ref", tmp_path / "run"
-    done = run_to_end(_train_cmd(tiny_cache, ref), _env())
+    done = run_cli(_train_cmd(tiny_cache, ref), _env())
     assert done.returncode == 0, done.stderr[-2000:]
     rng = random.Random(SEED + 1)
     kills, mid_ckpt, t0 = 0, 0, time.monotonic()
@@ -231,7 +232,7 @@ def test_training_survives_kill9_loop(tiny_cache: Path, tmp_path: Path) -> None:
             break
         kills += 1
         mid_ckpt += bool(_tmp_dirs(out))
-    final = run_to_end(_train_cmd(tiny_cache, out, "--resume"), _env())
+    final = run_cli(_train_cmd(tiny_cache, out, "--resume"), _env())
     assert final.returncode == 0, final.stderr[-2000:]
     assert not _tmp_dirs(out)
     name = f"step-{STEPS:08d}"

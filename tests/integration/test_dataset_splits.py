@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pyarrow as pa
-from cli_argv import run_peagle
+from cli_run import peagle
 
 from peagle_pipeline.cache.reader import open_cache
 from peagle_pipeline.data.onpolicy_files import rows_file
@@ -40,14 +40,14 @@ def _dataset_dict(root: Path) -> Path:
 def test_extract_reads_the_train_split_or_the_named_one_and_says_so(tiny_model, tmp_path):
     dd = _dataset_dict(tmp_path / "dd")
     common = ["--model", str(tiny_model), "--data", str(dd), "--dtype", "fp32", "--max-length", "64"]
-    proc = run_peagle("extract", *common, "--output", str(tmp_path / "train"))
+    proc = peagle("extract", *common, "--output", str(tmp_path / "train"))
     assert f"note: read split 'train' of the Hugging Face DatasetDict {dd} (not read: test" in proc.stdout
     cache = open_cache(tmp_path / "train")
     assert len(cache.samples) == 3 and set(cache.samples["source"]) == {str(dd / "train")}
-    proc = run_peagle("extract", *common, "--split", "test", "--output", str(tmp_path / "test"))
+    proc = peagle("extract", *common, "--split", "test", "--output", str(tmp_path / "test"))
     assert "note: read split 'test'" in proc.stdout
     assert set(open_cache(tmp_path / "test").samples["source"]) == {str(dd / "test")}
-    proc = run_peagle("extract", *common, "--split", "dev", "--output", str(tmp_path / "dev"), check=False)
+    proc = peagle("extract", *common, "--split", "dev", "--output", str(tmp_path / "dev"), check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "has no split 'dev'" in proc.stderr
     assert not (tmp_path / "dev").exists()
 
@@ -56,7 +56,7 @@ def test_generate_reads_the_train_split_and_says_so(tiny_stop_model, tmp_path):
     dd = _dataset_dict(tmp_path / "dd")
     out = tmp_path / "gen"
     flags = ["--backend", "hf", "--device", "cpu", "--compute-dtype", "fp32", "--max-new-tokens", "8"]
-    proc = run_peagle(
+    proc = peagle(
         "generate", "--model", str(tiny_stop_model), "--data", str(dd), "--output", str(out), *flags
     )
     assert f"note: read split 'train' of the Hugging Face DatasetDict {dd}" in proc.stdout

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_argv import run_peagle
+from cli_run import peagle
 
 from peagle_pipeline.cli import main
 from peagle_pipeline.config import TrainConfig, resolve
@@ -114,7 +114,7 @@ def test_a_cache_where_the_copy_rule_never_guesses_prints_dashes(
     data.write_text(json.dumps({"messages": turns}) + "\n")
     cache = tmp_path / "cache"
     argv = ["--dtype", "fp32", "--max-length", "256", "--shard-tokens", "2048", "--chunk-tokens", "256"]
-    run_peagle("extract", "--model", str(tiny_model), "--data", str(data), "--output", str(cache), *argv)
+    peagle("extract", "--model", str(tiny_model), "--data", str(data), "--output", str(cache), *argv)
     out = tmp_path / "fig.json"
     cmd = [sys.executable, str(SCRIPT), str(run), str(cache), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_argv import run_peagle
+from cli_run import peagle
 from tiny import build_tiny_causal_lm, write_conversations
 
 pytestmark = pytest.mark.slow
@@ -21,7 +21,7 @@ TRAIN = [
 def _extract(model: Path, tmp_path: Path) -> Path:
     data = write_conversations(tmp_path / "conv.jsonl", 12)
     cache = tmp_path / "cache"
-    run_peagle(
+    peagle(
         *["extract", "--model", str(model), "--data", str(data), "--output", str(cache), "--last-hidden"],
         *["--dtype", "fp32", "--max-length", "256", "--layers", "0,1,2"],
     )
@@ -34,7 +34,7 @@ def test_the_exact_target_of_a_granite_is_its_own_distribution(tiny_granite: Pat
     from peagle_pipeline.cache.reader import open_cache
 
     cache = _extract(tiny_granite, tmp_path)
-    proc = run_peagle("train", "--cache", str(cache), "--output", str(tmp_path / "run"), *TRAIN)
+    proc = peagle("train", "--cache", str(cache), "--output", str(tmp_path / "run"), *TRAIN)
     out = proc.stdout + proc.stderr
     assert "held-out: loss" in out and "draft layer 0 starts from target layer 3;" in out
     reader = open_cache(str(cache))
@@ -49,9 +49,7 @@ def test_the_exact_target_of_a_granite_is_its_own_distribution(tiny_granite: Pat
 
 def test_the_exact_target_of_a_target_ending_with_a_layernorm_is_refused(tmp_path: Path) -> None:
     cache = _extract(build_tiny_causal_lm(tmp_path / "stablelm", "stablelm"), tmp_path)
-    refused = run_peagle(
-        "train", "--cache", str(cache), "--output", str(tmp_path / "run"), *TRAIN, check=False
-    )
+    refused = peagle("train", "--cache", str(cache), "--output", str(tmp_path / "run"), *TRAIN, check=False)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().splitlines()[-1] == (
         "error: target=exact computes the target's log-probs as lm_head(rms_norm(last hidden state)), and this "

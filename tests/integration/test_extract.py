@@ -1,4 +1,5 @@
-"""`peagle-pipeline extract` end to end on the real tiny model, through the real CLI in subprocesses.
+"""`peagle-pipeline extract` end to end on the real tiny model, through the real CLI: in process for the runs
+that go to their end (tests/cli_run.py), as processes for the runs that are killed or run side by side.
 
 Covers: a clean extraction of ~30 generated conversations (+ bad rows, rejected with reasons); inspect/verify;
 a no-op re-run; settings mismatch, foreign output dir and a second live writer of a rank refused; two ranks
@@ -20,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cache_compare import assert_same_cache
-from cli_argv import PEAGLE, end_of_killed_runs, extract_argv, run_to_end, start_cli
+from cli_argv import end_of_killed_runs, extract_argv, start_cli
+from cli_run import Result, run_cli
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.location import recorded_length_window
@@ -66,15 +68,15 @@ def _write_data(path: Path) -> None:
 
 def extract(
     model: Path, data: Path, out: Path, env: dict[str, str], *extra: str, wait: bool = True
-) -> subprocess.CompletedProcess | subprocess.Popen:
+) -> Result | subprocess.Popen:
     cmd = extract_argv(model, data, out, *SMALL, *extra)
-    if not wait:  # a run the test watches or kills with kill -9
+    if not wait:  # a run the test watches or kills with kill -9: a process
         return start_cli(cmd, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return run_to_end(cmd, env)
+    return run_cli(cmd, env)
 
 
-def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return run_to_end([*PEAGLE, *args], env, timeout=120)
+def cli(env: dict[str, str], *args: str) -> Result:
+    return run_cli(list(args), env)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from cli_argv import end_of_killed_runs, extract_argv, run_peagle, run_to_end, start_cli
+from cli_argv import end_of_killed_runs, extract_argv, run_to_end, start_cli
+from cli_run import peagle
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.reader import open_cache
@@ -53,7 +54,7 @@ KINDS = {
 def lossy(request, tiny_model: Path, conversations: Path, tmp_path_factory) -> tuple[Lossy, Path]:
     kind = KINDS[request.param]
     out = tmp_path_factory.mktemp(kind.flag) / "cache"
-    run_peagle("extract", "--model", str(tiny_model), "--data", str(conversations), "--output", str(out),
+    peagle("extract", "--model", str(tiny_model), "--data", str(conversations), "--output", str(out),
                "--dtype", kind.flag, *FLAGS)  # fmt: skip
     return kind, out
 
@@ -95,10 +96,10 @@ def test_lossy_cache_reads_back_close_to_the_lossless_cache(
 
 def test_verify_inspect_train_and_export_on_a_lossy_cache(lossy: tuple[Lossy, Path], tmp_path: Path) -> None:
     kind, cache = lossy
-    assert run_peagle("verify", str(cache)).returncode == 0
-    assert f"hidden dtype {kind.name}" in run_peagle("inspect", str(cache)).stdout
+    assert peagle("verify", str(cache)).returncode == 0
+    assert f"hidden dtype {kind.name}" in peagle("inspect", str(cache)).stdout
     out = tmp_path / "run"
-    run_peagle("train", "--cache", str(cache), "--output", str(out), "--steps", "4", "--depths", "3",
+    peagle("train", "--cache", str(cache), "--output", str(out), "--steps", "4", "--depths", "3",
                "--tokens-per-step", "256", "--eval-every", "2", "--eval-samples", "4", "--precision", "fp32",
                "--draft-vocab-size", "300", "--num-workers", "0")  # fmt: skip
     losses = [r["loss"] for r in metrics.read_metrics(out) if r["kind"] == "train"]
@@ -164,13 +165,13 @@ def test_resuming_with_another_dtype_and_bad_values_are_refused(lossy: tuple[Los
                                                                 conversations: Path, tmp_path: Path) -> None:  # fmt: skip
     _, cache = lossy
     base = ["extract", "--model", str(tiny_model), "--data", str(conversations)]
-    other = run_peagle(*base, "--output", str(cache), "--dtype", "bf16", *FLAGS, check=False)
+    other = peagle(*base, "--output", str(cache), "--dtype", "bf16", *FLAGS, check=False)
     lines = other.stderr.strip().splitlines()
     assert other.returncode == 5 and len(lines) == 1 and "hidden_dtype" in lines[0], other.stderr
     choices = "error: dtype must be one of bf16, fp32, fp8, nf4; got"
-    bad = run_peagle(*base, "--output", str(tmp_path / "c"), "--dtype", "fp9", check=False)
+    bad = peagle(*base, "--output", str(tmp_path / "c"), "--dtype", "fp9", check=False)
     assert bad.returncode == 2 and bad.stderr.strip() == f"{choices} 'fp9'"
     (tmp_path / "p.yaml").write_text("extract:\n  dtype: e4m3\n")
-    bad = run_peagle(*base, "-c", str(tmp_path / "p.yaml"), "--output", str(tmp_path / "c"), check=False)
+    bad = peagle(*base, "-c", str(tmp_path / "p.yaml"), "--output", str(tmp_path / "c"), check=False)
     assert bad.returncode == 2 and bad.stderr.strip() == f"{choices} 'e4m3'"
     assert not (tmp_path / "c").exists()

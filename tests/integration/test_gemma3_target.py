@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_argv import run_peagle
+from cli_run import peagle
 from tiny import build_tiny_gemma3, write_conversations
 
 pytestmark = pytest.mark.slow
@@ -26,11 +26,11 @@ def test_the_exact_target_of_a_gemma3_reproduces_its_log_probs(tmp_path: Path, m
     model = build_tiny_gemma3(tmp_path / "gemma3", multimodal=multimodal)
     data = write_conversations(tmp_path / "conv.jsonl", 12)
     cache, run = tmp_path / "cache", tmp_path / "run"
-    run_peagle(
+    peagle(
         *["extract", "--model", str(model), "--data", str(data), "--output", str(cache), "--last-hidden"],
         *["--dtype", "fp32", "--max-length", "256", "--layers", "0,1,2"],
     )
-    proc = run_peagle(
+    proc = peagle(
         *["train", "--cache", str(cache), "--output", str(run), "--depths", "3", "--tokens-per-step", "256"],
         *["--steps", "2", "--eval-every", "2", "--save-every", "2", "--eval-samples", "4"],
         *["--precision", "fp32", "--num-workers", "0", "--target", "exact"],

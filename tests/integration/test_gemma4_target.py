@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_argv import run_peagle
+from cli_run import peagle
 from tiny import write_conversations
 
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def test_a_gemma4_target_trains_from_random_weights_and_exports(tiny_gemma4: Path, tmp_path: Path) -> None:
     data = write_conversations(tmp_path / "conv.jsonl", 16)
     cache, run = tmp_path / "cache", tmp_path / "run"
-    run_peagle(
+    peagle(
         *[
             "extract",
             "--model",
@@ -36,10 +36,10 @@ def test_a_gemma4_target_trains_from_random_weights_and_exports(tiny_gemma4: Pat
         *["--eval-every", "2", "--save-every", "2", "--eval-samples", "4", "--precision", "fp32"],
         *["--num-workers", "0"],
     ]
-    refused = run_peagle(*train, "--output", str(tmp_path / "exact"), "--target", "exact", check=False)
+    refused = peagle(*train, "--output", str(tmp_path / "exact"), "--target", "exact", check=False)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "this target soft-caps its logits (final_logit_softcapping): use target=topk" in refused.stderr
-    proc = run_peagle(*train, "--output", str(run))
+    proc = peagle(*train, "--output", str(run))
     out = proc.stdout + proc.stderr
     assert "stores no target layer to start the draft from: random initialisation" in out
     assert "held-out: loss" in out  # trained, evaluated and exported

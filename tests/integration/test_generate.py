@@ -13,7 +13,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from cli_argv import run_peagle
+from cli_run import peagle
 
 from peagle_pipeline.config import GenerateConfig
 from peagle_pipeline.data.dialogue import REASON_EMPTY, REASON_TOO_LONG
@@ -204,18 +204,18 @@ def test_cli_errors_are_one_line(tiny_stop_model, conversations, tmp_path):
     out = tmp_path / "gen"
     common = ["generate", "--model", str(tiny_stop_model), "--data", str(conversations), "--output", str(out)]
     flags = ["--backend", "hf", "--max-samples", "2", "--max-new-tokens", "8", "--compute-dtype", "fp32"]
-    proc = run_peagle(*common, *flags)
+    proc = peagle(*common, *flags)
     assert proc.stdout.startswith(f"generated {rows_file(0, 1)} in {out} with hf")
-    proc = run_peagle(*common, *flags, "--top-p", "0.5", check=False)
+    proc = peagle(*common, *flags, "--top-p", "0.5", check=False)
     assert (
         proc.returncode == 5 and proc.stderr.count("\n") == 1 and "top_p: 0.95 there, 0.5 now" in proc.stderr
     )
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
-    proc = run_peagle(*common[:-1], str(foreign), *flags, check=False)
+    proc = peagle(*common[:-1], str(foreign), *flags, check=False)
     assert proc.returncode == 6 and "not a generate output" in proc.stderr
-    proc = run_peagle(*common, "--temperature", "-1", check=False)
+    proc = peagle(*common, "--temperature", "-1", check=False)
     assert proc.returncode == 2 and proc.stderr.strip() == "error: temperature must be >= 0, got -1.0"
 
 

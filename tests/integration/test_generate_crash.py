@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_argv import PEAGLE, end_of_killed_runs, run_to_end, start_cli
+from cli_argv import PEAGLE, end_of_killed_runs, start_cli
+from cli_run import run_cli
 
 from peagle_pipeline.data.onpolicy_files import SLEEP_ENV, rejects_file, rows_file, state_file
 
@@ -86,7 +87,7 @@ def _kill_when(cmd: list[str], env: dict[str, str], ready, timeout: float = 240)
 
 def test_kill_9_then_resume_gives_the_same_bytes(tiny_stop_model, conversations, tmp_path):
     ref, out = tmp_path / "ref", tmp_path / "out"
-    done = run_to_end(_cmd(tiny_stop_model, conversations, ref), _env(), timeout=None)
+    done = run_cli(_cmd(tiny_stop_model, conversations, ref), _env())
     assert done.returncode == 0, done.stderr[-2000:]
     slow = _env(**{SLEEP_ENV: "1.0"})
     _kill_when(_cmd(tiny_stop_model, conversations, out), slow, lambda: _mid_commit(out))
@@ -98,7 +99,7 @@ def test_kill_9_then_resume_gives_the_same_bytes(tiny_stop_model, conversations,
         slow,
         lambda: (_state(out) or {}).get("chunks", 0) > st["chunks"],
     )
-    proc = run_to_end(_cmd(tiny_stop_model, conversations, out), _env(), timeout=None)
+    proc = run_cli(_cmd(tiny_stop_model, conversations, out), _env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     for name in (rows_file(0, 1), rejects_file(0, 1), state_file(0, 1)):
         assert (out / name).read_bytes() == (ref / name).read_bytes(), name

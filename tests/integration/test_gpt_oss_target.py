@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_argv import run_peagle
+from cli_run import peagle
 from tiny import write_conversations
 
 pytestmark = pytest.mark.slow
@@ -24,11 +24,11 @@ def gpt_oss_run(tiny_gpt_oss: Path, tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("gpt-oss-run")
     data = write_conversations(tmp / "conv.jsonl", 24)
     cache, run = tmp / "cache", tmp / "run"
-    run_peagle(
+    peagle(
         *["extract", "--model", str(tiny_gpt_oss), "--data", str(data), "--output", str(cache)],
         *["--dtype", "fp32", "--max-length", "256", "--shard-tokens", "2048", "--layers", "0,1,2"],
     )
-    proc = run_peagle(
+    proc = peagle(
         *["train", "--cache", str(cache), "--output", str(run), "--depths", "3", "--tokens-per-step", "256"],
         *["--steps", "2", "--eval-every", "2", "--save-every", "2", "--eval-samples", "4"],
         *["--precision", "fp32", "--num-workers", "0"],

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_argv import run_peagle
+from cli_run import peagle
 from tiny import build_tiny_llama4, write_conversations
 
 pytestmark = pytest.mark.slow
@@ -23,11 +23,11 @@ def llama4_run(request, tmp_path_factory) -> tuple[Path, Path]:
     target = build_tiny_llama4(tmp / "model", multimodal=request.param == "multimodal")
     data = write_conversations(tmp / "conv.jsonl", 16)
     cache, run = tmp / "cache", tmp / "run"
-    run_peagle(
+    peagle(
         *["extract", "--model", str(target), "--data", str(data), "--output", str(cache)],
         *["--dtype", "fp32", "--max-length", "256", "--layers", "0,1,2"],
     )
-    proc = run_peagle(
+    proc = peagle(
         *["train", "--cache", str(cache), "--output", str(run), "--depths", "3", "--tokens-per-step", "256"],
         *["--steps", "2", "--eval-every", "2", "--save-every", "2", "--eval-samples", "4"],
         *["--precision", "fp32", "--num-workers", "0"],

@@ -23,7 +23,8 @@ import fsspec
 import numpy as np
 import pytest
 from cache_compare import assert_same_cache
-from cli_argv import PEAGLE, end_of_killed_runs, extract_argv, run_to_end, small_train_flags, start_cli
+from cli_argv import PEAGLE, end_of_killed_runs, extract_argv, small_train_flags, start_cli
+from cli_run import run_cli
 
 from peagle_pipeline import cli
 from peagle_pipeline.cache import layout
@@ -387,9 +388,9 @@ def test_a_slow_server_gives_the_same_cache(
     proxy = _Proxy(s3_server.port, delay_s=0.03)
     env = _env(s3_server, AWS_ENDPOINT_URL=proxy.endpoint)
     try:
-        done = run_to_end(extract_argv(tiny_model, conversations, url, *SETTINGS), env)
+        done = run_cli(extract_argv(tiny_model, conversations, url, *SETTINGS), env)
         assert done.returncode == 0, done.stderr[-2000:]
-        checked = run_to_end([*PEAGLE, "verify", url], env)
+        checked = run_cli([*PEAGLE, "verify", url], env)
     finally:
         proxy.down()
     assert checked.returncode == 0, checked.stderr[-2000:]
@@ -501,7 +502,7 @@ def test_training_stops_in_one_line_when_the_store_goes_away_and_resumes(
     ]
     assert 5 <= steps[-1] < OUTAGE_STEPS
     proxy.up()
-    done = run_to_end([*argv, "--resume"], env, timeout=600)
+    done = run_cli([*argv, "--resume"], env)
     proxy.down()
     assert done.returncode == 0, done.stderr[-2000:]
     final = [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
-from cli_argv import run_peagle
+from cli_run import peagle
 from tiny import write_conversations
 
 pytestmark = pytest.mark.slow
@@ -20,12 +20,12 @@ def test_a_longrope_target_trains_from_its_layer_and_exports_one_factor_list(
 ) -> None:
     data = write_conversations(tmp_path / "conv.jsonl", 16)
     cache, run = tmp_path / "cache", tmp_path / "run"
-    extract = run_peagle(
+    extract = peagle(
         *["extract", "--model", str(tiny_phi3_longrope), "--data", str(data), "--output", str(cache)],
         *["--dtype", "fp32", "--max-length", "256", "--layers", "0,1,2"],
     )
     assert "rope_parameters" not in extract.stderr and "[transformers]" not in extract.stderr
-    train = run_peagle(
+    train = peagle(
         *["train", "--cache", str(cache), "--output", str(run), "--depths", "3", "--tokens-per-step", "256"],
         *["--steps", "2", "--eval-every", "2", "--save-every", "2", "--eval-samples", "4"],
         *["--precision", "fp32", "--num-workers", "0"],

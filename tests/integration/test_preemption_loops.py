@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 from cache_compare import assert_same_cache
-from cli_argv import PEAGLE, run_to_end, small_train_flags, start_cli
+from cli_argv import PEAGLE, small_train_flags, start_cli
+from cli_run import run_cli
 from safetensors.torch import load_file
 
 from peagle_pipeline.cache import layout
@@ -126,7 +127,7 @@ def test_extract_stops_on_sigterm_and_sigint_and_resumes_to_the_same_bytes(
     tiny_model: Path, conversations: Path, tmp_path: Path
 ) -> None:
     ref, out = tmp_path / "ref", tmp_path / "out"
-    done = run_to_end(_extract_cmd(tiny_model, conversations, ref), _env(), timeout=None)
+    done = run_cli(_extract_cmd(tiny_model, conversations, ref), _env())
     assert done.returncode == 0, done.stderr[-2000:]
     rng, stops = random.Random(SEED), 0
     for i in range(STOPS):
@@ -149,7 +150,7 @@ def test_extract_stops_on_sigterm_and_sigint_and_resumes_to_the_same_bytes(
         assert f": {man['committed_samples']} samples of {layout.store_name(0, 1)} are committed" in line, (
             line
         )
-    final = run_to_end(_extract_cmd(tiny_model, conversations, out), _env(), timeout=None)
+    final = run_cli(_extract_cmd(tiny_model, conversations, out), _env())
     assert final.returncode == 0, final.stderr[-2000:]
     assert stops >= 2, f"only {stops} stops landed before the extraction finished"
     assert_same_cache(ref, out)
@@ -189,7 +190,7 @@ def test_generate_stops_on_sigterm_and_sigint_and_resumes_to_the_same_bytes(
     tiny_stop_model: Path, conversations: Path, tmp_path: Path
 ) -> None:
     ref, out = tmp_path / "ref", tmp_path / "out"
-    done = run_to_end(_generate_cmd(tiny_stop_model, conversations, ref), _env(), timeout=None)
+    done = run_cli(_generate_cmd(tiny_stop_model, conversations, ref), _env())
     assert done.returncode == 0, done.stderr[-2000:]
     rng, stops = random.Random(SEED + 2), 0
     for i in range(STOPS):
@@ -211,7 +212,7 @@ def test_generate_stops_on_sigterm_and_sigint_and_resumes_to_the_same_bytes(
         stops += 1
         st = _state(out)
         assert not st["complete"] and f": {st['rows']} rows of {rows_file(0, 1)} are committed" in line, line
-    final = run_to_end(_generate_cmd(tiny_stop_model, conversations, out), _env(), timeout=None)
+    final = run_cli(_generate_cmd(tiny_stop_model, conversations, out), _env())
     assert final.returncode == 0, final.stderr[-2000:]
     assert stops >= 2, f"only {stops} stops landed before generation finished"
     for name in (rows_file(0, 1), rejects_file(0, 1), state_file(0, 1)):
@@ -240,7 +241,7 @@ def test_train_stops_on_sigterm_and_sigint_saves_and_resumes_exactly(
     """save_every is past the end: every checkpoint but the last is written by a stop (a DataLoader worker runs and
     gets the signal too, as under SLURM, and must not break the stop)."""
     ref, out = tmp_path / "ref", tmp_path / "run"
-    done = run_to_end(_train_cmd(tiny_cache, ref), _env(), timeout=None)
+    done = run_cli(_train_cmd(tiny_cache, ref), _env())
     assert done.returncode == 0, done.stderr[-2000:]
     rng, stops = random.Random(SEED + 3), 0
     for i in range(STOPS):
@@ -260,7 +261,7 @@ def test_train_stops_on_sigterm_and_sigint_saves_and_resumes_exactly(
         stopped = int(line.split(" at step ")[1].split()[0])
         assert f"checkpoint step-{stopped} saved" in line and "--resume" in line, line
         assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{stopped:08d}"
-    final = run_to_end(_train_cmd(tiny_cache, out, "--resume"), _env(), timeout=None)
+    final = run_cli(_train_cmd(tiny_cache, out, "--resume"), _env())
     assert final.returncode == 0, final.stderr[-2000:]
     assert stops >= 2, f"only {stops} stops landed before training finished"
     name = f"step-{STEPS:08d}"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_argv import run_peagle
+from cli_run import peagle
 from tiny import write_conversations
 
 pytestmark = pytest.mark.slow
@@ -24,12 +24,12 @@ def qwen3_5_run(tiny_qwen3_5: Path, tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("qwen3-5-run")
     data = write_conversations(tmp / "conv.jsonl", 16)
     cache, run = tmp / "cache", tmp / "run"
-    run_peagle(
+    peagle(
         *["extract", "--model", str(tiny_qwen3_5), "--data", str(data), "--output", str(cache)],
         *["--dtype", "fp32", "--max-length", "256", "--shard-tokens", "2048", "--layers", "0,1,2"],
         "--last-hidden",
     )
-    proc = run_peagle(
+    proc = peagle(
         *["train", "--cache", str(cache), "--output", str(run), "--depths", "3", "--tokens-per-step", "256"],
         *["--steps", "2", "--eval-every", "2", "--save-every", "2", "--eval-samples", "4"],
         *["--precision", "fp32", "--num-workers", "0", "--target", "exact"],

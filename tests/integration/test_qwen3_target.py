@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from cli_argv import run_peagle
+from cli_run import peagle
 from tiny import add_stop_bias, write_conversations
 
 from peagle_pipeline.cli import main
@@ -23,12 +23,12 @@ def qwen3_run(tiny_qwen3: Path, tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("qwen3-run")
     data = write_conversations(tmp / "conv.jsonl", 24)
     cache = tmp / "cache"
-    run_peagle(
+    peagle(
         *["extract", "--model", str(tiny_qwen3), "--data", str(data), "--output", str(cache)],
         *["--dtype", "fp32", "--max-length", "256", "--shard-tokens", "2048", "--layers", "0,1,2"],
     )
     run = tmp / "run"
-    proc = run_peagle(
+    proc = peagle(
         *["train", "--cache", str(cache), "--output", str(run), "--depths", "3", "--tokens-per-step", "256"],
         *[
             "--steps",
@@ -209,14 +209,14 @@ def test_extract_records_the_template_variables_and_refuses_a_resume_with_others
         "--dtype",
         "fp32",
     ]
-    run_peagle(*argv, "--chat-template-kwargs", '{"enable_thinking": false}')
+    peagle(*argv, "--chat-template-kwargs", '{"enable_thinking": false}')
     assert json.loads((cache / "cache.json").read_text())["chat_template_kwargs"] == {
         "enable_thinking": False
     }
-    proc = run_peagle(*argv, check=False)
+    proc = peagle(*argv, check=False)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1 and "chat_template_kwargs" in lines[0], proc.stderr
-    proc = run_peagle(*argv, "--chat-template-kwargs", "{enable_thinking: false}", check=False)
+    proc = peagle(*argv, "--chat-template-kwargs", "{enable_thinking: false}", check=False)
     assert proc.returncode != 0 and proc.stderr.strip().startswith(
         "error: chat_template_kwargs must be a JSON"
     )
@@ -227,11 +227,11 @@ def test_a_qwen3_moe_target_starts_the_draft_from_its_attention(tiny_qwen3_moe: 
     layer's mixture of experts has no counterpart, so the draft's MLP starts at zero output."""
     data = write_conversations(tmp_path / "conv.jsonl", 16)
     cache, run = tmp_path / "cache", tmp_path / "run"
-    run_peagle(
+    peagle(
         *["extract", "--model", str(tiny_qwen3_moe), "--data", str(data), "--output", str(cache)],
         *["--dtype", "fp32", "--max-length", "256", "--layers", "0,1,2"],
     )
-    proc = run_peagle(
+    proc = peagle(
         *["train", "--cache", str(cache), "--output", str(run), "--depths", "3", "--tokens-per-step", "256"],
         *["--steps", "2", "--eval-samples", "4", "--precision", "fp32", "--num-workers", "0"],
     )

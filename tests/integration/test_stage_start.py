@@ -3,7 +3,7 @@
 A new output is stamped (generate.json, cache.json: backend, compute dtype) only once its backend has started: a
 failed start (vLLM not installed, `--device cuda` without CUDA) is one line and leaves nothing, so the command the
 error suggests runs as a new one. A single-rank `generate` that keeps no row (an empty file, every prompt over the
-limit) is an error, as `extract`'s is, and leaves nothing. Real CLI subprocesses on a tiny real model.
+limit) is an error, as `extract`'s is, and leaves nothing. The real CLI, in process, on a tiny real model.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_argv import run_peagle
+from cli_run import peagle
 
 from peagle_pipeline.backends.generation import vllm_installed
 from peagle_pipeline.cache.reader import open_cache
@@ -28,7 +28,7 @@ FLAGS = ["--max-samples", "3", "--max-new-tokens", "8", "--compute-dtype", "auto
 
 def _generate(model: Path, data: Path, out: Path, *extra: str, check: bool = False):
     argv = ["generate", "--model", str(model), "--data", str(data), "--output", str(out), *FLAGS, *extra]
-    return run_peagle(*argv, check=check)
+    return peagle(*argv, check=check)
 
 
 def _cuda() -> bool:
@@ -79,7 +79,7 @@ def test_a_failed_cuda_start_stamps_nothing_and_the_cpu_retry_is_a_new_run(
         "--max-samples",
         "3",
     ]
-    proc = run_peagle("extract", *argv, "--device", "cuda", check=False)
+    proc = peagle("extract", *argv, "--device", "cuda", check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--device cpu" in proc.stderr
     assert not cache.exists()
     cfg = ExtractConfig(
@@ -97,7 +97,7 @@ def test_generate_that_keeps_no_row_is_an_error_and_leaves_nothing(tiny_stop_mod
     proc = _generate(tiny_stop_model, empty, out, "--backend", "hf")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no rows to generate from" in proc.stderr
     assert not out.exists()
-    proc = run_peagle(
+    proc = peagle(
         "extract",
         "--model",
         str(tiny_stop_model),

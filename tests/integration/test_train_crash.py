@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_argv import run_to_end, small_train_flags, train_argv
+from cli_argv import small_train_flags, train_argv
+from cli_run import run_cli
 from safetensors.torch import load_file
 
 from peagle_pipeline.stages.train import metrics
@@ -35,7 +36,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _run(cmd: list[str], env: dict[str, str]) -> None:
-    proc = run_to_end(cmd, env)
+    proc = run_cli(cmd, env)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

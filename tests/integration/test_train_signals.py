@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_argv import PEAGLE, run_to_end, small_train_flags
+from cli_argv import PEAGLE, small_train_flags
+from cli_run import run_cli
 from safetensors.torch import load_file
 
 from peagle_pipeline.stages.train import metrics
@@ -101,7 +102,7 @@ TIMINGS = (
 
 def test_ctrl_c_saves_the_step_and_resume_finishes_exactly(tiny_cache: Path, tmp_path: Path) -> None:
     reference = tmp_path / "reference"
-    done = run_to_end(_cmd(tiny_cache, reference, *LOG_EVERY), _env())
+    done = run_cli(_cmd(tiny_cache, reference, *LOG_EVERY), _env())
     assert done.returncode == 0, done.stderr[-2000:]
 
     out = tmp_path / "run"
@@ -120,7 +121,7 @@ def test_ctrl_c_saves_the_step_and_resume_finishes_exactly(tiny_cache: Path, tmp
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{stopped:08d}"
     assert not list((out / "checkpoints").glob("*.tmp"))
 
-    again = run_to_end(_cmd(tiny_cache, out, "--resume", *LOG_EVERY), _env())
+    again = run_cli(_cmd(tiny_cache, out, "--resume", *LOG_EVERY), _env())
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resumed {out} at step {stopped} of {STEPS}" in again.stderr
 
@@ -156,7 +157,7 @@ def test_second_start_on_a_live_run_is_busy(tiny_cache: Path, tmp_path: Path) ->
     first = _start(_cmd(tiny_cache, out, "--steps", "100000"))
     try:
         _wait_for(first, lambda: _last_step(out) >= 1)
-        second = run_to_end(_cmd(tiny_cache, out), _env())
+        second = run_cli(_cmd(tiny_cache, out), _env())
         lines = [line for line in second.stderr.splitlines() if line.strip()]
         assert second.returncode == 7, second.stderr[-2000:]
         assert len(lines) == 1 and f"another process (pid {first.pid})" in lines[0], lines

@@ -12,7 +12,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from cli_argv import run_peagle, small_train_flags
+from cli_argv import small_train_flags
+from cli_run import peagle
 
 from peagle_pipeline.cli import main
 from peagle_pipeline.hardware import usable_cpus
@@ -151,10 +152,10 @@ def test_resume_extends_the_run_and_recomputes_the_schedule(run_copy: Path, tiny
 # ------------------------------------------------------------------- what the user is told
 def test_progress_lines_and_resume_notice_without_a_terminal(tiny_cache: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    first = run_peagle("train", "--cache", str(tiny_cache), "--output", str(out), *FLAGS)  # stderr is a pipe
+    first = peagle("train", "--cache", str(tiny_cache), "--output", str(out), *FLAGS)  # stderr is a pipe
     assert f"step {STEPS}/{STEPS} (100%): loss " in first.stderr and "eta 0:00:00" in first.stderr
     assert f"eval at step {STEPS}: loss " in first.stderr
-    again = run_peagle(
+    again = peagle(
         "train", "--cache", str(tiny_cache), "--output", str(out), *FLAGS, "--resume", "--steps", "5"
     )
     assert f"resumed {out} at step {STEPS} of 5" in again.stderr and "step 5/5 (100%)" in again.stderr
@@ -175,7 +176,7 @@ def test_more_workers_than_cpus_is_said_once(tiny_cache: Path, tmp_path: Path) -
     flags = small_train_flags(
         depths=2, tokens_per_step=256, steps=2, eval_every=2, num_workers=workers, eval_samples=4
     )
-    done = run_peagle("train", "--cache", str(tiny_cache), "--output", str(tmp_path / "run"), *flags)
+    done = peagle("train", "--cache", str(tiny_cache), "--output", str(tmp_path / "run"), *flags)
     assert done.returncode == 0, done.stderr
     assert done.stderr.count(f"num_workers {workers} is more than the {usable_cpus()} CPUs") == 1, done.stderr
     assert "This DataLoader will create" not in done.stderr and "UserWarning" not in done.stderr, done.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_argv import run_peagle
+from cli_run import peagle
 from tiny import build_tiny_vl, write_conversations
 
 pytestmark = pytest.mark.slow
@@ -35,11 +35,11 @@ def vl_run(vl_target: tuple[str, Path], tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("vl-run")
     data = write_conversations(tmp / "conv.jsonl", 16)
     cache, run = tmp / "cache", tmp / "run"
-    run_peagle(
+    peagle(
         *["extract", "--model", str(vl_target[1]), "--data", str(data), "--output", str(cache)],
         *["--dtype", "fp32", "--max-length", "256", "--layers", "0,1,2"],
     )
-    proc = run_peagle(
+    proc = peagle(
         *["train", "--cache", str(cache), "--output", str(run), "--depths", "3", "--tokens-per-step", "256"],
         *["--steps", "2", "--eval-every", "2", "--save-every", "2", "--eval-samples", "4"],
         *["--precision", "fp32", "--num-workers", "0"],
@@ -93,7 +93,7 @@ def test_greedy_generate_is_the_targets_argmax(vl_target: tuple[str, Path], tmp_
 
     data = write_conversations(tmp_path / "conv.jsonl", 6)
     out = tmp_path / "gen"
-    run_peagle(
+    peagle(
         *["generate", "--model", str(vl_target[1]), "--data", str(data), "--output", str(out)],
         *["--backend", "hf", "--temperature", "0", "--max-new-tokens", "12", "--compute-dtype", "fp32"],
         *["--device", "cpu"],

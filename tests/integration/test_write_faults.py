@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cli_argv import PEAGLE, fast_cli, run_peagle, small_train_flags
+from cli_argv import PEAGLE, fast_cli, small_train_flags
+from cli_run import peagle
 
 pytestmark = pytest.mark.slow
 
@@ -106,7 +107,7 @@ def _read_only(path: Path) -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def finished(tiny_cache: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("finished") / "run"
-    run_peagle("train", "--cache", str(tiny_cache), "--output", str(out), *FLAGS)
+    peagle("train", "--cache", str(tiny_cache), "--output", str(out), *FLAGS)
     return out
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
+from cli_run import run_cli
 
 from peagle_pipeline import cli
 from peagle_pipeline.config import ExtractConfig, GenerateConfig, TrainConfig
@@ -96,15 +98,9 @@ def test_every_config_field_has_a_flag():
 
 
 @pytest.mark.parametrize("debug", ["0", "1"])
-def test_debug_env_shows_traceback(tmp_path, debug, cli_env):
-    cli_env["PEAGLE_DEBUG"] = debug
-    out = subprocess.run(
-        [sys.executable, "-m", "peagle_pipeline.cli", "inspect", str(tmp_path / "nope")],
-        capture_output=True,
-        text=True,
-        env=cli_env,
-    )
-    assert out.returncode != 0
+def test_debug_env_shows_traceback(tmp_path, debug):
+    out = run_cli(["inspect", str(tmp_path / "nope")], env=dict(os.environ, PEAGLE_DEBUG=debug))
+    assert out.code != 0
     assert ("Traceback" in out.stderr) == (debug == "1")
 
 

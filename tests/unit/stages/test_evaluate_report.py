@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from cli_argv import run_peagle
+from cli_run import peagle
 
 from peagle_pipeline.backends.generation import vllm_installed
 from peagle_pipeline.errors import BadInput
@@ -218,12 +218,12 @@ def test_cli_without_vllm_is_one_line(tmp_path: Path, tiny_model: Path) -> None:
             }
         )
     )
-    proc = run_peagle("evaluate", str(export), check=False)
+    proc = peagle("evaluate", str(export), check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: vLLM is not installed here: run `make setup-vllm` and use .venv-vllm/bin/peagle-pipeline"
     ]
-    proc = run_peagle("evaluate", str(tmp_path / "missing"), check=False)
+    proc = peagle("evaluate", str(tmp_path / "missing"), check=False)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"error: draft export {tmp_path / 'missing'} not found"
     ]
