@@ -76,6 +76,10 @@ RUN_FLAGS = [
 ]
 
 
+START_LINE = "estimated cache size "
+"""How extract's start line begins."""
+
+
 def tree_digest(path: Path) -> str:
     """sha256 over the relative names and bytes of every file under `path` (or of the file itself)."""
     h = hashlib.sha256()
@@ -370,7 +374,11 @@ def test_bad_input(
     assert "Traceback" not in proc.stderr, report
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     if exp["exit_code"] != 0:
-        status = lines[:-1] if exp["command"][0] == "train" else []  # train's status lines before the error
+        # train's status lines before the error; extract's start line (the cache's estimated size), printed once
+        # every check has passed, before a failure of the run itself
+        status = (
+            lines[:-1] if exp["command"][0] == "train" else [x for x in lines if x.startswith(START_LINE)]
+        )
         assert lines[len(status) :] == lines[-1:] and lines[-1].startswith("error: "), report
         assert not any(line.startswith("error") for line in status), report
         for part in exp["error_contains"]:
