@@ -62,7 +62,10 @@ def _main_thread() -> bool:
 
 def install() -> None:
     """Make SIGTERM raise `Stopped(SIGTERM)` like Ctrl-C raises KeyboardInterrupt (main thread only; SIGINT
-    keeps Python's own handler). Called by `cli.main()` before any command runs."""
+    keeps Python's own handler). Called by `cli.main()` before any command runs: the command starts with no stop
+    seen (`last_stop_signal`), whatever ran before it in this process."""
+    global _last_stop
+    _last_stop = 0
     if _main_thread():
         signal.signal(signal.SIGTERM, _raise_stopped)
 

@@ -213,3 +213,13 @@ def small_train_flags(**overrides: object) -> list[str]:
         keep_checkpoints=2,
     )
     return flags(**{**base, **overrides})
+
+
+EXTRACT_START = "estimated cache size "
+"""How extract's start line begins: it says the cache's estimated size once every check has passed."""
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The non-empty lines of a command's stderr but extract's start line (what a run that failed after its start
+    printed besides it)."""
+    return [line for line in stderr.splitlines() if line.strip() and not line.startswith(EXTRACT_START)]

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 from cache_compare import assert_same_cache
-from cli_argv import PEAGLE, start_cli
+from cli_argv import EXTRACT_START, PEAGLE, start_cli
 from cli_run import peagle, run_cli
 
 from peagle_pipeline.cache import layout
@@ -74,10 +74,6 @@ RUN_FLAGS = [
     "0",
     "--no-export",
 ]
-
-
-START_LINE = "estimated cache size "
-"""How extract's start line begins."""
 
 
 def tree_digest(path: Path) -> str:
@@ -377,7 +373,7 @@ def test_bad_input(
         # train's status lines before the error; extract's start line (the cache's estimated size), printed once
         # every check has passed, before a failure of the run itself
         status = (
-            lines[:-1] if exp["command"][0] == "train" else [x for x in lines if x.startswith(START_LINE)]
+            lines[:-1] if exp["command"][0] == "train" else [x for x in lines if x.startswith(EXTRACT_START)]
         )
         assert lines[len(status) :] == lines[-1:] and lines[-1].startswith("error: "), report
         assert not any(line.startswith("error") for line in status), report

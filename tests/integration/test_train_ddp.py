@@ -114,7 +114,7 @@ def test_two_ranks_equal_one_process_with_grad_accum_2(tiny_cache: Path, tmp_pat
 def _torchrun(cache: Path, out: Path, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "peagle_pipeline.cli", "train", "--cache", str(cache), "--output", str(out), *_cli_flags(), *extra,
+        "-m", "peagle_pipeline.cli", "train", "--cache", str(cache), "--output", str(out), *_cli_flags("peagle"), *extra,
     ]  # fmt: skip
 
 

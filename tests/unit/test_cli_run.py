@@ -80,6 +80,8 @@ def test_process_state_is_restored(monkeypatch: pytest.MonkeyPatch, tmp_path) ->
         return _Opened()
 
     monkeypatch.setattr(reader, "open_cache", look)
+    # an earlier test of this process may have called main() itself, which leaves its SIGTERM handler installed
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     term, threads = signal.getsignal(signal.SIGTERM), torch.get_num_threads()
     package = logging.getLogger("peagle_pipeline")
     level, handlers = package.level, list(package.handlers)

@@ -126,7 +126,7 @@ def _explained(err: Exception, cfg: TrainConfig, dist: Dist) -> Exception:
 
 def _rank_lost(cfg: TrainConfig, dist: Dist) -> RankLost:
     """The one line for a run that lost a rank: which one, the last complete checkpoint, the resume command."""
-    from peagle_pipeline.stages.train.checkpoint import CheckpointManager
+    from peagle_pipeline.stages.checkpoint import CheckpointManager
 
     steps = CheckpointManager(cfg.output, keep=1).complete_steps()
     who = f"rank {1 - dist.rank}" if dist.world == 2 else "another rank"
