@@ -122,9 +122,9 @@ def test_bad_layer_ids_and_topk_fail_before_engine_start(tiny_model: Path) -> No
     from peagle_pipeline.errors import BadInput
     from peagle_pipeline.stages.extract.settings import backend_settings
 
-    with pytest.raises(BadInput, match="aux layer ids"):
+    with pytest.raises(BadInput, match=r"layer ids \[7\] outside 0..6"):
         VLLMBackend(backend_settings(_cfg(tiny_model)), [2, 7])
-    with pytest.raises(BadInput, match="larger than the target vocabulary"):
+    with pytest.raises(BadInput, match="exceeds the target vocabulary"):
         VLLMBackend(backend_settings(_cfg(tiny_model, topk=1000)), TINY_LAYERS)
 
 
