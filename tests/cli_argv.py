@@ -223,3 +223,25 @@ def error_lines(stderr: str) -> list[str]:
     """The non-empty lines of a command's stderr but extract's start line (what a run that failed after its start
     printed besides it)."""
     return [line for line in stderr.splitlines() if line.strip() and not line.startswith(EXTRACT_START)]
+
+
+def wait_for_group_exit(pgid: int, timeout: float = 30) -> None:
+    """Wait until no live process is left in process group `pgid` (zombies count as gone: their files are closed).
+    A killed trainer's DataLoader worker dies a moment after it, and until then it holds the run's lock (the lock's
+    file descriptor was inherited by the fork), so a resume started at once could find the run still locked."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        live = False
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # exited while we looked
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                live = True
+                break
+        if not live:
+            return
+        time.sleep(0.01)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_argv import small_train_flags, train_argv
+from cli_argv import small_train_flags, train_argv, wait_for_group_exit
 from cli_run import run_cli
 from safetensors.torch import load_file
 
@@ -54,6 +54,7 @@ def _kill_when(cmd: list[str], env: dict[str, str], ready, timeout: float = 240)
         os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its DataLoader worker
     finally:
         proc.wait()
+        wait_for_group_exit(proc.pid)  # the worker too: it holds the run's lock until it is gone
     assert proc.returncode == -signal.SIGKILL
 
 
