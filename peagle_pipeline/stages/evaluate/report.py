@@ -186,17 +186,7 @@ def plot_acceptance(report: dict[str, Any], path: str | Path) -> Path:
         )
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize="small")
-    s = report["settings"]
-    fig.suptitle(
-        f"vLLM per-position acceptance: T={s['temperature']:g}, max {s['max_tokens']} new tokens, "
-        f"concurrency {s.get('acceptance_concurrency', 1)}, {report['hardware']}",
-        fontsize="small",
-    )
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return _save(fig, report, "vLLM per-position acceptance", path)
 
 
 def _comparison_lines(report: dict[str, Any], prompt_set: str) -> dict[str, list[tuple[int, Any, Any]]]:
@@ -238,10 +228,17 @@ def plot_comparison(report: dict[str, Any], path: str | Path) -> Path:
             axes[row][col].legend(fontsize="small")
     for ax in axes.flat:
         ax.set_xticks(sorted(ks) or [1])
+    return _save(fig, report, "vLLM AL and speedup against K", path, f", {report['dtype']}")
+
+
+def _save(fig: Any, report: dict[str, Any], title: str, path: str | Path, extra: str = "") -> Path:
+    """Title `fig` with the run's settings (`extra` after the concurrency), write it to `path` and close it."""
+    import matplotlib.pyplot as plt
+
     s = report["settings"]
     fig.suptitle(
-        f"vLLM AL and speedup against K: T={s['temperature']:g}, max {s['max_tokens']} new tokens, "
-        f"concurrency {s.get('acceptance_concurrency', 1)}, {report['dtype']}, {report['hardware']}",
+        f"{title}: T={s['temperature']:g}, max {s['max_tokens']} new tokens, "
+        f"concurrency {s.get('acceptance_concurrency', 1)}{extra}, {report['hardware']}",
         fontsize="small",
     )
     fig.tight_layout()
