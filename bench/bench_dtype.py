@@ -33,7 +33,7 @@ from peagle_pipeline.hardware import cpu_bf16_flags, describe_compute_dtype, res
 from peagle_pipeline.stages.extract.batch_pipeline import to_sample_data
 from peagle_pipeline.stages.extract.batch_plan import PlannedSample, plan_batches, render_rows
 from peagle_pipeline.stages.extract.cache_output import build_meta
-from peagle_pipeline.stages.extract.settings import resolve_layers
+from peagle_pipeline.stages.extract.settings import settle
 
 DTYPES = ("bf16", "fp32")
 # Tokens of the extraction warm-up: enough to touch every kernel, few enough for an emulated bf16.
@@ -64,8 +64,9 @@ def bench_extraction(args: argparse.Namespace) -> dict[str, float]:
     cfgs = {d: ExtractConfig(**base, compute_dtype=d) for d in DTYPES}
     batches = extraction_batches(cfgs["bf16"])
     info = read_target_info(args.model)
-    layer_ids = resolve_layers(cfgs["bf16"], info.num_hidden_layers)
-    meta = build_meta(cfgs["bf16"], info, layer_ids, 1, "bf16")  # only its stored dtypes are used
+    settled = settle(cfgs["bf16"], info, None, "cpu", (0, 1))
+    layer_ids = list(settled.layer_ids)
+    meta = build_meta(settled)  # only its stored dtypes are used
     backends = {d: HFBackend(backend_settings(cfgs[d]), layer_ids) for d in DTYPES}
     for b in backends.values():
         b.forward([batches[0][0].input_ids[:WARMUP_TOKENS]])  # warm-up (allocator, kernels)

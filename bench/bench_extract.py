@@ -39,7 +39,7 @@ from peagle_pipeline.data.records import rank_rows
 from peagle_pipeline.stages.extract.batch_pipeline import BatchPipeline
 from peagle_pipeline.stages.extract.batch_plan import plan_batches, render_rows
 from peagle_pipeline.stages.extract.cache_output import build_meta, prepare_output
-from peagle_pipeline.stages.extract.settings import backend_settings, resolve_layers
+from peagle_pipeline.stages.extract.settings import backend_settings, settle, target_device
 
 LLAMA_8B = {
     "hidden_size": 4096,
@@ -141,8 +141,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         device=args.device,
     )
     info = read_target_info(cfg.model)
-    layer_ids = resolve_layers(cfg, info.num_hidden_layers)
-    meta = build_meta(cfg, info, layer_ids, 1)
+    settled = settle(cfg, info, None, target_device(cfg), (0, 1))
+    layer_ids = list(settled.layer_ids)
+    meta = build_meta(settled)
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(cfg.model))
     rows = rank_rows(iter_rows(cfg.data), 0, 1, cfg.max_samples)
     plan = plan_batches(render_rows(rows, renderer, cfg.max_length, cfg.overlong), cfg.batch_tokens)

@@ -41,7 +41,7 @@ from peagle_pipeline.data.records import rank_rows
 from peagle_pipeline.stages.extract.batch_pipeline import BatchPipeline
 from peagle_pipeline.stages.extract.batch_plan import PlannedSample, plan_batches, render_rows
 from peagle_pipeline.stages.extract.cache_output import build_meta, prepare_output
-from peagle_pipeline.stages.extract.settings import backend_settings, resolve_layers
+from peagle_pipeline.stages.extract.settings import backend_settings, settle, target_device
 
 
 def parse() -> argparse.Namespace:
@@ -92,8 +92,9 @@ def main() -> None:
             batch_tokens=args.batch_tokens,
         )
         info = read_target_info(cfg.model)
-        layer_ids = resolve_layers(cfg, info.num_hidden_layers)
-        meta = build_meta(cfg, info, layer_ids, 1)
+        settled = settle(cfg, info, None, target_device(cfg), (0, 1))
+        layer_ids = list(settled.layer_ids)
+        meta = build_meta(settled)
         batches = plan(cfg)
         settings = backend_settings(cfg)
         ours = VLLMBackend(settings, layer_ids)

@@ -54,6 +54,7 @@ from compare_settings import (
     row_steps,
     say,
     scale_for,
+    timed_as,
     trainable,
 )
 from quality import extract, flags, generate, write_sources
@@ -222,7 +223,9 @@ def run(root: Path, args: argparse.Namespace, rows: list[str], choices: dict, sk
         "generate: on-policy multi-turn, sampled", generate, root, "multi-sampled", sources, SAMPLED, "all", s
     )
     cache = timed("extract: on-policy multi-turn", extract, root, "on-multi", data, s["max_length"])
-    step_s = {name: timed(f"calibrate: {name}", calibrate, root, name, cache, choices) for name in rows}
+    timed_rows = {timed_as(name, rows) for name in rows}  # a noise row trains its base row's steps
+    own_s = {name: timed(f"calibrate: {name}", calibrate, root, name, cache, choices) for name in timed_rows}
+    step_s = {name: own_s[timed_as(name, rows)] for name in rows}
     plan = _plan(root, step_s, s, sizing, sum(timed.times.values()), args.minutes)
     runs = {
         name: timed(f"train: {name}", train_row, root, name, cache, plan["steps"][name], choices)

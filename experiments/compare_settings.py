@@ -84,6 +84,13 @@ def eval_minutes(rows: int, sizes: dict[str, Any], probe_tokens_per_s: float) ->
     return (batched + single) * REFERENCE_PROBE / probe_tokens_per_s
 
 
+def timed_as(name: str, rows: list[str]) -> str:
+    """The row whose calibrated step time sets `name`'s steps: its `noise_of` row when that one runs too (the two
+    runs of one row then differ in the seed alone), else itself."""
+    base = ROWS[name].get("noise_of")
+    return str(base) if base in rows else name
+
+
 def row_steps(
     step_s: dict[str, float], spent_s: float, eval_min: float, budget_min: float = BUDGET_MIN
 ) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import errno
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Literal, NoReturn
 
 from peagle_pipeline.cache import layout
 from peagle_pipeline.cache.layout import CacheMeta
@@ -19,7 +19,7 @@ from peagle_pipeline.core import nf4
 from peagle_pipeline.core.target_init import target_init_layer
 from peagle_pipeline.errors import BadInput
 from peagle_pipeline.stages.extract.batch_plan import DEFAULT_LENGTH_WINDOW
-from peagle_pipeline.stages.extract.settings import forward_dtype, target_device
+from peagle_pipeline.stages.extract.settings import ExtractPlan
 
 if TYPE_CHECKING:
     from peagle_pipeline.core.vocab import TokenizerFacts
@@ -35,16 +35,9 @@ LOGICAL_DTYPE: dict[Literal["bf16", "fp32", "fp8", "nf4"], str] = {
 }
 
 
-def build_meta(
-    cfg: ExtractConfig,
-    info: Any,
-    layer_ids: list[int],
-    world_size: int,
-    compute_dtype: Literal["bf16", "fp32"] | None = None,
-) -> CacheMeta:
-    """The cache metadata for these settings (compared field by field on resume).
-
-    `compute_dtype` ("bf16"/"fp32") is the resolved forward dtype; None resolves it for this machine.
+def build_meta(plan: ExtractPlan) -> CacheMeta:
+    """The cache metadata of this plan (compared field by field on resume): the recorded settings, the target's
+    facts, the aux layers, the world size and the settled forward dtype.
 
     Raises:
         BadInput: a stored dtype that cannot pack this target's hidden size (nf4 needs a multiple of 32).
@@ -52,14 +45,12 @@ def build_meta(
     from peagle_pipeline import __version__, model_dir
     from peagle_pipeline.data.formats import dataset_fingerprint
 
+    cfg, info = plan.cfg, plan.info
     if cfg.dtype == "nf4" and info.hidden_size % nf4.BLOCK:
         raise BadInput(
             f"--dtype nf4 needs a hidden size that is a multiple of {nf4.BLOCK}; this target's is "
             f"{info.hidden_size}: use --dtype fp8 or bf16"
         )
-
-    if compute_dtype is None:
-        compute_dtype = forward_dtype(cfg, target_device(cfg))
 
     return CacheMeta(
         target_name_or_path=str(Path(cfg.model).resolve()),
@@ -70,10 +61,10 @@ def build_meta(
         num_hidden_layers=info.num_hidden_layers,
         hidden_size=info.hidden_size,
         vocab_size=info.vocab_size,
-        aux_layer_ids=list(layer_ids),
+        aux_layer_ids=list(plan.layer_ids),
         topk=cfg.topk,
         hidden_dtype=LOGICAL_DTYPE[cfg.dtype],
-        compute_dtype=LOGICAL_DTYPE[compute_dtype],
+        compute_dtype=LOGICAL_DTYPE[plan.backend.compute_dtype],
         has_last_hidden=cfg.last_hidden,
         max_length=cfg.max_length,
         overlong=cfg.overlong,
@@ -81,7 +72,7 @@ def build_meta(
         leading_assistant=cfg.leading_assistant,
         dataset_fingerprint=dataset_fingerprint(cfg.data, cfg.split),
         max_samples=cfg.max_samples,
-        world_size=world_size,
+        world_size=plan.world,
         shard_tokens=cfg.shard_tokens,
         chunk_tokens=cfg.chunk_tokens,
         compress=cfg.compress,

@@ -1,5 +1,6 @@
 """The extract settings settled for one run: the device the target runs on, the forward dtype, the backend's own
-settings, the "auto" values taken from the cache being resumed, and the aux layer ids.
+settings, the "auto" values taken from the cache being resumed, and the aux layer ids, gathered in one
+`ExtractPlan` (`settle`) that the stage's loop, the cache metadata and the backend take.
 
 Reads nothing but what it is given (and whether CUDA is available); the stage entry reads the recorded cache.json.
 """
@@ -7,6 +8,7 @@ Reads nothing but what it is given (and whether CUDA is available); the stage en
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 from peagle_pipeline.backends.base import BackendSettings
@@ -16,12 +18,17 @@ from peagle_pipeline.hardware import describe_compute_dtype, resolve_compute_dty
 from peagle_pipeline.stages.extract.batch_plan import DEFAULT_LENGTH_WINDOW
 from peagle_pipeline.target_info import (
     DEFAULT_LAYER_RULE,
+    TargetInfo,
     check_layer_ids,
+    check_topk,
     default_layer_ids,
     spelled_default_layer_ids,
 )
 
 __all__ = [
+    "ExtractPlan",
+    "settle",
+    "check_target",
     "target_device",
     "forward_dtype",
     "backend_settings",
@@ -143,4 +150,65 @@ def collapsed_layers_note(cfg: ExtractConfig, num_hidden_layers: int) -> str | N
     return (
         f"the default aux layers {DEFAULT_LAYER_RULE} of this {L}-layer target are {spelled}: the draft gets "
         f"{len(ids)} aux hidden states instead of 3; pass --layers to choose 3 distinct ids"
+    )
+
+
+def check_target(cfg: ExtractConfig, info: TargetInfo) -> list[int]:
+    """The aux layer ids of `cfg` for target `info`, once they and the top-k are checked against it.
+
+    Raises:
+        BadInput: a layer id outside 0..L, or a top-k above the vocabulary.
+    """
+    layer_ids = resolve_layers(cfg, info.num_hidden_layers)
+    check_topk(cfg.topk, info.vocab_size)
+    return layer_ids
+
+
+@dataclass(frozen=True)
+class ExtractPlan:
+    """Everything one extract run settled before the target loads: what is recorded, what the backend runs, the
+    aux layers, this writer's rank, and what the start says. A pure function of the config, the target's facts,
+    the cache being resumed and the device (`settle`)."""
+
+    cfg: ExtractConfig
+    """As recorded in extract.yaml and cache.json: `length_window` settled, `compute_dtype` and `max_length` as
+    given."""
+    info: TargetInfo
+    layer_ids: tuple[int, ...]
+    rank: int
+    world: int
+    backend: BackendSettings
+    """What the backend runs: the forward dtype settled, `max_length` fit to the target's positions."""
+    why: str
+    """The line that says which forward dtype and why."""
+    notes: tuple[str, ...]
+    """What the summary notes of the settings (collapsed default layers, a shortened max_length)."""
+
+
+def settle(
+    cfg: ExtractConfig,
+    info: TargetInfo,
+    recorded: dict[str, Any] | None,
+    device: str,
+    rank_world: tuple[int, int],
+    bf16_only: str | None = None,
+) -> ExtractPlan:
+    """The plan of one extract run (`ExtractPlan`): the layers checked (`check_target`), the "auto" values settled
+    from `recorded` (the resumed cache's cache.json, None for a new cache) and the `device` (`settle_auto`, with
+    `bf16_only` as there), and max_length fit to the target's positions (`fit_to_positions`).
+
+    E.g. a new bf16 cache of a 30-layer target under `compute_dtype: auto` on a CPU with bf16 units: layer_ids
+    (2, 15, 27), backend.compute_dtype "bf16", cfg.compute_dtype still "auto".
+    """
+    from peagle_pipeline.model_dir import text_config
+
+    layer_ids = check_target(cfg, info)
+    settled = settle_auto(cfg, recorded, device, bf16_only)
+    run_cfg, length_note = fit_to_positions(
+        settled.run_cfg, text_config(info.config).get("max_position_embeddings")
+    )
+    notes = tuple(n for n in (collapsed_layers_note(cfg, info.num_hidden_layers), length_note) if n)
+    rank, world = rank_world
+    return ExtractPlan(
+        settled.cfg, info, tuple(layer_ids), rank, world, backend_settings(run_cfg), settled.why, notes
     )

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from peagle_pipeline.backends import vllm_log
 from peagle_pipeline.backends.base import TargetBackend
@@ -36,17 +36,9 @@ from peagle_pipeline.stages.extract.batch_pipeline import BatchPipeline
 from peagle_pipeline.stages.extract.batch_plan import RowReject, plan_batches, render_rows, sort_by_length
 from peagle_pipeline.stages.extract.cache_output import build_meta, prepare_output, raise_if_unwritable
 from peagle_pipeline.stages.extract.generated_data import check_generated_data
-from peagle_pipeline.stages.extract.settings import (
-    backend_settings,
-    collapsed_layers_note,
-    fit_to_positions,
-    resolve_layers,
-    settle_auto,
-    target_device,
-)
+from peagle_pipeline.stages.extract.settings import ExtractPlan, check_target, settle, target_device
 from peagle_pipeline.stages.rank_run import Progress, open_beside, run_rank, this_rank_rows
 from peagle_pipeline.stages.tokenizer_facts import tokenizer_facts
-from peagle_pipeline.target_info import check_topk
 
 if TYPE_CHECKING:
     from peagle_pipeline.core.vocab import TokenizerFacts
@@ -107,65 +99,54 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
         BadInput, BadConfig, OutputExists, IncompatibleCache, ResumeMismatch, Busy, OutOfSpace, Interrupted (Ctrl-C), Terminated (SIGTERM).
     """
     from peagle_pipeline.data.formats import split_notes
-    from peagle_pipeline.model_dir import read_target_info, text_config
+    from peagle_pipeline.model_dir import read_target_info
 
-    rank, world = writer_rank(cfg.rank, cfg.world_size)
+    rank_world = writer_rank(cfg.rank, cfg.world_size)
     info = read_target_info(cfg.model)
-    layer_ids = resolve_layers(cfg, info.num_hidden_layers)
-    check_topk(cfg.topk, info.vocab_size)
+    check_target(cfg, info)  # before the data and the output are looked at
     renderer = _checked_renderer(cfg)
     place = _place(cfg.output)
     device = target_device(cfg)
-    cfg, run_cfg, why = settle_auto(cfg, read_recorded_meta(place.local), device, _bf16_only(cfg, device))
-    run_cfg, length_note = fit_to_positions(run_cfg, text_config(info.config).get("max_position_embeddings"))
-    meta = build_meta(cfg, info, layer_ids, world, run_cfg.compute_dtype)  # type: ignore[arg-type]  # settled
+    plan = settle(cfg, info, read_recorded_meta(place.local), device, rank_world, _bf16_only(cfg, device))
+    meta = build_meta(plan)
     existed, created = Path(place.local).exists(), not (Path(place.local) / layout.CACHE_META).exists()
     # a new cache: the estimated size against the free space, refused before anything is loaded or written
-    start_line = _check_space(cfg, info, layer_ids, renderer) if created else None
+    start_line = _check_space(plan, renderer) if created else None
     # A new cache is stamped (cache.json: compute dtype, ...) only once its backend has started, so a failed start
     # (no CUDA, vLLM missing, ...) leaves nothing that would refuse or change the corrected command.
     if cfg.backend == "vllm":  # vLLM's own output: OUTPUT/vllm.log, a temporary file until the output exists
         vllm_log.route_to(place.local if place.remote is None and Path(place.local).is_dir() else None)
-    backend = _start_new(run_cfg, Path(place.local), meta) if created else None
-    root, writer = _open_store(cfg, meta, place, rank, world, backend, tokenizer_facts(renderer.tokenizer))
+    backend = _start_new(plan, Path(place.local)) if created else None
+    root, writer = _open_store(plan, meta, place, backend, tokenizer_facts(renderer.tokenizer))
     summary = ExtractSummary(output=cfg.output if place.remote is not None else str(root), store=writer.store)
-    note = collapsed_layers_note(cfg, info.num_hidden_layers)
-    summary.notes += [n for n in (note, length_note) if n] + split_notes(cfg.data, cfg.split)
+    summary.notes += [*plan.notes, *split_notes(cfg.data, cfg.split)]
     if writer.complete:
-        return _already_complete(cfg, summary, writer, backend, place.remote, world)
+        return _already_complete(plan, summary, writer, backend, place.remote)
     if (
         start_line is None
     ):  # a resumed cache: checked with its committed bytes counted, before the target loads
-        start_line = _check_space(cfg, info, layer_ids, renderer, writer)
+        start_line = _check_space(plan, renderer, writer)
     print(start_line, file=sys.stderr, flush=True)  # once every check passed: a refused run prints one line
-    summary.compute_dtype = f"{why}; stored hidden states {cfg.dtype}"
+    summary.compute_dtype = f"{plan.why}; stored hidden states {cfg.dtype}"
     log.info("%s", summary.compute_dtype)
     start = time.perf_counter()
-    work = _StoreWork(
-        run_cfg,
-        meta,
-        writer,
-        renderer,
-        summary,
-        (rank, world),
-        backend,
-        lambda: _remove_new(root, existed, place),
+    work = _StoreWork(plan, writer, renderer, summary, backend, lambda: _remove_new(root, existed, place))
+    run_rank(
+        work, fresh=created, world=plan.world, unwritable=lambda err: raise_if_unwritable(err, cfg.output)
     )
-    run_rank(work, fresh=created, world=world, unwritable=lambda err: raise_if_unwritable(err, cfg.output))
     summary.elapsed_s = time.perf_counter() - start
     return _unstage(_finish(summary, writer, already=False), place.remote, writer)
 
 
-def _check_space(
-    cfg: ExtractConfig, info: Any, layer_ids: list[int], renderer: Any, writer: CacheWriter | None = None
-) -> str:
+def _check_space(plan: ExtractPlan, renderer: ChatRenderer, writer: CacheWriter | None = None) -> str:
     """The start line: the cache's estimated size and the output's free space (`extract_plan.check_space`); an
     open `writer` (a resumed store) is released when it refuses.
 
     Raises:
         OutOfSpace: the file system cannot hold what is left to write.
     """
-    room = extract_plan.estimate(cfg, info, layer_ids, renderer)
+    cfg = plan.cfg
+    room = extract_plan.estimate(cfg, plan.info, list(plan.layer_ids), renderer)
     try:
         return extract_plan.check_space(cfg, room, _plan_local(cfg.output))
     except BaseException:
@@ -180,7 +161,7 @@ def plan(cfg: ExtractConfig) -> str:
     from peagle_pipeline.model_dir import read_target_info
 
     info = read_target_info(cfg.model)
-    layer_ids = resolve_layers(cfg, info.num_hidden_layers)
+    layer_ids = check_target(cfg, info)
     room = extract_plan.estimate(cfg, info, layer_ids, _checked_renderer(cfg))
     return extract_plan.check_space(
         dataclasses.replace(cfg, space_check=False), room, _plan_local(cfg.output)
@@ -233,44 +214,39 @@ def _place(output: str) -> _Place:
 
 
 def _open_store(
-    cfg: ExtractConfig,
-    meta: CacheMeta,
-    place: _Place,
-    rank: int,
-    world: int,
-    backend: TargetBackend | None,
-    facts: TokenizerFacts,
+    plan: ExtractPlan, meta: CacheMeta, place: _Place, backend: TargetBackend | None, facts: TokenizerFacts
 ) -> tuple[Path, CacheWriter]:
     """Create or check the cache (pushed to the object store, if any; a new one keeps the tokenizer's `facts`) and
     open this rank's writer; a started `backend` is closed if that fails."""
 
     def open_output() -> tuple[Path, CacheWriter]:
-        root = prepare_output(cfg, meta, root=place.local, tokenizer_facts=facts)
+        root = prepare_output(plan.cfg, meta, root=place.local, tokenizer_facts=facts)
         if place.remote is not None:
             place.remote.push_root(meta)
-        return root, CacheWriter(root, meta, rank, world, remote=place.remote).open()
+        return root, CacheWriter(root, meta, plan.rank, plan.world, remote=place.remote).open()
 
     try:
         return open_beside(open_output, backend)
     except OSError as err:
-        raise_if_unwritable(err, cfg.output)
+        raise_if_unwritable(err, plan.cfg.output)
         raise
 
 
 def _already_complete(
-    cfg: ExtractConfig,
+    plan: ExtractPlan,
     summary: ExtractSummary,
     writer: CacheWriter,
     backend: TargetBackend | None,
     remote: RemoteCache | None,
-    world: int,
 ) -> ExtractSummary:
     """The summary of a store an earlier run finished (nothing to compute; a started `backend` is closed)."""
     writer.abort()
     if backend is not None:
         backend.close()
-    if writer.committed_samples == 0 and world == 1:  # written by a version that allowed it
-        raise BadInput(f"{_no_samples(cfg, writer)}; remove {cfg.output} and re-run with usable data")
+    if writer.committed_samples == 0 and plan.world == 1:  # written by a version that allowed it
+        raise BadInput(
+            f"{_no_samples(plan.cfg, writer)}; remove {plan.cfg.output} and re-run with usable data"
+        )
     return _unstage(_finish(summary, writer, already=True), remote, writer)
 
 
@@ -281,7 +257,7 @@ def _remove_new(root: Path, existed: bool, place: _Place) -> None:
         place.remote.remove_root()
 
 
-def _start_new(cfg: ExtractConfig, root: Path, meta: CacheMeta) -> TargetBackend:
+def _start_new(plan: ExtractPlan, root: Path) -> TargetBackend:
     """The backend of a new cache, started before anything is written; the output directory is checked first
     (a foreign directory is refused before a slow start).
 
@@ -289,7 +265,11 @@ def _start_new(cfg: ExtractConfig, root: Path, meta: CacheMeta) -> TargetBackend
         OutputExists, BadConfig (vLLM missing), and whatever the backend's start raises (BadInput: no CUDA, ...).
     """
     check_output_dir(root, layout.CACHE_META, "a peagle cache")
-    return get_backend(cfg.backend, backend_settings(cfg), list(meta.aux_layer_ids))
+    return _backend(plan)
+
+
+def _backend(plan: ExtractPlan) -> TargetBackend:
+    return get_backend(plan.cfg.backend, plan.backend, list(plan.layer_ids))
 
 
 def _unstage(summary: ExtractSummary, remote: RemoteCache | None, writer: CacheWriter) -> ExtractSummary:
@@ -317,19 +297,17 @@ class _StoreWork:
     `backend` is the one started for a new cache, or None (then the loop starts one at the first batch that is not
     committed yet); `remove` removes the new cache when this (only) rank has no usable sample."""
 
-    cfg: ExtractConfig
-    meta: CacheMeta
+    plan: ExtractPlan
     writer: CacheWriter
     renderer: ChatRenderer
     summary: ExtractSummary
-    rank_world: tuple[int, int]
     backend: TargetBackend | None
     remove: Callable[[], None]
 
     def loop(self) -> None:
-        cfg, meta, writer = self.cfg, self.meta, self.writer
-        rows = this_rank_rows(cfg.data, cfg.split, *self.rank_world, cfg.max_samples)
-        samples = render_rows(rows.rows, self.renderer, cfg.max_length, cfg.overlong)
+        cfg, writer, meta = self.plan.cfg, self.writer, self.writer.meta
+        rows = this_rank_rows(cfg.data, cfg.split, self.plan.rank, self.plan.world, cfg.max_samples)
+        samples = render_rows(rows.rows, self.renderer, self.plan.backend.max_length, cfg.overlong)
         items = plan_batches(sort_by_length(samples, meta.length_window), cfg.batch_tokens)
         progress = Progress(rows.total, writer.store, ("sample", "samples"))
 
@@ -347,9 +325,7 @@ class _StoreWork:
                     progress.skip(len(item))
                 else:
                     if self.backend is None:
-                        self.backend = get_backend(
-                            cfg.backend, backend_settings(cfg), list(meta.aux_layer_ids)
-                        )
+                        self.backend = _backend(self.plan)
                     ahead.submit(self.backend, item)
                     progress.set_tokens(ahead.new_tokens)
             ahead.drain()
@@ -361,7 +337,7 @@ class _StoreWork:
         return f"{self.writer.committed_samples} samples of {self.writer.store}"
 
     def nothing_usable(self) -> str | None:
-        return _no_samples(self.cfg, self.writer) if self.writer.next_ordinal == 0 else None
+        return _no_samples(self.plan.cfg, self.writer) if self.writer.next_ordinal == 0 else None
 
     def finish(self) -> None:
         self.writer.close()

@@ -70,3 +70,41 @@ def test_vllm_samples_fit_the_targets_positions_and_the_record_keeps_max_length(
         _cfg(backend="hf", max_length=2048),
         None,
     )
+
+
+def _info(layers: int = 30, positions: int = 2048):
+    from peagle_pipeline.target_info import TargetInfo
+
+    config = {
+        "num_hidden_layers": layers,
+        "hidden_size": 64,
+        "vocab_size": 100,
+        "max_position_embeddings": positions,
+    }
+    return TargetInfo("m", ["LlamaForCausalLM"], layers, 64, 100, config)
+
+
+def test_the_plan_records_the_settings_as_given_and_runs_them_settled():
+    from peagle_pipeline.stages.extract.settings import settle
+
+    plan = settle(_cfg(dtype="fp32", backend="vllm", max_length=2048), _info(), None, "cpu", (1, 2))
+    assert plan.layer_ids == (2, 15, 27) and (plan.rank, plan.world) == (1, 2)
+    assert plan.cfg.compute_dtype == "auto" and plan.cfg.max_length == 2048  # what cache.json records
+    assert plan.backend.compute_dtype == "fp32" and plan.backend.max_length == 2047  # what the backend runs
+    assert plan.why == "compute dtype fp32 on cpu (auto: dtype is fp32)"
+    assert len(plan.notes) == 1 and "at most 2047 tokens" in plan.notes[0]
+    # a 6-layer target's default ids collapse ([2, 3, 3]): said as a note, not refused
+    small = settle(_cfg(dtype="fp32"), _info(layers=6), None, "cpu", (0, 1))
+    assert small.layer_ids == (2, 3) and "2 aux hidden states instead of 3" in small.notes[0]
+
+
+def test_the_plan_refuses_layers_and_topk_the_target_cannot_have():
+    import pytest
+
+    from peagle_pipeline.errors import BadInput
+    from peagle_pipeline.stages.extract.settings import settle
+
+    with pytest.raises(BadInput, match="layer"):
+        settle(_cfg(layers=[2, 31]), _info(), None, "cpu", (0, 1))
+    with pytest.raises(BadInput, match="top"):
+        settle(_cfg(topk=101), _info(), None, "cpu", (0, 1))
