@@ -18,7 +18,7 @@ from peagle_pipeline.errors import BadConfig
 
 __all__ = ["TrainConfig", "TRACKERS"]
 
-TRACKERS = ("tensorboard", "wandb", "mlflow")
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
 """The experiment trackers `report_to` may name (stages/train/trackers.py has one sink per name)."""
 
 

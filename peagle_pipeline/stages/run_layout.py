@@ -7,8 +7,9 @@ RUN/
   train.lock        held while a `train` writes the run                      LOCK_FILE
   metrics.jsonl     one JSON record per logged step and evaluation           METRICS_FILE
   tb/               TensorBoard events (--report-to tensorboard, the default) TB_DIR
-  trackers.json     the W&B and MLflow run ids a resume continues            TRACKERS_FILE
+  trackers.json     the W&B, MLflow and trackio run ids a resume continues   TRACKERS_FILE
   wandb/, mlruns/   W&B's files; MLflow's store when no server is named      (the trackers' own)
+  trackio/          trackio's store when TRACKIO_DIR names none              (the tracker's own)
   plots/            `peagle-pipeline plot` PNGs                              PLOTS_DIR
   checkpoints/      step-N/, latest, best                                    CHECKPOINTS_DIR
   export/           the speculators P-EAGLE export vLLM loads                EXPORT_DIR

@@ -1,26 +1,37 @@
-"""Experiment trackers of a training run (`train --report-to`): TensorBoard, Weights & Biases, MLflow.
+"""Experiment trackers of a training run (`train --report-to`): TensorBoard, Weights & Biases, MLflow, trackio.
 
 Each tracker gets what metrics.jsonl gets: every `train` and `eval` record as scalars named `KIND/KEY` (a
 per-depth list as `KIND/KEY/depthD`), plus the resolved settings when the run starts and the PNG plots when it
-ends. Only rank 0 opens trackers (`metrics.RunSink` forwards to them). W&B and MLflow keep their run's id in
-RUN/trackers.json, so a resumed run reports to the same tracker run: W&B resumes its run id (an offline run
-writes a new folder under RUN/wandb/ that `wandb sync` uploads into the same run), MLflow reopens its run.
+ends. Only rank 0 opens trackers (`metrics.RunSink` forwards to them). W&B, MLflow and trackio keep their run's
+id in RUN/trackers.json, so a resumed run reports to the same tracker run: W&B resumes its run id (an offline run
+writes a new folder under RUN/wandb/ that `wandb sync` uploads into the same run), MLflow reopens its run, trackio
+continues its run by name (the name it resumes by is kept beside the id).
 
 Where the records go is each tracker's own business, read from its environment variables: W&B's
 (`WANDB_PROJECT`, default peagle-pipeline; `WANDB_MODE=offline`; its files under RUN/wandb/), MLflow's
 (`MLFLOW_TRACKING_URI`, `MLFLOW_EXPERIMENT_NAME`, default peagle-pipeline). Without `MLFLOW_TRACKING_URI` the run
-keeps its own MLflow file store in RUN/mlruns (`mlflow ui --backend-store-uri RUN/mlruns`).
+keeps its own MLflow file store in RUN/mlruns (`mlflow ui --backend-store-uri RUN/mlruns`). trackio writes its
+SQLite store (and the plots it copies) to `TRACKIO_DIR` when the environment names one, else to the run's own
+RUN/trackio (`TRACKIO_DIR=RUN/trackio trackio show --project peagle-pipeline`); trackio reads that variable once,
+when it is first imported, so a process whose trackio already writes elsewhere is refused. trackio here stays
+local: a Space, server or bucket named in its variables (`TRACKIO_SPACE_ID`, ...) is refused (`trackio sync`
+uploads the store later), no dashboard is started, the Hub is not asked who the user is, and its console lines
+stay out of the terminal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
+import itertools
 import json
 import math
 import os
 import secrets
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,14 +43,18 @@ from peagle_pipeline.stages.run_layout import TB_DIR, TRACKERS_FILE
 
 __all__ = ["TRACKERS_FILE", "INSTALL", "Tracker", "TrackerRun", "check_installed", "open_trackers", "scalars"]
 
-PROJECT = "peagle-pipeline"  # W&B project and MLflow experiment when the environment names none
+PROJECT = "peagle-pipeline"  # trackio's project; W&B's and MLflow's when the environment names none
 MLFLOW_DIR = "mlruns"
+TRACKIO_STORE = "trackio"  # the run's own trackio store when TRACKIO_DIR names none
+# trackio's variables that send a run to a Hugging Face Space, a server or a bucket instead of the local store
+TRACKIO_REMOTE = ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL", "TRACKIO_BUCKET_ID", "TRACKIO_DATASET_ID")
 
 # tracker -> (the module it needs, what installs it: the extra of this package; TensorBoard is a dependency)
 INSTALL = {
     "tensorboard": ("tensorboard", "pip install tensorboard"),
     "wandb": ("wandb", "pip install 'peagle-pipeline[wandb]'"),
     "mlflow": ("mlflow", "pip install 'peagle-pipeline[mlflow]'"),
+    "trackio": ("trackio", "pip install 'peagle-pipeline[trackio]'"),
 }
 
 
@@ -92,6 +107,8 @@ def open_trackers(names: Sequence[str], run: TrackerRun) -> list[Tracker]:
         for name in names:
             try:
                 opened.append(_OPEN[name](run, ids))
+            except BadInput:  # a setting this package refuses, already said in one line
+                raise
             except (
                 Exception
             ) as err:  # the tracker's own start failed: no login, a server that does not answer
@@ -231,10 +248,95 @@ def _param(key: str, value: Any) -> Any:
     return Param(key, json.dumps(value) if isinstance(value, (list, dict)) or value is None else str(value))
 
 
-_OPEN: dict[str, Any] = {"tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _Mlflow}
+class _Trackio:
+    """A trackio run in a local store (TRACKIO_DIR, else RUN/trackio), named after the run folder (with a suffix
+    when a shared store has that name already), continued by that name on --resume; the settings are its config,
+    the plots trackio images at the last step. No CPU/GPU sampling threads: it gets what metrics.jsonl gets."""
+
+    def __init__(self, run: TrackerRun, ids: dict[str, str]) -> None:
+        remote = [v for v in TRACKIO_REMOTE if os.environ.get(v)]
+        if remote:
+            raise BadInput(
+                f"--report-to trackio: {remote[0]} is set, and this tracker writes only to a local store "
+                f"(TRACKIO_DIR, else RUN/{TRACKIO_STORE}): unset it; `trackio sync` uploads the store later"
+            )
+        self._trackio = trackio = _import_trackio(run.run_dir)
+        with _trackio_quiet():
+            name = ids.get("trackio_name") or _free_name(trackio, run.run_dir.resolve().name)
+            self._run = trackio.init(
+                project=PROJECT,
+                name=name,
+                config=run.settings,
+                resume="allow" if "trackio_name" in ids else "never",
+                embed=False,  # (in a notebook it would start a dashboard)
+                auto_log_cpu=False,
+                auto_log_gpu=False,
+            )
+        ids["trackio"], ids["trackio_name"] = self._run.id, name
+        self._last = run.start_step
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self._run.log(values, step=step)
+        self._last = step
+
+    def add_plots(self, paths: Sequence[Path]) -> None:
+        self._run.log({f"plots/{p.stem}": self._trackio.Image(str(p)) for p in paths}, step=self._last)
+
+    def close(self) -> None:
+        with _trackio_quiet():  # trackio.finish, not the run's own: trackio's exit hook would finish it again
+            self._trackio.finish()
+
+
+def _import_trackio(run_dir: Path) -> Any:
+    """trackio, writing to TRACKIO_DIR where the environment names it, else to RUN/trackio. trackio reads the
+    variable once, as it is imported: a process whose trackio writes to another store is refused."""
+    named = os.environ.get("TRACKIO_DIR") or None
+    store = Path(named or run_dir / TRACKIO_STORE).expanduser().resolve()
+    if "trackio" not in sys.modules:
+        os.environ["TRACKIO_DIR"] = str(store)
+        try:
+            importlib.import_module("trackio")  # (trackio.utils reads TRACKIO_DIR now)
+        finally:
+            if named is None:
+                del os.environ["TRACKIO_DIR"]
+    import trackio
+
+    where = Path(trackio.utils.TRACKIO_DIR).expanduser().resolve()
+    if where != store:
+        raise RuntimeError(f"this process's trackio writes to {where} (it reads TRACKIO_DIR once, on import)")
+    return trackio
+
+
+def _free_name(trackio: Any, name: str) -> str:
+    """`name`, or `name-2`, `name-3`, ... when the store holds a run of that name (trackio resumes by name)."""
+    try:
+        taken = {r.name for r in trackio.Api().runs(PROJECT)}
+    except ValueError:  # no such project in the store yet
+        taken = set()
+    names = itertools.chain([name], (f"{name}-{i}" for i in itertools.count(2)))
+    return next(n for n in names if n not in taken)
+
+
+@contextlib.contextmanager
+def _trackio_quiet() -> Iterator[None]:
+    """trackio's console lines (project initialized, where the metrics go, how to see the dashboard) off the
+    terminal, and the Hub out of reach: with a Hugging Face token, trackio asks the Hub who the user is for its
+    config; Hub offline mode makes that an error it handles (the user name is left out)."""
+    from huggingface_hub import constants
+
+    offline, constants.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE, True
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        constants.HF_HUB_OFFLINE = offline
+
+
+_OPEN: dict[str, Any] = {"tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _Mlflow, "trackio": _Trackio}
 _FIX = {
     "tensorboard": "check that RUN/tb can be written",
     "wandb": "run `wandb login`, or set WANDB_MODE=offline and `wandb sync` later",
     "mlflow": "check MLFLOW_TRACKING_URI (unset: the run's own store in RUN/mlruns)",
+    "trackio": "check TRACKIO_DIR (unset: the run's own store in RUN/trackio)",
 }
 assert tuple(_OPEN) == tuple(INSTALL) == tuple(_FIX) == TRACKERS  # one sink per name that report_to accepts
