@@ -3,7 +3,7 @@ the same steps and seed, measured side by side in vLLM (MT-Bench and HumanEval b
 one row trained twice (another seed) for the noise.
 
     python experiments/lossy_cache_al.py --dir .lossy-al [--model DIR --data FILE --samples 2000 --steps 600
-        --dtypes bf16,fp8,nf4 --noise-dtype bf16 --prompts mt-bench,humaneval --num-prompts 80 --doc FILE]
+        --dtypes bf16,fp8,nf4 --noise-dtype bf16 --prompts mt-bench,humaneval --num-prompts 80 --concurrency 16 --doc FILE]
 
 Every stage is the real CLI in a subprocess (`extract` and `train` in .venv, `evaluate` in .venv-vllm) and resumes,
 so a re-run only does what is missing. The caches share one forward dtype (`--compute-dtype`, default bf16) and
@@ -57,6 +57,12 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--prompts", default="mt-bench,humaneval", help="evaluate's prompt sets, comma-separated")
     ap.add_argument("--num-prompts", type=int, default=80)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        default=16,
+        help="requests in flight in the evaluation (AL is read from it)",
+    )
     ap.add_argument(
         "--toy", action="store_true", help="smoke sizes: 16 rows, 8 steps, 4 prompts of 16 tokens"
     )
@@ -136,6 +142,7 @@ def main() -> int:
         prompts = [x for s in args.prompts.split(",") for x in ("--prompts", s)]
         cli(args.vllm_python, "evaluate", *map(str, exports.values()), *prompts, "--num-prompts", str(args.num_prompts),
             "--max-tokens", str(args.max_tokens), "--temperature", "0", "--depths", str(args.depths),
+            "--concurrency", str(args.concurrency), "--acceptance-concurrency", str(args.concurrency),
             "--output", str(report_dir))  # fmt: skip
     result = table(json.loads((report_dir / "report.json").read_text()), names, dtypes[0], args.noise_dtype)
     (args.dir / "lossy_al.json").write_text(json.dumps(result, indent=2) + "\n")
