@@ -4,7 +4,8 @@
 an OS error about a path (disk full, read-only, missing) its `errors.from_os_error` class; set PEAGLE_DEBUG=1 to see
 the traceback instead. Heavy imports (torch, zarr) happen inside commands, so `--help`, `--version` and `plot`
 start without torch. The options of generate, extract, train, evaluate and vllm-check are the fields of their config
-dataclasses (`cli_options.config_command`): a setting is declared once, in config/.
+dataclasses (`cli_options.config_command`): a setting is declared once, in config/. The few options that are no
+setting are the commands' modes (`extract --plan`, `train --nproc-per-node N`), declared here.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ from peagle_pipeline.errors import (
     OutputExists,
     PeagleError,
     RankLost,
+    Reported,
     ResumeMismatch,
     from_os_error,
 )
 from peagle_pipeline.process_exit import skip_final_collection
-from peagle_pipeline.runtime import drop_shipped_config_notices
+from peagle_pipeline.runtime import LAUNCHER_ENV, drop_shipped_config_notices
 
 __all__ = ["app", "main"]
 
@@ -115,9 +117,21 @@ def extract(cfg: ExtractConfig, plan: bool = False) -> None:
         typer.echo(summary.format())
 
 
-@config_command(app, TrainConfig)
-def train(cfg: TrainConfig) -> None:
+_NPROC_HELP = (
+    "Start N ranks of this train command on this machine (DDP, or FSDP with --fsdp), as `torchrun --standalone "
+    "--nproc-per-node N` does, and exit with the run's own exit code (torchrun exits 1); several machines: "
+    "torchrun. Not a setting: no pipeline-file key."
+)
+
+
+@config_command(app, TrainConfig, modes={"nproc_per_node": (int, "N", _NPROC_HELP)})
+def train(cfg: TrainConfig, ctx: typer.Context, nproc_per_node: int | None = None) -> None:
     """Train a P-EAGLE draft from a cache (never loads the target model)."""
+    if nproc_per_node is not None:
+        from peagle_pipeline.stages.train import launch
+
+        launch.run(cfg, nproc_per_node, ctx.obj)
+        return
     from peagle_pipeline.stages.train import stage
 
     stage.run(cfg)
@@ -231,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # standalone_mode=False: typer returns the code of an Exit (and 130 for a Ctrl-C it caught) instead of
         # exiting, and lets PeagleError and click's usage errors through to the handlers below.
-        returned = app(args=argv, prog_name="peagle-pipeline", standalone_mode=False)
+        # obj: the command line, for a command that starts itself again (`train --nproc-per-node N`)
+        args = sys.argv[1:] if argv is None else list(argv)
+        returned = app(args=args, prog_name="peagle-pipeline", standalone_mode=False, obj=args)
         code = returned if isinstance(returned, int) else 0
         if code == Interrupted.exit_code:  # typer's code for a stop (SIGINT or SIGTERM) it caught
             code = _report(preemption.stop_error(preemption.last_stop_signal(), _STOPPED))
@@ -285,12 +301,18 @@ _SHARED = (BadInput, ResumeMismatch, OutputExists, IncompatibleCache, Busy, Inte
 def _torchrun_voice(err: PeagleError) -> str | None:
     """The error line of this process (None: say nothing). Under torchrun (WORLD_SIZE > 1) rank 0 speaks for the
     run, and says that torchrun itself exits 1 whatever the code; another rank speaks only of its own failure,
-    naming its rank."""
+    naming its rank. Under `train --nproc-per-node N` the launcher exits with rank 0's code and says itself which
+    rank died, so rank 0 says nothing of a lost rank; the launcher does not repeat a failure a rank reported."""
+    if isinstance(err, Reported):
+        return None
     world, rank = int(os.environ.get("WORLD_SIZE", "1") or 1), int(os.environ.get("RANK", "0") or 0)
-    if world <= 1 or "TORCHELASTIC_RUN_ID" not in os.environ:
+    launched = os.environ.get(LAUNCHER_ENV) == "1"
+    if world <= 1 or not (launched or "TORCHELASTIC_RUN_ID" in os.environ):
         return f"error: {err}"
     if rank != 0:
         return None if isinstance(err, _SHARED) else f"error: rank {rank}: {err}"
+    if launched:
+        return None if isinstance(err, RankLost) else f"error: {err}"
     return f"error: {err} (exit {err.exit_code}; torchrun itself exits 1 and lists each rank's exit code)"
 
 

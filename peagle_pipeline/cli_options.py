@@ -89,20 +89,32 @@ def _parameters(cls: type) -> list[inspect.Parameter]:
     return params
 
 
-def _mode(name: str, help_text: str) -> inspect.Parameter:
-    """`--name`, a switch of the command that is no setting (it changes what the command does, e.g. `--plan`)."""
-    info = typer.Option("--" + name.replace("_", "-"), help=help_text)
-    return inspect.Parameter(
-        name, inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[bool, info]
-    )
+def _mode(name: str, spec: str | tuple[type, str, str]) -> inspect.Parameter:
+    """`--name`, an option of the command that is no setting (it changes what the command does or how it runs):
+    a switch when `spec` is its help (`--plan`), else an option with a value, `spec` = (type, metavar, help),
+    None when not given (`--nproc-per-node N`)."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(spec, str):
+        info = typer.Option(flag, help=spec)
+        return inspect.Parameter(
+            name, inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[bool, info]
+        )
+    kind, metavar, help_text = spec
+    info = typer.Option(flag, help=help_text, metavar=metavar)
+    annotation = Annotated[kind | None, info]  # type: ignore[valid-type]
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
 
 
 def config_command(
-    app: typer.Typer, cls: type, name: str | None = None, modes: dict[str, str] | None = None
+    app: typer.Typer,
+    cls: type,
+    name: str | None = None,
+    modes: dict[str, str | tuple[type, str, str]] | None = None,
 ) -> Callable[[Callable[..., Any]], Any]:
     """Register the decorated function as command `name` (default: the function's name, `_` as `-`) with one
-    option per field of `cls`, and a switch per entry of `modes` (name -> help); its docstring is the command's
-    help.
+    option per field of `cls`, and an option per entry of `modes` that is no setting (name -> help of a switch,
+    or (type, metavar, help) of an option with a value); its docstring is the command's help. A function with a
+    `ctx` parameter also gets typer's context (its `obj` is the command line `cli.main()` parsed).
 
     A command with a pipeline-file section (generate, extract, train) is called with the resolved config
     (defaults < pipeline file < flags) and its switches as keywords; a flag-only command (evaluate, vllm-check)
@@ -112,10 +124,14 @@ def config_command(
     switches = dict(modes or {})
 
     def register(fn: Callable[..., Any]) -> Any:
+        wants_ctx = "ctx" in inspect.signature(fn).parameters
+
         @functools.wraps(fn)
         def command(**given: Any) -> Any:
             config = given.pop("config", None)
             chosen = {k: given.pop(k) for k in switches}
+            if wants_ctx:
+                chosen["ctx"] = given.pop("ctx")
             flags = {k: v for k, v in given.items() if v is not None}
             if cls in SECTIONS:
                 return fn(resolve(cls, config, flags), **chosen)
@@ -123,7 +139,9 @@ def config_command(
                 **{k: v for k, v in flags.items() if v != []}, **chosen
             )  # an unrepeated list: not given
 
-        params = _parameters(cls) + [_mode(k, h) for k, h in switches.items()]
+        params = _parameters(cls) + [_mode(k, spec) for k, spec in switches.items()]
+        if wants_ctx:
+            params.append(inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context))
         del command.__wrapped__  # typer reads the signature below, not the wrapped function's
         command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         command.__annotations__ = {p.name: p.annotation for p in params}

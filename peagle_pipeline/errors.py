@@ -25,6 +25,8 @@ __all__ = [
     "BackendMismatch",
     "SpeculativeMismatch",
     "StoreUnreachable",
+    "RankLost",
+    "Reported",
 ]
 
 
@@ -112,6 +114,15 @@ class RankLost(PeagleError):
     the run resumes from its last complete checkpoint."""
 
     exit_code = 13
+
+
+class Reported(PeagleError):
+    """A failure whose one line another process of the command already printed (a rank of `train
+    --nproc-per-node N`, where rank 0 speaks for the run): the command exits with that code and prints nothing."""
+
+    def __init__(self, exit_code: int) -> None:
+        super().__init__(f"exit {exit_code}, reported by a rank")
+        self.exit_code = exit_code
 
 
 class Interrupted(PeagleError):

@@ -32,6 +32,7 @@ __all__ = [
     "pause_for_crash_test",
     "make_readable",
     "exchange_paths",
+    "LAUNCHER_ENV",
     "rank_world_from_env",
     "writer_rank",
     "RankLock",
@@ -205,6 +206,11 @@ def check_output_dir(root: Path, marker: str, what: str) -> None:
                 f"output {root} exists and is not {what} (it holds {foreign[0]!r}, ...); "
                 "choose an empty or new directory"
             )
+
+
+LAUNCHER_ENV = "PEAGLE_LAUNCHER"
+"""Set to 1 in the environment of each rank that `train --nproc-per-node N` starts (beside torchrun's variables):
+such a rank's exit code is the run's, and the launcher names a rank that died."""
 
 
 def rank_world_from_env(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -84,14 +84,15 @@ def test_generate_flags_become_overrides(monkeypatch, capsys):
 
 def test_every_config_field_has_a_flag():
     """One vocabulary for YAML and flags: each dataclass field is a CLI option of its command; the only other
-    options are modes of the command, not settings (`extract --plan`: say the disk it needs and stop)."""
+    options are modes of the command, not settings (`extract --plan`: say the disk it needs and stop; `train
+    --nproc-per-node N`: start N ranks of it), and train's `ctx` is typer's context, no option."""
     import dataclasses
     import inspect
 
     for command, cls, modes in (
         (cli.generate, GenerateConfig, set()),
         (cli.extract, ExtractConfig, {"plan"}),
-        (cli.train, TrainConfig, set()),
+        (cli.train, TrainConfig, {"nproc_per_node", "ctx"}),
     ):
         params = set(inspect.signature(command).parameters) - {"config"} - modes
         assert params == {f.name for f in dataclasses.fields(cls)}
@@ -204,3 +205,40 @@ def test_under_torchrun_rank_0_speaks_for_the_run(monkeypatch, capsys):
         _report(ResumeMismatch("other settings")) == 5
         and capsys.readouterr().err == "error: other settings\n"
     )
+
+
+def test_under_train_nproc_per_node_rank_0_leaves_a_lost_rank_to_the_launcher(monkeypatch, capsys):
+    """The ranks `train --nproc-per-node N` starts: rank 0's line has no torchrun wording (the launcher exits with
+    its code), a lost rank is the launcher's line, and the launcher prints nothing for a failure a rank reported."""
+    from peagle_pipeline.cli import _report
+    from peagle_pipeline.errors import RankLost, Reported, ResumeMismatch
+    from peagle_pipeline.runtime import LAUNCHER_ENV
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv(LAUNCHER_ENV, "1")
+    assert _report(ResumeMismatch("other settings")) == 5
+    assert capsys.readouterr().err == "error: other settings\n"
+    assert _report(RankLost("rank 1 of the 2 ranks died")) == 13 and capsys.readouterr().err == ""
+    for name in ("WORLD_SIZE", "RANK", "TORCHELASTIC_RUN_ID", LAUNCHER_ENV):
+        monkeypatch.delenv(name)
+    assert _report(Reported(5)) == 5 and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "line"),
+    [
+        ({}, ["--nproc-per-node", "0"], "error: --nproc-per-node must be at least 1, got 0"),
+        (
+            {"WORLD_SIZE": "2", "RANK": "0"},
+            ["--nproc-per-node", "2"],
+            "error: --nproc-per-node starts the ranks itself: run it as one process, not under torchrun",
+        ),
+    ],
+)
+def test_nproc_per_node_refusals_are_one_line(monkeypatch, capsys, env, argv, line):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["train", "--cache", "c", "--output", "o", *argv]) == 2
+    assert capsys.readouterr().err == line + "\n"

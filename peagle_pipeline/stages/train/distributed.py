@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from peagle_pipeline.errors import BadConfig
+from peagle_pipeline.errors import BadConfig, RankLost
 from peagle_pipeline.runtime import rank_world_from_env
 
-__all__ = ["Dist", "resolve_device"]
+__all__ = ["Dist", "resolve_device", "lost_peer", "rank_lost"]
 
 
 @dataclass
@@ -89,3 +90,21 @@ def lost_peer(err: BaseException) -> bool:
     return type(err).__name__ == "DistBackendError" or any(
         s in text for s in ("Connection closed by peer", "Connection reset by peer", "remote worker crash")
     )
+
+
+def rank_lost(output: str, who: str, world: int, how: str, command: str) -> RankLost:
+    """The one line of a run that lost a rank: `who` ("rank 1") and `how` it ended ("was killed by SIGKILL"), the
+    last complete checkpoint, and how the `command` ("command", "torchrun command") continues the run."""
+    from peagle_pipeline.stages.checkpoint import CheckpointManager
+    from peagle_pipeline.stages.run_layout import TRAIN_YAML
+
+    steps = CheckpointManager(output, keep=1).complete_steps()
+    if steps:
+        kept = f"the last complete checkpoint is step {steps[-1]}; re-run the same {command} with --resume to continue"
+    elif (Path(output) / TRAIN_YAML).is_file():
+        kept = (
+            f"no checkpoint was saved yet; re-run the same {command} with --resume to continue from the start"
+        )
+    else:  # it had not started training: a resume would find nothing to continue
+        kept = f"nothing was saved yet; re-run the same {command} to start"
+    return RankLost(f"{who} of the {world} ranks of {output} {how}: {kept}")

@@ -21,7 +21,7 @@ from peagle_pipeline.stages.export.marker import run_identity
 from peagle_pipeline.stages.export.stage import check_export_target, export_run
 from peagle_pipeline.stages.run_layout import RUN_JSON
 from peagle_pipeline.stages.train import metrics as metrics_mod
-from peagle_pipeline.stages.train.distributed import Dist, lost_peer
+from peagle_pipeline.stages.train.distributed import Dist, lost_peer, rank_lost
 from peagle_pipeline.stages.train.draft import describe_mask_token, describe_vocab_coverage
 from peagle_pipeline.stages.train.metrics import format_figure
 from peagle_pipeline.stages.train.optim import effective_warmup, lr_at
@@ -125,16 +125,11 @@ def _explained(err: Exception, cfg: TrainConfig, dist: Dist) -> Exception:
 
 
 def _rank_lost(cfg: TrainConfig, dist: Dist) -> RankLost:
-    """The one line for a run that lost a rank: which one, the last complete checkpoint, the resume command."""
-    from peagle_pipeline.stages.checkpoint import CheckpointManager
-
-    steps = CheckpointManager(cfg.output, keep=1).complete_steps()
+    """The one line for a run that lost a rank: which one, the last complete checkpoint, the resume command (under
+    `train --nproc-per-node` the launcher says it, naming the rank and how it ended)."""
     who = f"rank {1 - dist.rank}" if dist.world == 2 else "another rank"
-    kept = f"the last complete checkpoint is step {steps[-1]}" if steps else "no checkpoint was saved yet"
-    return RankLost(
-        f"{who} of the {dist.world} ranks of {cfg.output} died (its process ended; torchrun names it): {kept}; "
-        "re-run the same torchrun command with --resume to continue" + ("" if steps else " from the start")
-    )
+    how = "died (its process ended; torchrun names it)"
+    return rank_lost(cfg.output, who, dist.world, how, "torchrun command")
 
 
 def _with_resume(err: OutOfSpace | OSError, out: Path) -> OutOfSpace:
