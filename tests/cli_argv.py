@@ -158,6 +158,23 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of the rank `rank` a launcher started (torchrun, or `train --nproc-per-node`): its child whose
+    environment says RANK=rank."""
+    try:
+        children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    except OSError:
+        return None
+    for pid in map(int, children):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return pid
+    return None
+
+
 def extract_argv(model: object, data: object, out: object, *extra: str) -> list[str]:
     """`peagle-pipeline extract --model MODEL --data DATA --output OUT EXTRA...` with this interpreter."""
     return [*PEAGLE, "extract", "--model", str(model), "--data", str(data), "--output", str(out), *extra]

@@ -1,6 +1,7 @@
 """Data parallel on CPU: `torchrun --nproc-per-node 2` (gloo) with one packed row per rank per step gives the same
 weights and losses as one process that accumulates the same two rows per step (`train --grad-accum 2`, fp32), for
-each drafting method.
+each drafting method; so does `train --nproc-per-node 2`, the package's own launcher (its exit codes and signals:
+test_train_launch.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_argv import rank_pid
+from cli_run import run_cli
 from safetensors.torch import load_file
 
 from peagle_pipeline.cli import main
@@ -47,27 +50,45 @@ def _cli_flags(method: str) -> list[str]:
     return out
 
 
+def _single(cache: Path, out: Path, method: str) -> TrainConfig:
+    """One process accumulating two rows per step (the command line's --grad-accum 2); returns its settings."""
+    argv = ["train", "--cache", str(cache), "--output", str(out), *_cli_flags(method), "--grad-accum", "2"]
+    assert main(argv) == 0
+    return resolve(TrainConfig, None, {"cache": str(cache), "output": str(out), "method": method, **FLAGS})
+
+
+def _assert_same_training(single: Path, ddp: Path, cache: Path, cfg: TrainConfig) -> None:
+    """Two ranks trained as one process: the same weights, losses and held-out figures; rank 1 wrote nothing."""
+    a = load_file(str(single / "checkpoints" / "step-00000004" / "model.safetensors"))
+    b = load_file(str(ddp / "checkpoints" / "step-00000004" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    from peagle_pipeline.cache.reader import open_cache
+
+    init = draft.build_draft(open_cache(str(cache)), cfg)[0].state_dict()
+    assert not torch.allclose(init["fc.weight"], a["fc.weight"], atol=1e-4)  # training moved the weights
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+    la = [r["loss"] for r in metrics.read_metrics(single) if r["kind"] == "train"]
+    lb = [r["loss"] for r in metrics.read_metrics(ddp) if r["kind"] == "train"]
+    assert len(la) == 4 and la == pytest.approx(lb, rel=1e-5)
+    ea = [r for r in metrics.read_metrics(single) if r["kind"] == "eval"][-1]
+    eb = [r for r in metrics.read_metrics(ddp) if r["kind"] == "eval"][-1]
+    assert ea["acceptance"] == pytest.approx(eb["acceptance"], rel=1e-5)
+    # rank 1 wrote nothing of its own: one metrics file, one set of checkpoints
+    assert len(list(ddp.glob("**/metrics.jsonl"))) == 1
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PEAGLE_DEBUG", None)
+    return env
+
+
 @pytest.mark.parametrize("method", ["peagle", "eagle3"])
 def test_two_ranks_equal_one_process_with_grad_accum_2(tiny_cache: Path, tmp_path: Path, method: str) -> None:
     single = tmp_path / "single"
-    argv = [
-        "train",
-        "--cache",
-        str(tiny_cache),
-        "--output",
-        str(single),
-        *_cli_flags(method),
-        "--grad-accum",
-        "2",
-    ]
-    assert main(argv) == 0  # one process, the command line's gradient accumulation
-    cfg = resolve(
-        TrainConfig, None, {"cache": str(tiny_cache), "output": str(single), "method": method, **FLAGS}
-    )
-
+    cfg = _single(tiny_cache, single, method)
     ddp = tmp_path / "ddp"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("PEAGLE_DEBUG", None)
     proc = subprocess.run(
         [
             sys.executable,
@@ -87,28 +108,24 @@ def test_two_ranks_equal_one_process_with_grad_accum_2(tiny_cache: Path, tmp_pat
         ],
         capture_output=True,
         text=True,
-        env=env,
+        env=_env(),
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_same_training(single, ddp, tiny_cache, cfg)
 
-    a = load_file(str(single / "checkpoints" / "step-00000004" / "model.safetensors"))
-    b = load_file(str(ddp / "checkpoints" / "step-00000004" / "model.safetensors"))
-    assert a.keys() == b.keys()
-    from peagle_pipeline.cache.reader import open_cache
 
-    init = draft.build_draft(open_cache(str(tiny_cache)), cfg)[0].state_dict()
-    assert not torch.allclose(init["fc.weight"], a["fc.weight"], atol=1e-4)  # training moved the weights
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
-    la = [r["loss"] for r in metrics.read_metrics(single) if r["kind"] == "train"]
-    lb = [r["loss"] for r in metrics.read_metrics(ddp) if r["kind"] == "train"]
-    assert len(la) == 4 and la == pytest.approx(lb, rel=1e-5)
-    ea = [r for r in metrics.read_metrics(single) if r["kind"] == "eval"][-1]
-    eb = [r for r in metrics.read_metrics(ddp) if r["kind"] == "eval"][-1]
-    assert ea["acceptance"] == pytest.approx(eb["acceptance"], rel=1e-5)
-    # rank 1 wrote nothing of its own: one metrics file, one set of checkpoints
-    assert len(list(ddp.glob("**/metrics.jsonl"))) == 1
+def test_nproc_per_node_2_trains_as_torchrun_does(tiny_cache: Path, tmp_path: Path) -> None:
+    """`train --nproc-per-node 2`, the package's own launcher (no torchrun): two ranks with torchrun's environment,
+    the same training as one process with --grad-accum 2; rank 0 alone speaks."""
+    single = tmp_path / "single"
+    cfg = _single(tiny_cache, single, "peagle")
+    launched = tmp_path / "launched"
+    argv = ["train", "--nproc-per-node", "2", "--cache", str(tiny_cache), "--output", str(launched)]
+    done = run_cli([*argv, *_cli_flags("peagle")], _env())
+    assert done.code == 0, done.stderr[-3000:]
+    _assert_same_training(single, launched, tiny_cache, cfg)
+    assert done.stderr.count("global batch: ") == 1 and "x 2 rank(s)" in done.stderr, done.stderr[-3000:]
 
 
 def _torchrun(cache: Path, out: Path, *extra: str) -> list[str]:
@@ -116,22 +133,6 @@ def _torchrun(cache: Path, out: Path, *extra: str) -> list[str]:
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "peagle_pipeline.cli", "train", "--cache", str(cache), "--output", str(out), *_cli_flags("peagle"), *extra,
     ]  # fmt: skip
-
-
-def _rank_pid(launcher: int, rank: int) -> int | None:
-    """The pid of torchrun's worker of `rank` (a child of the launcher whose environment says RANK=rank)."""
-    try:
-        children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
-    except OSError:
-        return None
-    for pid in map(int, children):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env:
-            return pid
-    return None
 
 
 def test_a_rank_killed_is_one_line_from_rank_0_and_a_refusal_is_said_once(
@@ -151,7 +152,7 @@ def test_a_rank_killed_is_one_line_from_rank_0_and_a_refusal_is_said_once(
     deadline = time.monotonic() + 240
     while not list((out / "checkpoints").glob("step-*/meta.json")) and time.monotonic() < deadline:
         time.sleep(0.2)
-    victim = _rank_pid(launcher.pid, 1)
+    victim = rank_pid(launcher.pid, 1)
     assert victim is not None, "rank 1 not found"
     os.kill(victim, signal.SIGKILL)
     _, err = launcher.communicate(timeout=240)
