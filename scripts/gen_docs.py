@@ -92,9 +92,10 @@ traceback). Exit codes: 1 generic, 2 bad input or settings, 3 incompatible or in
 extraction rank or training run,
 8 repeated non-finite loss, 9 disk full, 10 a target runtime returned other tokens or shapes than sent, 11 speculative
 greedy output differs from plain greedy output (`vllm-check`), 12 the object store holding a cache did not answer a
-read (the cache is not damaged; run again, `train --resume`), 13 another rank of a torchrun run died (`train
---resume` continues from the last checkpoint; torchrun itself exits 1, see
-[multi-node](../guides/multi-node.md#training-ddp-and-fsdp)), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
+read (the cache is not damaged; run again, `train --resume`), 13 another rank of a distributed training run died
+(`train --resume` continues from the last checkpoint), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM). Under
+torchrun, torchrun itself exits 1 whenever a rank fails; `train --nproc-per-node N` starts the ranks of one machine
+itself and exits with these codes ([multi-node](../guides/multi-node.md#training-ddp-and-fsdp)).
 
 | command | what it does |
 |---|---|
@@ -102,7 +103,7 @@ read (the cache is not damaged; run again, `train --resume`), 13 another rank of
 | `peagle-pipeline extract [--config FILE] [flags]` | run the target once over chat data, write or resume a cache (flags: see [pipeline-files.md](pipeline-files.md), section `extract:`) |
 | `peagle-pipeline inspect CACHE [--sample ID] [--rows N]` | settings, samples, tokens, supervised fraction, lengths, bytes per token, store sizes; or one sample token by token |
 | `peagle-pipeline verify CACHE` | read everything back, check checksums and tables; names the store and samples of each problem (exit 4); checks what the manifests commit, so a cache still being written is reported incomplete (exit 3), not damaged |
-| `peagle-pipeline train [--config FILE] [flags]` | train a draft from a cache (section `train:`); `--resume` continues exactly |
+| `peagle-pipeline train [--config FILE] [flags]` | train a draft from a cache (section `train:`); `--resume` continues exactly; `--nproc-per-node N` trains with N ranks on this machine |
 | `peagle-pipeline export RUN --output DIR [--checkpoint best\\|latest\\|step-N] [--force]` | speculators P-EAGLE checkpoint for vLLM (`--force`: replace another run's export) |
 | `peagle-pipeline plot RUN` | PNG curves of loss, per-depth agreement and acceptance length |
 | `peagle-pipeline evaluate DRAFT... [--prompts SET]...` | measure drafts in vLLM side by side: acceptance length, per-position acceptance, tokens/s with and without the draft; JSON report and PNG chart ([evaluate.md](../guides/evaluate.md)) |
