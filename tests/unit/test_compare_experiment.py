@@ -27,6 +27,7 @@ from compare_settings import (  # noqa: E402
     row_flags,
     row_steps,
     scale_for,
+    timed_as,
     trainable,
 )
 
@@ -46,6 +47,14 @@ def test_every_row_trains_for_the_same_seconds_and_the_run_ends_in_the_hour() ->
     assert row_steps(step_s, 70 * 60, eval_min)["steps"] == dict.fromkeys(
         step_s, CALIBRATION_STEPS
     )  # none left
+
+
+def test_the_second_run_of_a_row_trains_its_rows_steps() -> None:
+    # the noise figure is two runs that differ in the seed alone: the repeat takes its row's timed steps
+    assert timed_as("peagle-llama-seed1", list(DEFAULT_ROWS)) == "peagle-llama"
+    assert timed_as("peagle-llama", list(DEFAULT_ROWS)) == "peagle-llama"
+    # without its row the repeat is timed itself (it is then skipped anyway, but never keyed to a missing row)
+    assert timed_as("peagle-llama-seed1", ["peagle-llama-seed1"]) == "peagle-llama-seed1"
 
 
 def test_the_evaluation_and_the_data_follow_the_hosts_speed() -> None:
