@@ -262,3 +262,21 @@ def wait_for_group_exit(pgid: int, timeout: float = 30) -> None:
         if not live:
             return
         time.sleep(0.01)
+
+
+def wait_until(proc: subprocess.Popen[str], ready: Any, timeout: float = 240) -> None:
+    """Poll `ready()` until it holds, failing the test (with the end of `proc`'s stderr) if `proc` ends first or
+    `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, f"ended early ({proc.returncode}): {proc.stderr.read()[-3000:]}"  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def last_train_step(out: Path) -> int:
+    """The last step a training run in `out` logged to metrics.jsonl (0 before its first)."""
+    from peagle_pipeline.stages.train import metrics
+
+    steps = [r["step"] for r in metrics.read_metrics(out) if r.get("kind") == "train"]
+    return steps[-1] if steps else 0

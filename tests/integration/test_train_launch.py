@@ -13,14 +13,11 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from cli_argv import PEAGLE, rank_pid, small_train_flags
+from cli_argv import PEAGLE, last_train_step, rank_pid, small_train_flags, wait_until
 from cli_run import run_cli
-
-from peagle_pipeline.stages.train import metrics
 
 pytestmark = [pytest.mark.crash, pytest.mark.slow]
 
@@ -64,19 +61,6 @@ def _start(argv: list[str], **env: str) -> subprocess.Popen[str]:
     )
 
 
-def _wait_for(proc: subprocess.Popen[str], ready, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        assert proc.poll() is None, f"ended early ({proc.returncode}): {proc.stderr.read()[-3000:]}"
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
-def _last_step(out: Path) -> int:
-    steps = [r["step"] for r in metrics.read_metrics(out) if r.get("kind") == "train"]
-    return steps[-1] if steps else 0
-
-
 def _one_voice(stderr: str) -> str:
     """The one error line of a failed run, after checking it is the only one and that nothing else speaks over
     it (no traceback, no torchrun summary, no torch logging)."""
@@ -91,7 +75,7 @@ def _one_voice(stderr: str) -> str:
 def test_ctrl_c_stops_every_rank_with_a_checkpoint_and_exits_130(tiny_cache: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = _start(_launch(tiny_cache, out), PEAGLE_TEST_STEP_SLEEP="0.3")
-    _wait_for(proc, lambda: _last_step(out) >= 3)
+    wait_until(proc, lambda: last_train_step(out) >= 3)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the launcher's group (the ranks have their own)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr[-3000:]
@@ -118,7 +102,7 @@ def test_a_rank_killed_is_one_line_exit_13_and_a_refused_resume_is_exit_5(
     proc = _start(
         _launch(tiny_cache, out, "--steps", "400", "--num-workers", "1"), PEAGLE_TEST_STEP_SLEEP="0.3"
     )
-    _wait_for(proc, lambda: bool(list((out / "checkpoints").glob("step-*/meta.json"))))
+    wait_until(proc, lambda: bool(list((out / "checkpoints").glob("step-*/meta.json"))))
     victim = rank_pid(proc.pid, 1)
     assert victim is not None, "rank 1 not found"
     os.kill(victim, signal.SIGKILL)

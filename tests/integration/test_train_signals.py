@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_argv import PEAGLE, small_train_flags
+from cli_argv import PEAGLE, last_train_step, small_train_flags, wait_until
 from cli_run import run_cli
 from safetensors.torch import load_file
 
@@ -51,19 +51,6 @@ def _start(cmd: list[str], **env: str) -> subprocess.Popen[str]:
     )
 
 
-def _wait_for(proc: subprocess.Popen[str], ready, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        assert proc.poll() is None, f"ended early ({proc.returncode}): {proc.stderr.read()[-2000:]}"
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
-def _last_step(out: Path) -> int:
-    steps = [r["step"] for r in metrics.read_metrics(out) if r.get("kind") == "train"]
-    return steps[-1] if steps else 0
-
-
 def _ctrl_c(proc: subprocess.Popen[str]) -> tuple[str, str]:
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the trainer and its DataLoader worker
     stdout, stderr = proc.communicate(timeout=120)
@@ -82,7 +69,7 @@ def _hold_fifo(proc: subprocess.Popen[str], fifo: Path) -> int:
             return False
         return True
 
-    _wait_for(proc, opened)
+    wait_until(proc, opened)
     time.sleep(0.2)
     return fd[0]
 
@@ -109,7 +96,7 @@ def test_ctrl_c_saves_the_step_and_resume_finishes_exactly(tiny_cache: Path, tmp
     # Steps of at least STEP_S: the record of step 50 appears while that step's bookkeeping still runs, so Ctrl-C
     # is sent a few steps later, inside the window (50, 100], never on its boundary and never near its end.
     proc = _start(_cmd(tiny_cache, out, *LOG_EVERY), PEAGLE_TEST_STEP_SLEEP=str(STEP_S))
-    _wait_for(proc, lambda: _last_step(out) >= 50)
+    wait_until(proc, lambda: last_train_step(out) >= 50)
     time.sleep(5 * STEP_S)
     _, stderr = _ctrl_c(proc)
     lines = [line for line in stderr.splitlines() if line.strip()]
@@ -156,7 +143,7 @@ def test_second_start_on_a_live_run_is_busy(tiny_cache: Path, tmp_path: Path) ->
     out = tmp_path / "run"
     first = _start(_cmd(tiny_cache, out, "--steps", "100000"))
     try:
-        _wait_for(first, lambda: _last_step(out) >= 1)
+        wait_until(first, lambda: last_train_step(out) >= 1)
         second = run_cli(_cmd(tiny_cache, out), _env())
         lines = [line for line in second.stderr.splitlines() if line.strip()]
         assert second.returncode == 7, second.stderr[-2000:]
