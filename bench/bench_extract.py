@@ -195,7 +195,7 @@ def time_round(
     """Seconds of each side over every group of batches, extraction writing a fresh cache at `root`; which side
     goes first alternates from group to group (starting with the extraction when `first` is even)."""
     writer = CacheWriter(root, meta, 0, 1).open()
-    ahead = BatchPipeline(writer, meta, lambda n: None)
+    ahead = BatchPipeline(writer, lambda n: None)
     seconds = {"bare": 0.0, "extract": 0.0}
 
     def run_bare(group: list[Any]) -> None:

@@ -121,7 +121,7 @@ def main() -> None:
         ours.forward([s.input_ids for s in batches[0][:1]])  # warm-up
         prefill(batches[0][:1])
         writer = CacheWriter(prepare_output(cfg, meta), meta, 0, 1).open()
-        ahead = BatchPipeline(writer, meta, lambda n: None)
+        ahead = BatchPipeline(writer, lambda n: None)
         seconds = {"bare": 0.0, "logprobs": 0.0, "extract": 0.0}
 
         def run_extract(group: list[list[PlannedSample]]) -> None:

@@ -156,7 +156,7 @@ def extraction(args: argparse.Namespace, dev: torch.device, work: Path) -> dict[
     target = random_target(work / "target", layers=args.target_layers)
     cfg = ExtractConfig(model=str(target), data=["-"], output="-", device=str(dev))
     backend = HFBackend(backend_settings(cfg), resolve_layers(cfg, args.target_layers))
-    meta = SimpleNamespace(topk=cfg.topk, hidden_dtype="bfloat16", has_last_hidden=False)
+    stored = SimpleNamespace(topk=cfg.topk, hidden_dtype="bfloat16", has_last_hidden=False)
     g = torch.Generator().manual_seed(0)
     per = max(1, args.batch_tokens // args.max_length)
     batches = [
@@ -168,11 +168,13 @@ def extraction(args: argparse.Namespace, dev: torch.device, work: Path) -> dict[
     ]
 
     class Drop:  # the writer's place: conversion to the stored dtypes is timed, the zarr write is not
+        meta = stored
+
         def add(self, *a: Any) -> None:
             pass
 
     def pipelined() -> None:
-        ahead = BatchPipeline(Drop(), meta, lambda n: None)  # type: ignore[arg-type]
+        ahead = BatchPipeline(Drop(), lambda n: None)  # type: ignore[arg-type]
         for i, ids in enumerate(batches):
             ahead.submit(
                 backend,

@@ -20,7 +20,7 @@ from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.data.chat import ChatRenderer
 from peagle_pipeline.model_dir import load_tokenizer, read_target_info
 from peagle_pipeline.stages.extract import plan
-from peagle_pipeline.stages.extract.settings import resolve_layers
+from peagle_pipeline.stages.extract.settings import settle
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def _estimate(model: Path, data: Path, out: Path, **settings: object) -> plan.Es
     cfg = ExtractConfig(model=str(model), data=[str(data)], output=str(out), **settings)  # type: ignore[arg-type]
     info = read_target_info(model)
     renderer = ChatRenderer(load_tokenizer(str(model)), cfg.assistant_turns, cfg.leading_assistant)
-    return plan.estimate(cfg, info, resolve_layers(cfg, info.num_hidden_layers), renderer)
+    return plan.estimate(settle(cfg, info, None, "cpu", (0, 1)), renderer)
 
 
 def test_the_estimate_is_within_10_percent_of_the_cache_it_predicts(
@@ -52,7 +52,9 @@ def test_the_estimate_is_within_10_percent_of_the_cache_it_predicts(
         model=str(tiny_model), data=[str(conversations)], output=str(tmp_path / "c"), max_length=256
     )
     renderer = ChatRenderer(load_tokenizer(str(tiny_model)), "all", "context")
-    sampled = plan.count_tokens(cfg, renderer, sample_rows=14)
+    sampled = plan.count_tokens(
+        settle(cfg, read_target_info(tiny_model), None, "cpu", (0, 1)), renderer, sample_rows=14
+    )
     assert sampled.step == 3 and sampled.sampled == 14
     assert abs(sampled.tokens * sampled.scale - est.count.tokens) / est.count.tokens < 0.25
 

@@ -25,7 +25,7 @@ from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.data.chat import ChatRenderer
 from peagle_pipeline.model_dir import load_tokenizer, read_target_info
 from peagle_pipeline.stages.extract import plan
-from peagle_pipeline.stages.extract.settings import resolve_layers
+from peagle_pipeline.stages.extract.settings import settle
 from peagle_pipeline.stages.train import metrics
 
 pytestmark = pytest.mark.slow
@@ -87,7 +87,7 @@ def test_lossy_cache_reads_back_close_to_the_lossless_cache(
                         max_length=256, shard_tokens=2048, chunk_tokens=256)  # fmt: skip
     info = read_target_info(tiny_model)
     renderer = ChatRenderer(load_tokenizer(str(tiny_model)), "all", "context")
-    est = plan.estimate(cfg, info, resolve_layers(cfg, info.num_hidden_layers), renderer)
+    est = plan.estimate(settle(cfg, info, None, "cpu", (0, 1)), renderer)
     actual = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
     # within 10 % on a real target (tests/real); the tiny random target's top-k ids and log-probs compress
     # better than a real model's (ids < 512, flat distributions), which the estimate cannot know

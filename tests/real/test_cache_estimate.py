@@ -12,7 +12,7 @@ from peagle_pipeline.config import ExtractConfig
 from peagle_pipeline.data.chat import ChatRenderer
 from peagle_pipeline.model_dir import load_tokenizer, read_target_info
 from peagle_pipeline.stages.extract import plan, stage
-from peagle_pipeline.stages.extract.settings import resolve_layers
+from peagle_pipeline.stages.extract.settings import settle
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
@@ -24,7 +24,7 @@ def test_the_estimate_is_within_10_percent_of_a_real_cache(
                         max_samples=12, max_length=512, dtype="nf4", batch_tokens=4096)  # fmt: skip
     info = read_target_info(smollm2_dir)
     renderer = ChatRenderer(load_tokenizer(str(smollm2_dir)), cfg.assistant_turns, cfg.leading_assistant)
-    est = plan.estimate(cfg, info, resolve_layers(cfg, info.num_hidden_layers), renderer)
+    est = plan.estimate(settle(cfg, info, None, "cpu", (0, 1)), renderer)
     summary = stage.run(cfg)
     assert est.count.step == 1 and est.tokens == summary.tokens
     actual = sum(f.stat().st_size for f in (tmp_path / "cache").rglob("*") if f.is_file())

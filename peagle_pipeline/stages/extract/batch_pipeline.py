@@ -26,13 +26,12 @@ class BatchPipeline:
     while a batch is in flight is recorded after that batch's samples, as it would have been.
 
     Args:
-        writer: the store's writer.
-        meta: the cache's metadata (stored dtypes).
+        writer: the store's writer (its `meta` gives the stored dtypes).
         progress: called with the number of rows done (samples written, rejects recorded).
     """
 
-    def __init__(self, writer: CacheWriter, meta: CacheMeta, progress: Callable[[int], Any]) -> None:
-        self.writer, self.meta, self.progress = writer, meta, progress
+    def __init__(self, writer: CacheWriter, progress: Callable[[int], Any]) -> None:
+        self.writer, self.meta, self.progress = writer, writer.meta, progress
         self.new_tokens = 0
         self._pending: tuple[list[PlannedSample], Callable[[], list[SampleOutputs]]] | None = None
         self._held: list[RowReject] = []

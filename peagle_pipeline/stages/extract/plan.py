@@ -13,15 +13,16 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from peagle_pipeline.cache import estimate as sizes
 from peagle_pipeline.cache.estimate import CacheShape
-from peagle_pipeline.config import ExtractConfig
-from peagle_pipeline.core.target_init import target_init_layer
 from peagle_pipeline.errors import OutOfSpace
 from peagle_pipeline.stages.extract.cache_output import LOGICAL_DTYPE
 from peagle_pipeline.target_info import default_layer_ids
+
+if TYPE_CHECKING:
+    from peagle_pipeline.stages.extract.settings import ExtractPlan
 
 __all__ = [
     "SAMPLE_ROWS", "MARGIN", "TokenCount", "Estimate", "count_tokens", "estimate", "check_space", "human",
@@ -55,22 +56,23 @@ class TokenCount:
         return f"tokens from {self.sampled:,} of {self.rows:,} rows tokenised (1 in {self.step}), scaled"
 
 
-def count_tokens(cfg: ExtractConfig, renderer: Any, sample_rows: int = SAMPLE_ROWS) -> TokenCount:
-    """Tokens and samples the data gives under cfg's max_length, overlong and turn settings: every row when there
-    are at most `sample_rows`, else every k-th (k = ceil(rows / sample_rows)), in row order."""
-    from peagle_pipeline.data.formats import iter_rows
-    from peagle_pipeline.data.records import rank_rows
+def count_tokens(plan: ExtractPlan, renderer: Any, sample_rows: int = SAMPLE_ROWS) -> TokenCount:
+    """Tokens and samples the whole cache's rows give, rendered as the stage renders them (the backend's max_length,
+    the overlong and turn settings): every row when there are at most `sample_rows`, else every k-th
+    (k = ceil(rows / sample_rows)), in row order."""
     from peagle_pipeline.stages.extract.batch_plan import PlannedSample, render_rows
+    from peagle_pipeline.stages.rank_run import this_rank_rows
 
-    rows = sum(1 for _ in rank_rows(iter_rows(cfg.data, cfg.split), 0, 1, cfg.max_samples))
-    step = max(1, math.ceil(rows / sample_rows))
-    picked = (r for r in rank_rows(iter_rows(cfg.data, cfg.split), 0, 1, cfg.max_samples) if r[0] % step == 0)
+    cfg = plan.cfg
+    rows = this_rank_rows(cfg.data, cfg.split, 0, 1, cfg.max_samples)  # every rank's rows: the whole cache
+    step = max(1, math.ceil(rows.total / sample_rows))
+    picked = (r for r in rows.rows if r[0] % step == 0)
     samples = tokens = 0
-    for item in render_rows(picked, renderer, cfg.max_length, cfg.overlong):
+    for item in render_rows(picked, renderer, plan.backend.max_length, cfg.overlong):
         if isinstance(item, PlannedSample):
             samples += 1
             tokens += len(item.input_ids)
-    return TokenCount(rows, step, samples, tokens)
+    return TokenCount(rows.total, step, samples, tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,21 +99,21 @@ class Estimate:
         )
 
 
-def estimate(cfg: ExtractConfig, info: Any, layer_ids: list[int], renderer: Any) -> Estimate:
-    """The final size of the cache `cfg` writes for target `info` (config.json) with aux layers `layer_ids`."""
+def estimate(plan: ExtractPlan, renderer: Any) -> Estimate:
+    """The final size of the cache `plan` writes: its target (config.json), aux layers, stored dtype, top-k and
+    stores (one per rank), and the tokens its rows give (`count_tokens`)."""
     from peagle_pipeline.model_dir import text_config
 
+    cfg, info = plan.cfg, plan.info
     shape = CacheShape(
-        info.hidden_size, len(layer_ids), LOGICAL_DTYPE[cfg.dtype], cfg.topk, info.vocab_size,
+        info.hidden_size, len(plan.layer_ids), LOGICAL_DTYPE[cfg.dtype], cfg.topk, info.vocab_size,
         cfg.last_hidden, cfg.compress, cfg.chunk_tokens,
     )  # fmt: skip
-    count = count_tokens(cfg, renderer)
+    count = count_tokens(plan, renderer)
     per_token = sum(sizes.bytes_per_token(shape).values())
     config = {**info.config, **text_config(info.config)}
-    init = target_init_layer(info.num_hidden_layers) is not None
-    stores = cfg.world_size or 1
-    fixed = sizes.fixed_bytes(shape, stores, round(count.samples * count.scale))
-    fixed += sizes.pieces_bytes(config, init)
+    fixed = sizes.fixed_bytes(shape, plan.world, round(count.samples * count.scale))
+    fixed += sizes.pieces_bytes(config)  # with the decoder layer the draft starts from
     fixed += sum(p.stat().st_size for p in _target_files(cfg.model))
     return Estimate(count, shape, per_token, fixed)
 
@@ -122,13 +124,13 @@ def _target_files(model: str) -> list[Path]:
     return target_files(model)
 
 
-def check_space(cfg: ExtractConfig, est: Estimate, local: str | None) -> str:
+def check_space(est: Estimate, local: str | None, refuse: bool = True) -> str:
     """The start line: the estimate and the free space of the output's file system (`local`: the output
     directory; None for an object store, which is not checked).
 
     Raises:
-        OutOfSpace: less free space than the estimate (less what the output already holds) plus MARGIN, unless
-            cfg.space_check is off.
+        OutOfSpace: less free space than the estimate (less what the output already holds) plus MARGIN, when
+            `refuse` (the `space_check` setting).
     """
     if local is None:
         return f"{est.describe()}; free space not checked: the output is an object store"
@@ -139,7 +141,7 @@ def check_space(cfg: ExtractConfig, est: Estimate, local: str | None) -> str:
     line = f"{est.describe()}; {human(free)} free in {where}"
     if held:
         line += f" ({human(held)} already written)"
-    if needed * (1 + MARGIN) > free and cfg.space_check:
+    if needed * (1 + MARGIN) > free and refuse:
         raise OutOfSpace(
             f"not enough free space for the cache: {human(needed)} still to write by the estimate "
             f"(+{MARGIN:.0%} margin), {human(free)} free in {where}; free some space, choose another --output, "

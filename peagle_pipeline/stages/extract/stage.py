@@ -10,7 +10,6 @@ holds the first uncommitted sample, and the writer drops tokens it already has. 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import shutil
 import sys
@@ -18,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from peagle_pipeline.backends import vllm_log
 from peagle_pipeline.backends.base import TargetBackend
@@ -43,6 +42,7 @@ from peagle_pipeline.stages.tokenizer_facts import tokenizer_facts
 if TYPE_CHECKING:
     from peagle_pipeline.core.vocab import TokenizerFacts
     from peagle_pipeline.data.chat import ChatRenderer
+    from peagle_pipeline.target_info import TargetInfo
 
 __all__ = ["run", "plan", "ExtractSummary"]
 
@@ -101,13 +101,11 @@ def run(cfg: ExtractConfig) -> ExtractSummary:
     from peagle_pipeline.data.formats import split_notes
     from peagle_pipeline.model_dir import read_target_info
 
-    rank_world = writer_rank(cfg.rank, cfg.world_size)
     info = read_target_info(cfg.model)
     check_target(cfg, info)  # before the data and the output are looked at
     renderer = _checked_renderer(cfg)
     place = _place(cfg.output)
-    device = target_device(cfg)
-    plan = settle(cfg, info, read_recorded_meta(place.local), device, rank_world, _bf16_only(cfg, device))
+    plan = _settle(cfg, info, read_recorded_meta(place.local))
     meta = build_meta(plan)
     existed, created = Path(place.local).exists(), not (Path(place.local) / layout.CACHE_META).exists()
     # a new cache: the estimated size against the free space, refused before anything is loaded or written
@@ -145,10 +143,9 @@ def _check_space(plan: ExtractPlan, renderer: ChatRenderer, writer: CacheWriter 
     Raises:
         OutOfSpace: the file system cannot hold what is left to write.
     """
-    cfg = plan.cfg
-    room = extract_plan.estimate(cfg, plan.info, list(plan.layer_ids), renderer)
+    room = extract_plan.estimate(plan, renderer)
     try:
-        return extract_plan.check_space(cfg, room, _plan_local(cfg.output))
+        return extract_plan.check_space(room, _plan_local(plan.cfg.output), plan.cfg.space_check)
     except BaseException:
         if writer is not None:
             writer.abort()
@@ -161,11 +158,17 @@ def plan(cfg: ExtractConfig) -> str:
     from peagle_pipeline.model_dir import read_target_info
 
     info = read_target_info(cfg.model)
-    layer_ids = check_target(cfg, info)
-    room = extract_plan.estimate(cfg, info, layer_ids, _checked_renderer(cfg))
-    return extract_plan.check_space(
-        dataclasses.replace(cfg, space_check=False), room, _plan_local(cfg.output)
-    )
+    check_target(cfg, info)
+    renderer = _checked_renderer(cfg)
+    room = extract_plan.estimate(_settle(cfg, info, read_recorded_meta(cfg.output)), renderer)
+    return extract_plan.check_space(room, _plan_local(cfg.output), refuse=False)
+
+
+def _settle(cfg: ExtractConfig, info: TargetInfo, recorded: dict[str, Any] | None) -> ExtractPlan:
+    """The run's plan (`settle`) on this process's rank and device, `recorded` the resumed cache's cache.json."""
+    device = target_device(cfg)
+    rank_world = writer_rank(cfg.rank, cfg.world_size)
+    return settle(cfg, info, recorded, device, rank_world, _bf16_only(cfg, device))
 
 
 def _plan_local(output: str) -> str | None:
@@ -315,7 +318,7 @@ class _StoreWork:
             progress.tokens = ahead.new_tokens
             progress.advance(n)
 
-        ahead = BatchPipeline(writer, meta, advance)
+        ahead = BatchPipeline(writer, advance)
         try:
             progress.banner(self.summary.compute_dtype)
             for item in items:
