@@ -170,6 +170,28 @@ def test_no_import_circles():
     assert not cycles, "\n".join(" -> ".join([*c, c[0]]) for c in sorted(cycles))
 
 
+def _command(module: str) -> str | None:
+    """The command folder under stages/ a module belongs to (stages.train.loader -> train); None outside one."""
+    parts = module.split(".")
+    if len(parts) > 3 and parts[1] == "stages" and (PKG / "stages" / parts[2]).is_dir():
+        return parts[2]
+    return None
+
+
+def test_commands_use_each_other_one_way():
+    """A command may use another's pieces (train exports at the end, evaluate reads the export marker), never the
+    other way round as well: what two commands both read (the run folder's records) sits beside them in stages/."""
+    uses: set[tuple[str, str]] = set()
+    for module, targets in _ours().items():
+        for target in targets:
+            a, b = _command(module), _command(target)
+            if a and b and a != b:
+                uses.add((a, b))
+    both = sorted(f"{a} <-> {b}" for a, b in uses if (b, a) in uses and a < b)
+    assert not both, "\n".join(both)
+    assert ("train", "export") in uses  # the check sees the one use that is meant to be there
+
+
 def test_the_checks_see_every_import_form(tmp_path):
     """The resolver itself: `from peagle_pipeline import x` and relative imports name the module imported."""
     probe = tmp_path / "probe.py"

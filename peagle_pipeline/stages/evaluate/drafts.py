@@ -85,7 +85,8 @@ def find_run(export_dir: str | Path) -> Path | None:
 def exported_step(export_dir: str | Path, run_dir: Path) -> int | None:
     """The training step of the checkpoint an export holds (its marker's `step`), or None: unknown, or the marker
     names another run than `run_dir` (an export found beside a run it does not come from)."""
-    from peagle_pipeline.stages.export.marker import read_marker, run_identity, same_run
+    from peagle_pipeline.stages.export.marker import read_marker, same_run
+    from peagle_pipeline.stages.run_records import run_identity
 
     facts = read_marker(export_dir)
     step = facts.get("step")
@@ -100,7 +101,7 @@ def trainer_estimate(run_dir: Path, step: int | None = None) -> dict[str, Any] |
     did not evaluate at that step). Beside each anchor mean, `*_walk` is the same evaluation's acceptance walked as
     vLLM walks a reply (`core.loss.acceptance_walk`; None for runs made before it was recorded)."""
     from peagle_pipeline.stages.evaluate.prompts import read_train_settings
-    from peagle_pipeline.stages.train.metrics import read_metrics
+    from peagle_pipeline.stages.run_records import read_metrics
 
     evals = [
         r

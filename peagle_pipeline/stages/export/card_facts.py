@@ -91,7 +91,7 @@ def gather(export_dir: Path, run_dir: Path) -> CardFacts:
 
     from peagle_pipeline.stages.export.marker import read_marker
     from peagle_pipeline.stages.run_layout import RUN_JSON, TRAIN_YAML
-    from peagle_pipeline.stages.train.metrics import read_metrics
+    from peagle_pipeline.stages.run_records import read_metrics
 
     spec = DraftSpec.load(run_dir)
     train = _read(lambda: (yaml.safe_load((run_dir / TRAIN_YAML).read_text()) or {}).get("train"), {})

@@ -1,7 +1,7 @@
 """Where an export came from, read back: its marker (`.peagle-export.json`: the run, checkpoint, trained K and the
 target's identity), and the checks built on it.
 
-`run_identity` names a run (path and first start time), `same_run` compares a marker with it, `trained_depths` is
+`same_run` compares a marker with a run's identity (`stages.run_records.run_identity`), `trained_depths` is
 the K the draft was trained with, and `check_served_target` compares the recorded target with the one an export is
 about to run on (`vllm-check`, `evaluate`). Reads only; the marker is written with the export (`stages.export.stage`).
 """
@@ -17,7 +17,6 @@ from peagle_pipeline.errors import BadInput
 
 __all__ = [
     "MARKER_FILE",
-    "run_identity",
     "read_marker",
     "export_run_dir",
     "trained_depths",
@@ -28,21 +27,6 @@ __all__ = [
 ]
 
 MARKER_FILE = ".peagle-export.json"  # the run and checkpoint an export came from (ours; vLLM ignores it)
-
-
-def run_identity(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """Who an export comes from: the run's path and the time of its first start (from run.json).
-
-    The start time survives moving or copying the run folder; the path names it for people.
-    """
-    from peagle_pipeline.stages.run_layout import RUN_JSON
-
-    try:
-        starts = json.loads((Path(run_dir) / RUN_JSON).read_text()).get("starts") or [{}]
-        started = starts[0].get("time")
-    except (OSError, ValueError, AttributeError):
-        started = None
-    return {"run": str(Path(run_dir).resolve()), "run_started": started}
 
 
 def read_marker(export_dir: str | os.PathLike[str]) -> dict[str, Any]:

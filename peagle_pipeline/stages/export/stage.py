@@ -36,7 +36,7 @@ from peagle_pipeline.runtime import (
 )
 from peagle_pipeline.stages.draft_spec import DraftSpec, export_method
 from peagle_pipeline.stages.export.card import CARD_FILE, is_generated, write_card
-from peagle_pipeline.stages.export.marker import MARKER_FILE, run_identity, same_run
+from peagle_pipeline.stages.export.marker import MARKER_FILE, same_run
 from peagle_pipeline.stages.export.speculators_format import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -44,6 +44,7 @@ from peagle_pipeline.stages.export.speculators_format import (
     export_weights,
     serving_depths,
 )
+from peagle_pipeline.stages.run_records import run_identity
 
 log = logging.getLogger(__name__)
 

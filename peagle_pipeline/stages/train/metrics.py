@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from peagle_pipeline.stages.run_layout import METRICS_FILE, PLOTS_DIR, TB_DIR
+from peagle_pipeline.stages.run_records import read_metrics
 from peagle_pipeline.stages.train.trackers import Tracker, scalars
 
 __all__ = [
@@ -289,20 +290,6 @@ class RunSink:
 def _hms(seconds: float) -> str:
     s = int(seconds)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
-
-
-def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All complete records of a run's metrics.jsonl (a torn last line, from a kill, is ignored)."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def plot(run_dir: str | os.PathLike[str]) -> list[Path]:

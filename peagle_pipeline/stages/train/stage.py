@@ -17,9 +17,9 @@ from peagle_pipeline.errors import BadInput, OutOfSpace, RankLost, ResumeMismatc
 from peagle_pipeline.hardware import describe_compute_dtype, usable_cpus
 from peagle_pipeline.preemption import StopRequest, stop_error
 from peagle_pipeline.runtime import RankLock, configure_logging
-from peagle_pipeline.stages.export.marker import run_identity
 from peagle_pipeline.stages.export.stage import check_export_target, export_run
 from peagle_pipeline.stages.run_layout import RUN_JSON
+from peagle_pipeline.stages.run_records import run_identity
 from peagle_pipeline.stages.train import metrics as metrics_mod
 from peagle_pipeline.stages.train.distributed import Dist, lost_peer, rank_lost
 from peagle_pipeline.stages.train.draft import describe_mask_token, describe_vocab_coverage
