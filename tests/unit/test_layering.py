@@ -31,9 +31,13 @@ ALLOWED = {
     "process_exit": set(),  # how a command's process ends (the CLI's exit without a final garbage collection)
     "preemption": {"errors"},  # SIGTERM/SIGINT handling, shared by the stages and the cache writer's commit
     "config": {"errors", "core.settings"},  # the COD defaults and checks, defined once (torch-free)
-    # what a target model folder holds, read without loading the model (quantised weights made dense by
+    "model_dir": {
+        "errors",
+        "target_info",
+    },  # what a target model folder holds, read without loading the model
+    # the few tensors training needs, read from the folder's safetensors (quantised weights made dense by
     # core.quantized_weights)
-    "model_dir": {"errors", "cache.layout", "target_info", "core.quantized_weights"},
+    "target_weights": {"errors", "cache.layout", "model_dir", "core.quantized_weights"},
     # the cache contract's file names; the vLLM engine defaults (core.settings, torch-free, shared with config); the
     # target's logit scale (core.target_convention, read by training too)
     "backends": {
@@ -52,6 +56,7 @@ ALLOWED = {
         "cache",
         "backends",
         "model_dir",
+        "target_weights",
         "data",
         "core",
         "runtime",

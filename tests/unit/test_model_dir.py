@@ -153,7 +153,7 @@ def test_an_fp8_checkpoints_layer_is_read_dequantised(tiny_model, tmp_path, kind
     is read as the weights times their scales, within FP8's rounding (it was read as the raw FP8 values, up to 448).
     An FP8 tensor without a scale is refused in one line."""
     from peagle_pipeline.cache.layout import LAYER_PIECE_PREFIX
-    from peagle_pipeline.model_dir import load_target_pieces_from_model
+    from peagle_pipeline.target_weights import load_target_pieces_from_model
 
     model = shutil.copytree(tiny_model, tmp_path / "model")
     weights = load_file(str(model / "model.safetensors"))
@@ -197,7 +197,7 @@ def test_a_layer_with_other_norms_than_llamas_is_not_stored(tmp_path, model_type
     from tiny import build_tiny_causal_lm
 
     from peagle_pipeline.cache.layout import LAYER_PIECE_PREFIX
-    from peagle_pipeline.model_dir import load_target_pieces_from_model
+    from peagle_pipeline.target_weights import load_target_pieces_from_model
 
     model = build_tiny_causal_lm(tmp_path / model_type, model_type)
     pieces = load_target_pieces_from_model(model, init_layer=3)

@@ -44,10 +44,11 @@ def make_random_draft(
     from peagle_pipeline.core.eagle3 import Eagle3Draft
     from peagle_pipeline.core.model import PEagleDraft
     from peagle_pipeline.core.vocab import build_draft_vocab
-    from peagle_pipeline.model_dir import load_target_pieces_from_model, read_target_info
+    from peagle_pipeline.model_dir import read_target_info
     from peagle_pipeline.stages.draft_spec import DraftSpec
     from peagle_pipeline.stages.export.marker import target_identity
     from peagle_pipeline.stages.export.stage import write_export
+    from peagle_pipeline.target_weights import load_target_pieces_from_model
 
     info = read_target_info(target)
     config = info.config if rope_parameters is None else {**info.config, "rope_parameters": rope_parameters}

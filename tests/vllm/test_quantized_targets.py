@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from peagle_pipeline.cache.layout import LAYER_PIECE_PREFIX
-from peagle_pipeline.model_dir import load_target_pieces_from_model
+from peagle_pipeline.target_weights import load_target_pieces_from_model
 
 LAYER = 3  # the tiny Qwen3's last layer
 GROUP = 16

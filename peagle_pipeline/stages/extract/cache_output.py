@@ -92,12 +92,12 @@ def target_source(
     Raises:
         BadInput: missing model directory or config.json.
     """
-    from peagle_pipeline import model_dir
+    from peagle_pipeline import model_dir, target_weights
 
     return TargetSource(
         source=str(Path(model)),
         files=tuple(model_dir.target_files(model)),
-        load_pieces=lambda: model_dir.load_target_pieces_from_model(model, init_layer),
+        load_pieces=lambda: target_weights.load_target_pieces_from_model(model, init_layer),
         init_layer=init_layer,
         tokenizer_facts=tokenizer_facts,
     )

@@ -61,14 +61,14 @@ def test_a_draft_started_from_a_fused_layer_is_that_layer(rope: str):
 
 
 def test_a_fused_checkpoint_layer_is_read_split(tmp_path):
-    """What `extract` stores for the start (model_dir.load_target_pieces_from_model: the fused tensors as they are)
+    """What `extract` stores for the start (target_weights.load_target_pieces_from_model: the fused tensors as they are)
     reads back through the draft's convention as Llama's projections, whose rows put together are the fused ones."""
     from safetensors.torch import load_file
     from transformers import Phi3Config, Phi3ForCausalLM
 
     from peagle_pipeline.cache.layout import LAYER_PIECE_PREFIX
     from peagle_pipeline.core.target_convention import layer_in_draft_convention
-    from peagle_pipeline.model_dir import load_target_pieces_from_model
+    from peagle_pipeline.target_weights import load_target_pieces_from_model
 
     config = Phi3Config(
         vocab_size=128,
