@@ -8,7 +8,7 @@ Runs a test watches while they run, or kills with kill -9 when the run has no pr
 client takes its run with it, and `end_of_killed_runs` waits until it has gone. Runs a test signals by process group
 (DataLoader workers must get the signal too), stops with SIGSTOP or limits between fork and exec start a fresh
 interpreter (`PEAGLE` itself), as does every run on a machine with an NVIDIA GPU. PEAGLE_TEST_FORK_SERVER=0 starts
-every run fresh. `run_to_end` and `run_peagle` run a command to its end as a process the same way.
+every run fresh.
 """
 
 from __future__ import annotations
@@ -111,14 +111,6 @@ def fast_cli(argv: list[str], env: dict[str, str]) -> list[str]:
     return [sys.executable, str(ZYGOTE), "run", socket_path, *argv[len(PEAGLE) :]]
 
 
-def run_to_end(
-    argv: list[str], env: dict[str, str], timeout: float | None = 300
-) -> subprocess.CompletedProcess[str]:
-    """`argv` (PEAGLE + args) run to completion under `env` through the fork server (`fast_cli`), output captured
-    as text."""
-    return subprocess.run(fast_cli(argv, env), env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def start_cli(argv: list[str], env: dict[str, str], **popen: Any) -> subprocess.Popen[str]:
     """Start `argv` (PEAGLE + args) under `env` through the fork server (`fast_cli`) without waiting, for a run the
     test watches, or kills with kill -9 (`popen`: subprocess.Popen's other arguments). Killing the returned client,
@@ -198,22 +190,6 @@ def flags(**options: object) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv
-
-
-def run_peagle(
-    *args: str, env: dict[str, str] | None = None, check: bool = True, timeout: float = 300
-) -> subprocess.CompletedProcess[str]:
-    """Run `peagle-pipeline ARGS` to completion (OMP_NUM_THREADS=1 unless env sets it, PEAGLE_DEBUG unset);
-    check: raise AssertionError with the stderr tail on a non-zero exit."""
-    full_env = dict(os.environ if env is None else env)
-    full_env.setdefault("OMP_NUM_THREADS", "1")
-    full_env.pop("PEAGLE_DEBUG", None)
-    proc = run_to_end([*PEAGLE, *args], full_env, timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"peagle-pipeline {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
-        )
-    return proc
 
 
 def small_train_flags(**overrides: object) -> list[str]:

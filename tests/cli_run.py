@@ -109,8 +109,7 @@ def run_cli(
 
 def peagle(*args: str, env: dict[str, str] | None = None, check: bool = True) -> Result:
     """`peagle-pipeline ARGS` in this process (`run_cli`) on one thread (OMP_NUM_THREADS=1 unless env sets it),
-    PEAGLE_DEBUG unset; check: raise AssertionError with the stderr tail on a non-zero exit. The in-process
-    counterpart of cli_argv.run_peagle."""
+    PEAGLE_DEBUG unset; check: raise AssertionError with the stderr tail on a non-zero exit."""
     run_env = dict(os.environ if env is None else env)
     run_env.setdefault("OMP_NUM_THREADS", "1")
     run_env.pop("PEAGLE_DEBUG", None)

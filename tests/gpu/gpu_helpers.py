@@ -14,10 +14,10 @@ def conversations(path: Path, n: int = 24) -> Path:
 
 
 def extract_tiny(model: Path, data: Path, out: Path, *flags: str) -> Path:
-    """`peagle-pipeline extract` of the tiny model (real CLI, subprocess) into `out`."""
-    from cli_argv import run_peagle
+    """`peagle-pipeline extract` of the tiny model (the real CLI, in process) into `out`."""
+    from cli_run import peagle
 
-    run_peagle(
+    peagle(
         "extract", "--model", str(model), "--data", str(data), "--output", str(out), "--topk", "16", *flags
     )
     return out

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cli_argv import run_peagle
+from cli_run import peagle
 
 from peagle_pipeline.cache import estimate as sizes
 from peagle_pipeline.cli import main
@@ -85,17 +85,17 @@ def test_a_file_system_too_small_is_refused_before_the_model_loads(
     model = _weightless(tiny_model, tmp_path / "model")
     with _small_tmpfs(tmp_path / "mnt", "512k") as mnt:
         out = mnt / "cache"
-        proc = run_peagle("extract", "--model", str(model), "--data", str(conversations), "--output", str(out),
+        proc = peagle("extract", "--model", str(model), "--data", str(conversations), "--output", str(out),
                           *FLAGS, check=False)  # fmt: skip
         lines = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-        assert proc.returncode == 9 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.code == 9 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
         assert "estimated cache size" in lines[0] and f"free in {mnt}" in lines[0], lines[0]
         assert "--no-space-check" in lines[0]
         assert list(mnt.iterdir()) == []  # nothing written
         # the override: the run goes on, to the model load (which fails here: the weights are missing)
-        proc = run_peagle("extract", "--model", str(model), "--data", str(conversations), "--output", str(out),
+        proc = peagle("extract", "--model", str(model), "--data", str(conversations), "--output", str(out),
                           *FLAGS, "--no-space-check", check=False)  # fmt: skip
-        assert proc.returncode not in (0, 9) and "not enough free space" not in proc.stderr, proc.stderr
+        assert proc.code not in (0, 9) and "not enough free space" not in proc.stderr, proc.stderr
         assert "safetensors" in proc.stderr or "weights" in proc.stderr, proc.stderr
 
 
@@ -128,10 +128,10 @@ def test_a_finished_cache_on_a_full_disk_is_not_refused(
     with _small_tmpfs(tmp_path / "mnt", "3m") as mnt:
         argv = ["extract", "--model", str(tiny_model), "--data", str(conversations), "--output", str(mnt / "cache"),
                 "--dtype", "nf4", *FLAGS[2:]]  # fmt: skip
-        first = run_peagle(*argv, check=False)
-        assert first.returncode == 0 and "estimated cache size" in first.stderr, first.stderr[-2000:]
+        first = peagle(*argv, check=False)
+        assert first.code == 0 and "estimated cache size" in first.stderr, first.stderr[-2000:]
         filler = mnt / "filler"
         filler.write_bytes(b"\0" * max(0, shutil.disk_usage(mnt).free - 50_000))
-        again = run_peagle(*argv, check=False)
-        assert again.returncode == 0 and "already complete" in again.stdout, again.stderr[-2000:]
+        again = peagle(*argv, check=False)
+        assert again.code == 0 and "already complete" in again.stdout, again.stderr[-2000:]
         assert "not enough free space" not in again.stderr

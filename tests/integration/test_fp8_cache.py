@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from cli_argv import end_of_killed_runs, extract_argv, run_to_end, start_cli
+from cli_argv import PEAGLE, end_of_killed_runs, extract_argv, start_cli
 from cli_run import peagle
 
 from peagle_pipeline.cache import layout
@@ -153,8 +153,10 @@ def test_kill9_after_a_commit_then_resume_writes_the_same_shard_files(
             proc.stderr.close()
     man = _manifest(out)
     assert man is not None and not man["complete"], "the kill came too late to interrupt anything"
-    final = run_to_end(cmd, dict(env, PEAGLE_TEST_COMMIT_SLEEP="0"))
-    assert final.returncode == 0, final.stderr[-2000:]
+    final = peagle(
+        *cmd[len(PEAGLE) :], env=dict(env, PEAGLE_TEST_COMMIT_SLEEP="0"), check=False
+    )  # in process
+    assert final.code == 0, final.stderr[-2000:]
     assert "estimated cache size" in final.stderr and "already written" in final.stderr, final.stderr[-2000:]
     assert verify_cache(open_cache(out)) == []
     a, b = _store_files(ref), _store_files(out)
