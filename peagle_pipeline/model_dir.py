@@ -49,6 +49,11 @@ TOKENIZER_FILES = (
 
 
 def model_folder(model_path: str | os.PathLike[str]) -> Path:
+    """`model_path` as a target model folder: a directory with a config.json.
+
+    Raises:
+        BadInput: the directory or its config.json is missing.
+    """
     p = Path(model_path)
     if not p.is_dir():
         raise BadInput(f"target model directory not found: {p}")
