@@ -8,6 +8,7 @@ Every import counts, wherever it stands (module level, inside a function, under 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,10 +21,8 @@ ROOT = "peagle_pipeline"
 ALLOWED = {
     "errors": set(),
     "runtime": {"errors"},
-    "hardware": {"errors"},
-    "target_info": {
-        "errors"
-    },  # TargetInfo, the default aux-layer rule, the layer and top-k checks  # the CPUs a process may use, bf16 units, the compute dtype chosen from them
+    "hardware": {"errors"},  # the CPUs a process may use, bf16 units, the compute dtype chosen from them
+    "target_info": {"errors"},  # TargetInfo, the default aux-layer rule, the layer and top-k checks
     "core": {"errors"},
     # the on-policy data format (data/onpolicy_files.py) is written as well as read: atomic files and rank locks
     # from runtime, the settings comparison on resume from core.settings
@@ -31,10 +30,8 @@ ALLOWED = {
     "process_exit": set(),  # how a command's process ends (the CLI's exit without a final garbage collection)
     "preemption": {"errors"},  # SIGTERM/SIGINT handling, shared by the stages and the cache writer's commit
     "config": {"errors", "core.settings"},  # the COD defaults and checks, defined once (torch-free)
-    "model_dir": {
-        "errors",
-        "target_info",
-    },  # what a target model folder holds, read without loading the model
+    # what a target model folder holds, read without loading the model
+    "model_dir": {"errors", "target_info"},
     # the few tensors training needs, read from the folder's safetensors (quantised weights made dense by
     # core.quantized_weights)
     "target_weights": {"errors", "cache.layout", "model_dir", "core.quantized_weights"},
@@ -195,6 +192,39 @@ def test_commands_use_each_other_one_way():
     both = sorted(f"{a} <-> {b}" for a, b in uses if (b, a) in uses and a < b)
     assert not both, "\n".join(both)
     assert ("train", "export") in uses  # the check sees the one use that is meant to be there
+
+
+ARCHITECTURE = PKG.parent / "docs" / "reference" / "architecture.md"
+
+
+def _documented_rooms() -> dict[str, set[str] | None]:
+    """Room -> what docs/reference/architecture.md's table says it may import (None: "everything below")."""
+    rooms: dict[str, set[str] | None] = {}
+    for line in ARCHITECTURE.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if not (line.startswith("| `") and len(cells) >= 3):
+            continue
+        room = cells[0].strip("`").removesuffix("/").removesuffix(".py")
+        may = re.sub(r"\([^)]*\)", "", cells[-1])  # the notes in brackets go
+        rooms[room] = (
+            None
+            if may.strip() == "everything below"
+            else {w.strip() for w in may.split(",") if w.strip() and w.strip() != "nothing"}
+        )
+    return rooms
+
+
+def test_the_architecture_page_lists_each_room_with_its_imports():
+    """docs/reference/architecture.md's room table says what this test enforces: every room, and for each what it
+    may import (the package's own `__init__` aside)."""
+    rooms = _documented_rooms()
+    assert set(rooms) == set(ALLOWED) - {"__init__"}, set(rooms) ^ (set(ALLOWED) - {"__init__"})
+    wrong = {
+        room: (sorted(may), sorted(ALLOWED[room] - {"__init__"}))
+        for room, may in rooms.items()
+        if may is not None and may != ALLOWED[room] - {"__init__"}
+    }
+    assert not wrong, wrong
 
 
 def test_the_checks_see_every_import_form(tmp_path):
