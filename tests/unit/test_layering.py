@@ -227,6 +227,14 @@ def test_the_architecture_page_lists_each_room_with_its_imports():
     assert not wrong, wrong
 
 
+def test_the_architecture_page_names_every_stage_module():
+    """The stages/ row of docs/reference/architecture.md names each module under stages/ (`name` in backticks)."""
+    row = next(line for line in ARCHITECTURE.read_text().splitlines() if line.startswith("| `stages/` |"))
+    named = set(re.findall(r"`([a-z_]+)(?:\.py)?`", row))
+    modules = {p.stem for p in (PKG / "stages").rglob("*.py") if p.stem != "__init__"}
+    assert not modules - named, sorted(modules - named)
+
+
 def test_the_checks_see_every_import_form(tmp_path):
     """The resolver itself: `from peagle_pipeline import x` and relative imports name the module imported."""
     probe = tmp_path / "probe.py"
