@@ -86,7 +86,7 @@ def test_a_file_system_too_small_is_refused_before_the_model_loads(
     with _small_tmpfs(tmp_path / "mnt", "512k") as mnt:
         out = mnt / "cache"
         proc = peagle("extract", "--model", str(model), "--data", str(conversations), "--output", str(out),
-                          *FLAGS, check=False)  # fmt: skip
+                      *FLAGS, check=False)  # fmt: skip
         lines = [line for line in proc.stderr.splitlines() if line.startswith("error")]
         assert proc.code == 9 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
         assert "estimated cache size" in lines[0] and f"free in {mnt}" in lines[0], lines[0]
@@ -94,7 +94,7 @@ def test_a_file_system_too_small_is_refused_before_the_model_loads(
         assert list(mnt.iterdir()) == []  # nothing written
         # the override: the run goes on, to the model load (which fails here: the weights are missing)
         proc = peagle("extract", "--model", str(model), "--data", str(conversations), "--output", str(out),
-                          *FLAGS, "--no-space-check", check=False)  # fmt: skip
+                      *FLAGS, "--no-space-check", check=False)  # fmt: skip
         assert proc.code not in (0, 9) and "not enough free space" not in proc.stderr, proc.stderr
         assert "safetensors" in proc.stderr or "weights" in proc.stderr, proc.stderr
 
